@@ -1,0 +1,90 @@
+"""Finding the compiled extension ``parallel_layers._C``.
+
+Order: the pre-built module (``pip install --no-build-isolation -e .`` builds it); otherwise a
+just-in-time build from ``csrc/`` with ``torch.utils.cpp_extension.load`` into a cache directory
+(like DeepSpeed's op builder: the first use pays the build, later processes reuse it); otherwise
+``None`` with the reason, and the ops fall back to their torch reference. Nothing here raises:
+importing ``parallel_layers`` must never fail because a kernel could not be built.
+
+Set ``PARALLEL_LAYERS_NO_JIT=1`` to skip the JIT build (then only a pre-built module is used).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import threading
+from typing import Optional, Tuple
+
+_lock = threading.Lock()
+_result: Optional[Tuple[object, Optional[str]]] = None
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(REPO_ROOT, "csrc")
+
+
+def cpu_sources(root: str = CSRC):
+    """C++ sources of the CPU extension (shared by setup.py and the JIT build)."""
+    return [os.path.join(root, "bindings.cpp")] + sorted(glob.glob(os.path.join(root, "cpu", "*.cpp")))
+
+
+def cuda_sources(root: str = CSRC):
+    """Plain-CUDA kernels (.cu) and their torch-facing bindings (.cpp)."""
+    return sorted(glob.glob(os.path.join(root, "cuda", "*.cu")) + glob.glob(os.path.join(root, "cuda", "*.cpp")))
+
+
+CXX_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno"]
+NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+
+
+def _jit_build():
+    import torch
+    from torch.utils import cpp_extension
+
+    sources = cpu_sources()
+    if not os.path.exists(sources[0]):
+        return None, f"no pre-built parallel_layers._C and no C++ sources at {CSRC} to build it from"
+    with_cuda = torch.cuda.is_available() and torch.version.cuda is not None and cpp_extension.CUDA_HOME
+    flags = list(CXX_FLAGS)
+    if with_cuda:
+        sources += cuda_sources()
+        flags.append("-DWITH_CUDA")
+    digest = hashlib.sha1()
+    for path in sources:
+        with open(path, "rb") as fh:
+            digest.update(fh.read())
+    digest.update(torch.__version__.encode())
+    cache = os.environ.get("PARALLEL_LAYERS_CACHE",
+                           os.path.join(os.path.expanduser("~"), ".cache", "parallel_layers"))
+    build_dir = os.path.join(cache, digest.hexdigest()[:16])
+    os.makedirs(build_dir, exist_ok=True)
+    module = cpp_extension.load(
+        name="parallel_layers_C", sources=sources, build_directory=build_dir,
+        extra_cflags=flags, extra_cuda_cflags=NVCC_FLAGS + (["-DWITH_CUDA"] if with_cuda else []),
+        with_cuda=bool(with_cuda), verbose=False)
+    return module, None
+
+
+def load():
+    """Return ``(module, None)`` or ``(None, reason)``. Cached for the life of the process."""
+    global _result
+    if _result is not None:
+        return _result
+    with _lock:
+        if _result is not None:
+            return _result
+        try:
+            from . import _C  # type: ignore[attr-defined]
+            _result = (_C, None)
+            return _result
+        except ImportError as exc:
+            prebuilt_error = f"no pre-built parallel_layers._C ({exc})"
+        if os.environ.get("PARALLEL_LAYERS_NO_JIT", "0") not in ("", "0"):
+            _result = (None, prebuilt_error + " and PARALLEL_LAYERS_NO_JIT is set")
+            return _result
+        try:
+            _result = _jit_build()
+        except Exception as exc:  # compiler missing, build error, ...
+            _result = (None, f"{prebuilt_error}; the just-in-time build failed: "
+                             f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+        return _result

@@ -1,0 +1,126 @@
+"""Backend choice for every fused op, in one place.
+
+Four backends implement the same *kernel contract* (see each op module's docstring):
+
+- ``torch``:  the reference implementation, written with plain torch ops. It is the oracle in tests
+  and the fallback when nothing faster is available.
+- ``cpp``:    the C++ CPU kernels in ``parallel_layers._C`` (vectorised loops on ATen's thread pool).
+- ``triton``: the Triton kernels in ``triton_kernels`` (CUDA tensors; CPU tensors only under
+  ``TRITON_INTERPRET=1``, which is how CI tests them).
+- ``cuda``:   the plain-CUDA kernels in ``parallel_layers._C`` (built only with a CUDA build of torch).
+
+Automatic choice: CUDA tensors -> triton, else cuda, else torch; CPU tensors -> cpp, else torch.
+When the automatic choice has to fall back to ``torch`` it warns once, saying why.
+Forcing: ``backend=`` on any op, or the environment variable ``PARALLEL_LAYERS_BACKEND``
+(``auto``, ``torch``, ``cpp``, ``triton``, ``cuda``). A forced backend that cannot run raises
+``RuntimeError`` with the reason instead of silently running something else.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+BACKENDS = ("torch", "cpp", "triton", "cuda")
+ENV_VAR = "PARALLEL_LAYERS_BACKEND"
+
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_module():
+    """Import ``triton_kernels`` once. Returns (module, None) or (None, reason)."""
+    try:
+        import triton_kernels  # noqa: F401  (defines the @triton.jit kernels)
+        return triton_kernels, None
+    except Exception as exc:  # ImportError, or triton failing to initialise
+        return None, f"triton_kernels could not be imported: {type(exc).__name__}: {exc}"
+
+
+def _availability(backend: str, device: torch.device):
+    """(implementation module, None) if ``backend`` can run on ``device``, else (None, reason)."""
+    from .. import _extension
+
+    if backend == "torch":
+        return "torch", None
+    if backend == "cpp":
+        if device.type != "cpu":
+            return None, f"the cpp backend runs on CPU tensors only, got {device}"
+        ext, why = _extension.load()
+        if ext is None:
+            return None, why
+        return ext, None
+    if backend == "cuda":
+        if device.type != "cuda":
+            return None, f"the cuda backend runs on CUDA tensors only, got {device}"
+        ext, why = _extension.load()
+        if ext is None:
+            return None, why
+        if not getattr(ext, "WITH_CUDA", False):
+            return None, "parallel_layers._C was built without CUDA kernels (CPU-only torch or no nvcc)"
+        return ext, None
+    if backend == "triton":
+        if device.type == "cpu" and not triton_interpreting():
+            return None, ("Triton kernels run on CPU tensors only with TRITON_INTERPRET=1 set before "
+                          "triton_kernels is imported")
+        if device.type not in ("cpu", "cuda"):
+            return None, f"the triton backend does not support device {device}"
+        return _triton_module()
+    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'")
+
+
+def resolve(op: str, device: torch.device, backend: Optional[str] = None) -> str:
+    """Return the backend name that will run ``op`` on ``device``."""
+    requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+    requested = requested.strip().lower() or "auto"
+    if requested != "auto":
+        if requested not in BACKENDS:
+            raise ValueError(f"{op}: unknown backend {requested!r} (from "
+                             f"{'argument backend=' if backend is not None else ENV_VAR}); "
+                             f"choose one of {BACKENDS} or 'auto'")
+        impl, why = _availability(requested, device)
+        if impl is None:
+            raise RuntimeError(f"{op}: backend {requested!r} was forced but cannot run: {why}")
+        return requested
+    order = ("triton", "cuda") if device.type == "cuda" else ("cpp",)
+    reasons = []
+    for name in order:
+        impl, why = _availability(name, device)
+        if impl is not None:
+            return name
+        reasons.append(f"{name}: {why}")
+    _warn_once(f"fallback:{device.type}",
+               f"parallel_layers: no fused kernel backend for {device.type} tensors, using the torch "
+               f"reference implementation (slower). Reasons: {'; '.join(reasons)}")
+    return "torch"
+
+
+def kernel(op: str, device: torch.device, backend: Optional[str], reference: Callable) -> Callable:
+    """The function implementing ``op``'s kernel contract on the chosen backend."""
+    name = resolve(op, device, backend)
+    if name == "torch":
+        return reference
+    impl, _ = _availability(name, device)
+    if name == "cpp":
+        return getattr(impl, f"cpu_{op}")
+    if name == "cuda":
+        fn = getattr(impl, f"cuda_{op}")
+
+        def run_on_current_stream(*args):
+            # The .cu launchers take a raw cudaStream_t; torch's current stream is passed as an int.
+            return fn(*args, torch.cuda.current_stream(device).cuda_stream)
+        return run_on_current_stream
+    return getattr(impl, op)
