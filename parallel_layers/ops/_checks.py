@@ -9,12 +9,16 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _short(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def tensor(op: str, name: str, t, *, dtypes=None, device=None, numel=None, flat=False, contiguous=True):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{op}: {name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {allowed}")
+        allowed = ", ".join(_short(d) for d in dtypes)
+        raise TypeError(f"{op}: {name} has dtype {_short(t.dtype)}; expected one of {allowed}")
     if device is not None and t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but the other tensors are on {device}; "
                          f"move it with .to({str(device)!r})")
@@ -42,8 +46,8 @@ def tensor_list(op: str, name: str, ts, *, dtypes=None, device=None) -> list:
     for i, t in enumerate(ts):
         tensor(op, f"{name}[{i}]", t, dtypes=dtypes, device=dev)
         if t.dtype != first.dtype:
-            raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype} but {name}[0] has {first.dtype}; "
-                            f"call the op once per dtype")
+            raise TypeError(f"{op}: {name}[{i}] has dtype {_short(t.dtype)} but {name}[0] has "
+                            f"{_short(first.dtype)}; call the op once per dtype")
     return ts
 
 

@@ -1,0 +1,30 @@
+// The torch-facing CPU kernels. Signatures follow the kernel contracts in parallel_layers/ops/*.py
+// exactly (positional arguments, in that order).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+namespace pl_cpu {
+
+// optimizer_step.cpp
+void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                std::optional<at::Tensor> param_copy, at::Tensor step, at::Tensor grad_scale, at::Tensor found_inf,
+                double lr, double beta1, double beta2, double eps, double weight_decay,
+                bool decoupled_weight_decay, bool maximize);
+void sgd_step(at::Tensor param, at::Tensor grad, std::optional<at::Tensor> momentum_buffer,
+              std::optional<at::Tensor> param_copy, at::Tensor step, at::Tensor grad_scale, at::Tensor found_inf,
+              double lr, double momentum, double dampening, double weight_decay, bool nesterov, bool maximize);
+
+// multi_tensor.cpp
+void unscale_and_norm(std::vector<at::Tensor> tensors, at::Tensor inv_scale, at::Tensor found_inf,
+                      at::Tensor norm_out, bool unscale);
+void multi_tensor_cast(std::vector<at::Tensor> srcs, std::vector<at::Tensor> dsts, at::Tensor scale,
+                       at::Tensor found_inf);
+void pack_bucket(std::vector<at::Tensor> srcs, at::Tensor bucket, std::vector<int64_t> offsets, at::Tensor scale);
+void unpack_bucket(at::Tensor bucket, std::vector<at::Tensor> dsts, std::vector<int64_t> offsets, at::Tensor scale,
+                   bool accumulate);
+
+}  // namespace pl_cpu

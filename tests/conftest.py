@@ -1,0 +1,43 @@
+"""Shared test set-up.
+
+TRITON_INTERPRET must be set before triton_kernels is imported (triton reads it when @triton.jit
+runs), so it is set here, at collection time, before any test module imports the package. On a GPU
+machine, set TRITON_INTERPRET=0 explicitly to test the compiled Triton kernels on CUDA tensors.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from parallel_layers.ops import _backend  # noqa: E402
+
+# (device, backend) pairs that are compared against the torch reference.
+KERNEL_TARGETS = [("cpu", "cpp"), ("cpu", "triton"), ("cuda", "triton"), ("cuda", "cuda")]
+
+
+def target_skip_reason(device: str, backend: str):
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device"
+    if device == "cpu" and backend == "triton" and not _backend.triton_interpreting():
+        return "TRITON_INTERPRET is not set: Triton cannot run on CPU tensors"
+    if device == "cuda" and backend == "triton" and _backend.triton_interpreting():
+        return "TRITON_INTERPRET=1 runs the interpreter, not the GPU kernels"
+    impl, why = _backend._availability(backend, torch.device(device))
+    return None if impl is not None else why
+
+
+@pytest.fixture(params=KERNEL_TARGETS, ids=[f"{d}-{b}" for d, b in KERNEL_TARGETS])
+def target(request):
+    """A (device, backend) pair to test against the torch reference; skipped when unavailable."""
+    device, backend = request.param
+    why = target_skip_reason(device, backend)
+    if why:
+        pytest.skip(f"{backend} on {device}: {why}")
+    return torch.device(device), backend
+
+
+def is_interpreted(target) -> bool:
+    """Triton under the interpreter is slow: tests use smaller sizes for it."""
+    return target[1] == "triton" and target[0].type == "cpu"

@@ -1,0 +1,21 @@
+"""Triton kernels behind ``parallel_layers.ops`` (backend ``"triton"``).
+
+Each public function implements the *kernel contract* written in the docstring of the matching
+``parallel_layers/ops/*.py`` module, with exactly its positional signature; the ops layer validates
+arguments, so these launchers trust them. No torch.nn, no torch.distributed, no parallel_layers imports.
+
+Modules:
+  multi_tensor.py  how to walk many tensors in one launch (pointer/chunk table, shared block helpers)
+  cast.py          multi-tensor scaled copy kernel: multi_tensor_cast (and pack/unpack's engine)
+  bucket.py        pack_bucket / unpack_bucket on top of the scaled copy
+  unscale_norm.py  unscale + inf/nan check + deterministic global L2 norm
+  optimizer.py     flat-buffer AdamW and SGD steps
+
+On CPU tensors these run only under ``TRITON_INTERPRET=1`` (set before this package is imported).
+"""
+from .bucket import pack_bucket, unpack_bucket
+from .cast import multi_tensor_cast
+from .optimizer import adamw_step, sgd_step
+from .unscale_norm import unscale_and_norm
+
+__all__ = ["adamw_step", "sgd_step", "unscale_and_norm", "multi_tensor_cast", "pack_bucket", "unpack_bucket"]
