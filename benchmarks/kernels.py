@@ -411,12 +411,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         backends = default_backends(device)
 
     copy_gbps = harness.copy_bandwidth(device, prof["copy_bytes"])
+    inplace_gbps = harness.copy_bandwidth(device, prof["copy_bytes"], inplace=True)
     common = dict(run_id=harness.now_iso(), date=harness.now_iso(), device=harness.device_name(device),
                   threads=torch.get_num_threads(), **harness.versions())
     print(f"device: {common['device']} ({device}) | threads: {common['threads']} | torch {common['torch']}"
           f" | triton {common['triton']} | mode: {mode}, {prof['reps']} reps after {prof['warmup']} warm-up")
     print(f"copy bandwidth: {copy_gbps:.1f} GB/s (dst.copy_(src) of {prof['copy_bytes'] >> 20} MB, "
-          f"bytes read + written per second)")
+          f"bytes read + written per second); in place (x.add_(1), same bytes): {inplace_gbps:.1f} GB/s")
 
     rows, failures = [], []
     jobs = [(c, b) for c in cases for b in backends]
@@ -431,7 +432,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     copy_end = harness.copy_bandwidth(device, prof["copy_bytes"])
     copy_gbps = max(copy_gbps, copy_end)
     print(f"copy bandwidth at the end: {copy_end:.1f} GB/s; fractions below use {copy_gbps:.1f} GB/s\n")
-    rows = [finish(dict(common, mode=mode, **r), copy_gbps, device) for r in rows]
+    rows = [finish(dict(common, mode=mode, inplace_gbps=inplace_gbps, **r), copy_gbps, device) for r in rows]
     print_table(rows, mode)
     if not args.no_csv:
         harness.append_csv(args.csv, rows)

@@ -4,6 +4,7 @@ Parity is fp32 rounding only (the kernels fuse torch's arithmetic in another ord
 bf16 parameters are compared with a torch AdamW on fp32 master weights fed the same bf16 gradients.
 """
 import copy
+import io
 import warnings
 
 import pytest
@@ -119,6 +120,7 @@ def test_params_and_grads_are_flat_views():
     m(torch.randn(2, 6)).sum().backward()
     opt.step()
     assert all(p.grad is v for p, v in zip(m.parameters(), fb.grad_views))  # packed and re-pointed
+    assert fb._runs == [(0, len(fb.params))]   # the common case: one kernel call for the whole buffer
     opt.zero_grad(set_to_none=False)
     assert all(p.grad is v for p, v in zip(m.parameters(), fb.grad_views)) and not fb.grad.any()
     m(torch.randn(2, 6)).sum().backward()          # autograd accumulates into the flat buffer
@@ -165,7 +167,10 @@ def test_state_dict_round_trip_is_bit_identical(backend, make_opt, dtype):
     o1 = make_opt(m1.parameters(), backend)
     _train(m1, o1, xs[:3], drops)
     saved_model = copy.deepcopy(m1.state_dict())
-    saved = copy.deepcopy(o1.state_dict())
+    buf = io.BytesIO()
+    torch.save(o1.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
     m2 = make_model(seed=1, dtype=dtype)
     m2.load_state_dict(saved_model)
     o2 = make_opt(m2.parameters(), backend)
@@ -254,30 +259,71 @@ def test_grad_scale_and_grad_scaler(backend, kind):
     assert not hasattr(o2, "found_inf") and not hasattr(o2, "grad_scale")
 
 
-def test_bf16_params_against_fp32_master_reference(backend):
-    """bf16 params: fp32 master weights, fp32 states; params are the master rounded to bf16.
+@pytest.mark.parametrize("dtype,ulp", [(torch.bfloat16, 2 ** -8), (torch.float16, 2 ** -11)])
+def test_low_precision_params_against_fp32_master_reference(backend, dtype, ulp):
+    """bf16/fp16 params: fp32 master weights, fp32 states; params are the master rounded to the dtype.
 
-    Tolerance: the fp32 masters match the torch reference to fp32 rounding; the bf16 params are the
-    masters rounded to nearest, so they may differ from the reference by one bf16 ulp (2^-8 relative).
+    Tolerance: the fp32 masters match the torch reference to fp32 rounding; the low-precision params are
+    the masters rounded to nearest, so they may differ from the reference by one ulp (2^-8 relative for
+    bf16, 2^-11 for fp16).
     """
-    m = make_model(dtype=torch.bfloat16)
+    m = make_model(dtype=dtype)
     master = [p.detach().float().clone().requires_grad_(True) for p in m.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1, foreach=False)
     opt = FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, backend=backend)
     for step in range(5):
         opt.zero_grad()
-        m(torch.randn(4, 6, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        m(torch.randn(4, 6, dtype=dtype)).float().pow(2).mean().backward()
         for p, q in zip(m.parameters(), master):
-            assert p.grad.dtype == torch.bfloat16
+            assert p.grad.dtype == dtype
             q.grad = p.grad.float()
         opt.step()
         ref.step()
         for p, q, mp in zip(m.parameters(), master, opt.master_params()):
             torch.testing.assert_close(mp, q.detach(), rtol=RTOL, atol=ATOL)
-            torch.testing.assert_close(p.float(), q.detach(), rtol=2 ** -8, atol=1e-6)
-            assert p.dtype == torch.bfloat16
+            torch.testing.assert_close(p.float(), q.detach(), rtol=ulp, atol=1e-6)
+            assert p.dtype == dtype
     sd = opt.state_dict()["state"][0]
     assert sd["exp_avg"].dtype == torch.float32 and sd["master_param"].dtype == torch.float32
+
+
+def test_mixed_dtypes_in_one_group(backend):
+    """fp32 and bf16 params in one group become two flat buffers; the fp32 ones match torch exactly."""
+    m1, m2 = make_model(), make_model()
+    m2[2].to(torch.bfloat16)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    o2 = FusedSGD(m2.parameters(), lr=0.1, momentum=0.9, backend=backend)
+    assert [fb.dtype for fb in o2._flats[0]] == [torch.float32, torch.bfloat16]
+    x = torch.randn(4, 6)
+    for _ in range(3):
+        o1.zero_grad()
+        m1(x).pow(2).mean().backward()
+        for a, b in zip(m1.parameters(), m2.parameters()):   # the same gradients, in each param's dtype
+            b.grad = a.grad.to(b.dtype)
+        o1.step(), o2.step()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        if b.dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        else:
+            torch.testing.assert_close(a, b.float(), rtol=2e-2, atol=1e-2)
+
+
+def test_grad_scaler_unscale_and_clip(backend):
+    """scaler.unscale_ + clip_grad_norm_ (GradScaler then passes no grad_scale, only found_inf)."""
+    m1, m2 = make_model(), make_model()
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2, foreach=False)
+    o2 = FusedAdamW(m2.parameters(), lr=1e-2, backend=backend)
+    x = torch.randn(4, 6)
+    for m, o in ((m1, o1), (m2, o2)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        for _ in range(3):
+            o.zero_grad()
+            scaler.scale(m(x).pow(2).mean()).backward()
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            scaler.step(o)
+            scaler.update()
+    assert_params_close(m1, m2)
 
 
 def test_many_params_random_participation(backend):

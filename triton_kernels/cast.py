@@ -66,10 +66,9 @@ def scaled_copy(src_ptrs: Sequence[int], dst_ptrs: Sequence[int],
     """
     device = scale.device
     ptr_lists = (list(src_ptrs), list(dst_ptrs))
-    table, n_chunks, chunk_blocks = mt.build_table(ptr_lists, sizes, device)
+    table, n_chunks, chunk_blocks, aligned = mt.build_table(ptr_lists, sizes, device)
     if n_chunks == 0:
         return
-    aligned = mt.all_aligned(ptr_lists, sizes)
     check = found_inf is not None
     with mt.launch_guard(scale):
         _scaled_copy_kernel[(n_chunks,)](

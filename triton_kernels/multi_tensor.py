@@ -19,11 +19,12 @@ machinery ("how to walk"):
   (non-vectorised) accesses; so kernels branch on "is this block full" and only the tail is masked.
 
 Addresses read from memory have unknown alignment too; when every address is 16-byte aligned (the
-host checks, it is cheap) the kernel is told so with ``tl.multiple_of`` (``ALIGNED`` constexpr) and the
+host checks, it is cheap) the kernel is told so with ``tl.multiple_of`` on the pointer (``ALIGNED`` constexpr) and the
 accesses become 128-bit vectors. Views at odd offsets still work, just with narrower accesses.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections import OrderedDict
@@ -44,11 +45,12 @@ _TARGET_CHUNKS = 4096    # grow chunks only past this many programs (keeps the t
 
 # The interpreter converts float32 -> bfloat16 by truncation (triton 3.9's cast_impl), not round to
 # nearest even as the GPU's cvt.rn.bf16.f32 does. Under the interpreter we round with integer ops
-# instead, matching torch's vectorised CPU conversion (NaN -> 0xFFFF, ATen's cvtfp32_bf16); compiled kernels use the native cvt, which
-# is also what torch's CUDA conversion uses, so each matches torch on its own device.
+# instead, matching torch's vectorised CPU conversion (NaN -> 0xFFFF, as ATen's cvtfp32_bf16 does);
+# compiled kernels use the native cvt, which torch's CUDA conversion uses too, so each path matches
+# torch on its own device.
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
-_cache: "OrderedDict[tuple, Tuple[torch.Tensor, int, int]]" = OrderedDict()
+_cache: "OrderedDict[tuple, Tuple[torch.Tensor, int, int, bool]]" = OrderedDict()
 _CACHE_SIZE = 64
 
 
@@ -63,13 +65,15 @@ def launch_guard(t: torch.Tensor):
     """Triton launches on the current CUDA device; make it the tensors' device."""
     if t.device.type == "cuda":
         return torch.cuda.device(t.device)
-    import contextlib
     return contextlib.nullcontext()
 
 
 def build_table(ptr_lists: Sequence[Sequence[int]], sizes: Sequence[int],
-                device: torch.device) -> Tuple[torch.Tensor, int, int]:
-    """Return ``(table, n_chunks, iters)`` for tensors of ``sizes`` whose addresses are ``ptr_lists``.
+                device: torch.device) -> Tuple[torch.Tensor, int, int, bool]:
+    """Return ``(table, n_chunks, iters, aligned)`` for tensors of ``sizes`` at addresses ``ptr_lists``.
+
+    ``aligned``: every non-empty tensor starts on a 16-byte boundary (chunk starts are multiples of
+    BLOCK elements, so every full block is then 16-byte aligned and can use 128-bit accesses).
 
     The table is a pure function of (addresses, sizes, device), so it is cached: an optimizer calling
     the same op on the same tensors every step pays only for building the key.
@@ -103,21 +107,12 @@ def build_table(ptr_lists: Sequence[Sequence[int]], sizes: Sequence[int],
     else:
         table = table.to(device)
 
-    result = (table, n_chunks, iters)
+    aligned = all(p % 16 == 0 for lst in ptr_lists for p, n in zip(lst, sizes) if n)
+    result = (table, n_chunks, iters, aligned)
     _cache[key] = result
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return result
-
-
-def all_aligned(ptr_lists: Sequence[Sequence[int]], sizes: Sequence[int]) -> bool:
-    """True when every non-empty tensor's address is a multiple of 16 bytes (chunk starts are
-    multiples of BLOCK elements, so every block then starts 16-byte aligned)."""
-    for lst in ptr_lists:
-        for p, n in zip(lst, sizes):
-            if n and p % 16:
-                return False
-    return True
 
 
 def ptrs_of(tensors: Sequence[torch.Tensor]) -> List[int]:
@@ -142,10 +137,12 @@ def chunk_of_program(table_ptr, n_tensors, N_LISTS: tl.constexpr, CHUNK_BLOCKS, 
 @triton.jit
 def tensor_ptr(table_ptr, n_tensors, WHICH: tl.constexpr, tid, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     """Typed pointer to tensor ``tid`` of pointer list ``WHICH``."""
-    addr = tl.load(table_ptr + WHICH * n_tensors + tid)
+    ptr = tl.load(table_ptr + WHICH * n_tensors + tid).to(tl.pointer_type(DTYPE), bitcast=True)
     if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
-    return addr.to(tl.pointer_type(DTYPE), bitcast=True)
+        # The hint must sit on the pointer: on the int64 before the cast it is not propagated
+        # (checked in the PTX: scalar ld.global.b32 vs ld.global.v4.b32).
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit

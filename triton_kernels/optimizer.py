@@ -7,12 +7,15 @@ bit-identical (the step is "skipped" as GradScaler does, without the host ever s
 Bias corrections ``1 - beta**t`` are computed per program in float64 from the loaded step, as
 ``1 - exp(t * log(beta))``. Triton passes Python floats as float32, which would cost ~1e-5 relative in
 ``1 - beta2`` (0.999 is not a float32), so ``log(beta)`` and ``lr`` arrive as float32 (hi, lo) pairs
-and are rebuilt in float64. The per-element math is float32 in the reference's order of operations, with an explicit tl.fma
-exactly where torch's kernels fuse (``add_(x, alpha=a)`` and ``addcmul_`` are FMAs in ATen on CPU and
-CUDA; ``addcdiv_``, ``g + wd * p`` are not), launched with ``enable_fp_fusion=False`` so the compiler
-adds no other contractions; sqrt and division use the IEEE-rounded tl.sqrt_rn / tl.div_rn, not the
-GPU's approximate ones. Result: elementwise bit-identical to the torch reference except where the
-float64 bias-correction scalars round differently (rare, 1 ulp).
+and are rebuilt in float64.
+
+The per-element math is float32 in the reference's order of operations, with an explicit tl.fma
+exactly where torch's kernels fuse (``add_(x, alpha=a)`` and ``addcmul_`` are FMAs in ATen's CPU
+kernels, checked numerically; ``addcdiv_`` and ``g + wd * p`` are not), launched with
+``enable_fp_fusion=False`` so the compiler adds no other contractions; sqrt and division use the
+IEEE-rounded tl.sqrt_rn / tl.div_rn, not the GPU's approximate ones. Under the interpreter this is
+bit-identical to the CPU reference for SGD, and for AdamW except rare 1-ulp differences where the
+float64 bias-correction scalars round differently.
 
 Full blocks run unmasked (vectorised); only the last block of the buffer is masked.
 """

@@ -61,7 +61,7 @@ def unscale_and_norm(tensors, inv_scale, found_inf, norm_out, unscale) -> None:
     device = norm_out.device
     sizes = [t.numel() for t in tensors]
     ptrs = [mt.ptrs_of(tensors)]
-    table, n_chunks, chunk_blocks = mt.build_table(ptrs, sizes, device)
+    table, n_chunks, chunk_blocks, aligned = mt.build_table(ptrs, sizes, device)
     with mt.launch_guard(norm_out):
         if n_chunks == 0:
             norm_out.zero_()
@@ -70,5 +70,5 @@ def unscale_and_norm(tensors, inv_scale, found_inf, norm_out, unscale) -> None:
         _unscale_norm_kernel[(n_chunks,)](
             table, len(sizes), chunk_blocks, inv_scale, found_inf, partials,
             DTYPE=mt.TL_DTYPE[tensors[0].dtype], UNSCALE=bool(unscale),
-            ALIGNED=mt.all_aligned(ptrs, sizes), BLOCK=mt.BLOCK, num_warps=mt.NUM_WARPS)
+            ALIGNED=aligned, BLOCK=mt.BLOCK, num_warps=mt.NUM_WARPS)
         _norm_finalize_kernel[(1,)](partials, n_chunks, norm_out, BLOCK=_REDUCE_BLOCK, num_warps=4)

@@ -13,12 +13,12 @@ namespace pl_cpu {
 namespace {
 
 // ------------------------------------------------------------------------------------------------
-// unscale_and_norm. The norm is summed in fixed chunks of kNormChunk virtual elements, 16 float
-// lanes per chunk, lanes and chunks added in a fixed order (in double): the result depends on the
-// data only, never on the thread count or the ISA.
+// unscale_and_norm. The sum of squares is taken in fixed chunks of kNormChunk virtual elements; within
+// a segment `omp simd reduction` keeps one float partial per vector lane (a plain loop would not
+// vectorise: without -ffast-math GCC may not reorder a float sum). Segment sums are added in double,
+// in order, per chunk, and chunks in order on the host: the result depends on the data (and the ISA's
+// vector width), never on the thread count.
 // ------------------------------------------------------------------------------------------------
-constexpr int kLanes = 16;
-
 struct NormArgs {
   const int64_t* start;
   int64_t ntensors;
@@ -31,23 +31,18 @@ struct NormArgs {
 };
 
 template <class T, bool WRITE>
-PL_INLINE void norm_segment(typename T::T* __restrict x, int64_t n, float inv, float* __restrict acc,
-                            uint32_t* __restrict bad) {
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {  // fully unrolled; GCC packs the 16 lanes into vectors
-      const float y = T::load(x[j + l]) * inv;
-      acc[l] += y * y;
-      bad[l] |= f32_nonfinite(y);
-      if constexpr (WRITE) x[j + l] = T::store(y);
-    }
-  }
-  for (int l = 0; j < n; ++j, ++l) {
+PL_INLINE void norm_segment(typename T::T* __restrict x, int64_t n, float inv, double& sum, uint32_t& bad_out) {
+  float acc = 0.0f;
+  uint32_t bad = 0;
+#pragma omp simd reduction(+ : acc) reduction(| : bad)
+  for (int64_t j = 0; j < n; ++j) {
     const float y = T::load(x[j]) * inv;
-    acc[l] += y * y;
-    bad[l] |= f32_nonfinite(y);
+    acc += y * y;
+    bad |= f32_nonfinite(y);
     if constexpr (WRITE) x[j] = T::store(y);
   }
+  sum += acc;
+  bad_out |= bad;
 }
 
 template <class T>
@@ -56,23 +51,17 @@ struct NormKernel {
     for (int64_t c = chunk_begin; c < chunk_end; ++c) {
       const int64_t b = c * kNormChunk;
       const int64_t e = b + kNormChunk < a->total ? b + kNormChunk : a->total;
-      float acc[kLanes] = {};
-      uint32_t bad[kLanes] = {};
+      double sum = 0.0;
+      uint32_t bad = 0;
       for (int64_t i = first_tensor(a->start, a->ntensors, b); i < a->ntensors && a->start[i] < e; ++i) {
         int64_t lo, hi;
         segment(a->start, i, b, e, lo, hi);
         auto* x = static_cast<typename T::T*>(a->ptrs[i]) + lo;
-        if (a->unscale) norm_segment<T, true>(x, hi - lo, a->inv_scale, acc, bad);
-        else norm_segment<T, false>(x, hi - lo, a->inv_scale, acc, bad);
-      }
-      double sum = 0;
-      uint32_t any = 0;
-      for (int l = 0; l < kLanes; ++l) {
-        sum += acc[l];
-        any |= bad[l];
+        if (a->unscale) norm_segment<T, true>(x, hi - lo, a->inv_scale, sum, bad);
+        else norm_segment<T, false>(x, hi - lo, a->inv_scale, sum, bad);
       }
       a->partial[c] = sum;
-      a->bad[c] = any & F32::kBadMask;
+      a->bad[c] = bad & F32::kBadMask;
     }
   }
 };

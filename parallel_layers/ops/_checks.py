@@ -94,6 +94,8 @@ def offsets_for(op: str, sizes: Sequence[int], offsets: Optional[Iterable[int]],
         for n in sizes:
             out.append(pos)
             pos += n
+        if capacity is not None and pos > capacity:
+            raise ValueError(f"{op}: the tensors need {pos} elements of bucket but it has {capacity}")
         return out, pos
     offsets = [int(o) for o in offsets]
     if len(offsets) != len(sizes):

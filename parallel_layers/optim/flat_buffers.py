@@ -29,7 +29,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..ops import BACKENDS, pack_bucket
+from ..ops import BACKENDS, _backend, pack_bucket
+from ..ops.bucket import reference_pack_bucket
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _grad_of = operator.attrgetter("grad")
@@ -114,8 +115,14 @@ class FlatBuffer:
             if g.layout != torch.strided:
                 raise ValueError(f"parameter {i} of a {self.dtype} group has a {g.layout} gradient; the fused "
                                  f"optimizers need dense gradients (use torch.optim.SparseAdam for sparse ones)")
+            if g.dtype != self.dtype or g.device != self.device:
+                raise TypeError(f"parameter {i} ({self.dtype} on {self.device}) has a {g.dtype} gradient on "
+                                f"{g.device}; gradients must match their parameter")
             srcs.append(g if g.is_contiguous() else g.contiguous())
-        pack_bucket(srcs, self.grad, offsets=[self.offsets[i] for i in idx], backend=self.backend)
+        # The offsets are ours and every source was checked above, so the kernel of ops.pack_bucket is
+        # called directly: the op's per-tensor argument checks would cost more than the copy itself.
+        pack = _backend.kernel("pack_bucket", self.device, self.backend, reference_pack_bucket)
+        pack(srcs, self.grad, [self.offsets[i] for i in idx], torch.ones(1, device=self.device))
         views, params = self.grad_views, self.params
         for i in idx:
             params[i].grad = views[i]
@@ -175,8 +182,15 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     Subclasses define ``_check_group(group)`` (raise on bad hyper-parameters), ``_state_entry(fb, i)``
     (the torch-format state dict of one parameter, as views into ``fb``), ``_load_entry(fb, i, entry)``
-    (write a loaded entry into ``fb``) and ``_update(group, fb, i, j, scale, found_inf)`` (run the kernel
-    on parameters ``i .. j-1`` of ``fb``, whose step counters already hold the number of this update).
+    (write a loaded entry into ``fb``) and ``_update(group, fb, i, j, scale, found_inf, cache)`` (run the
+    kernel on parameters ``i .. j-1`` of ``fb``, whose step counters already hold the number of this
+    update; ``scale`` and ``found_inf`` are 1-element float32 tensors on ``fb``'s device).
+
+    ``self.state[p]`` entries are views into the flat state buffers, created when ``p`` first has a
+    gradient at a step (as torch creates them), so ``state_dict()`` is torch's format with no copying;
+    like torch's, it returns references to live state: copy or save it before stepping on. Pickling the
+    optimizer object itself is not supported (``torch.optim.Optimizer.__getstate__`` drops the buffers);
+    save ``state_dict()`` instead.
     """
 
     _name = "FlatOptimizer"
@@ -245,13 +259,28 @@ class FlatOptimizer(torch.optim.Optimizer):
         (the loss scale), so the kernel is given its reciprocal.
         """
         if device not in cache:
-            scale = 1.0 if grad_scale is None else torch.reciprocal(self._scalar("grad_scale", grad_scale, device))
+            if grad_scale is None:
+                scale = torch.ones(1, device=device)
+            else:
+                scale = torch.reciprocal(self._scalar("grad_scale", grad_scale, device))
             if found_inf is None:
-                cache[device] = (scale, None, 1)
+                cache[device] = (scale, torch.zeros(1, device=device), 1)
             else:
                 inf = self._scalar("found_inf", found_inf, device)
                 cache[device] = (scale, inf, (inf == 0).to(torch.float32))
         return cache[device]
+
+    def _kernel(self, op: str, device: torch.device, reference, cache: dict):
+        """The backend implementation of ``op``'s kernel contract (see ``parallel_layers.ops``).
+
+        The optimizer calls kernels directly instead of the public ops: its buffers are consistent by
+        construction and its hyper-parameters are checked once per group by ``_check_group``, so the
+        op's per-call checks would only add host time per run of parameters.
+        """
+        key = (op, device)
+        if key not in cache:
+            cache[key] = _backend.kernel(op, device, self._backend, reference)
+        return cache[key]
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
@@ -287,7 +316,7 @@ class FlatOptimizer(torch.optim.Optimizer):
                 scale, inf, inc = self._amp(fb.device, grad_scale, found_inf, cache)
                 for i, j in runs:
                     fb.steps[i:j].add_(inc)
-                    self._update(group, fb, i, j, scale, inf)
+                    self._update(group, fb, i, j, scale, inf, cache)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ops import adamw_step
+from ..ops.optimizer_step import reference_adamw_step
 from .flat_buffers import FlatBuffer, FlatOptimizer
 
 
@@ -82,11 +82,11 @@ class FusedAdamW(FlatOptimizer):
             if key in entry:
                 self._load_tensor(fb, i, fb.state(key), entry[key], key)
 
-    def _update(self, group: dict, fb: FlatBuffer, i: int, j: int, scale, found_inf) -> None:
+    def _update(self, group: dict, fb: FlatBuffer, i: int, j: int, scale, found_inf, cache: dict) -> None:
         s = fb.span(i, j)
         beta1, beta2 = group["betas"]
-        adamw_step(fb.master[s], fb.grad[s], fb.state("exp_avg")[s], fb.state("exp_avg_sq")[s],
-                   lr=group["lr"], step=fb.steps[i:i + 1], beta1=beta1, beta2=beta2, eps=group["eps"],
-                   weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"],
-                   maximize=group["maximize"], grad_scale=scale, found_inf=found_inf,
-                   param_copy=None if fb.low is None else fb.low[s], backend=self._backend)
+        kernel = self._kernel("adamw_step", fb.device, reference_adamw_step, cache)
+        kernel(fb.master[s], fb.grad[s], fb.state("exp_avg")[s], fb.state("exp_avg_sq")[s],
+               None if fb.low is None else fb.low[s], fb.steps[i:i + 1], scale, found_inf,
+               float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+               bool(group["decoupled_weight_decay"]), bool(group["maximize"]))

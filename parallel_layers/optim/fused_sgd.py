@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ops import sgd_step
+from ..ops.optimizer_step import reference_sgd_step
 from .flat_buffers import FlatBuffer, FlatOptimizer
 
 
@@ -84,11 +84,11 @@ class FusedSGD(FlatOptimizer):
         if buf is not None:
             self._load_tensor(fb, i, fb.state("momentum_buffer"), buf, "momentum_buffer")
 
-    def _update(self, group: dict, fb: FlatBuffer, i: int, j: int, scale, found_inf) -> None:
+    def _update(self, group: dict, fb: FlatBuffer, i: int, j: int, scale, found_inf, cache: dict) -> None:
         s = fb.span(i, j)
-        momentum = group["momentum"]
+        momentum = float(group["momentum"])
         buf = fb.states["momentum_buffer"][s] if momentum != 0 else None
-        sgd_step(fb.master[s], fb.grad[s], buf, lr=group["lr"], step=fb.steps[i:i + 1], momentum=momentum,
-                 dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                 maximize=group["maximize"], grad_scale=scale, found_inf=found_inf,
-                 param_copy=None if fb.low is None else fb.low[s], backend=self._backend)
+        kernel = self._kernel("sgd_step", fb.device, reference_sgd_step, cache)
+        kernel(fb.master[s], fb.grad[s], buf, None if fb.low is None else fb.low[s], fb.steps[i:i + 1], scale,
+               found_inf, float(group["lr"]), momentum, float(group["dampening"]), float(group["weight_decay"]),
+               bool(group["nesterov"]), bool(group["maximize"]))
