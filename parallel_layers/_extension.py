@@ -33,7 +33,13 @@ def cuda_sources(root: str = CSRC):
     return sorted(glob.glob(os.path.join(root, "cuda", "*.cu")) + glob.glob(os.path.join(root, "cuda", "*.cpp")))
 
 
-CXX_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+# -std=c++20: torch >= 2.10 headers need it (torch's own cpp_extension asks for it; a later -std=c++17 would win).
+# -ffp-contract=off: no silent a*b+c -> fma, so unpack's accumulate is bit-identical to the torch reference.
+# -fopenmp: at::parallel_for's OpenMP backend is an inline `#pragma omp parallel` in ATen's headers; without
+#   the flag it runs serially. Compile flag only: nothing links a second libgomp, the GOMP_* symbols resolve to
+#   the libgomp.so.1 that libtorch_cpu already loaded. Also enables `#pragma omp simd` reductions.
+# No -march: csrc/cpu compiles its hot loops per ISA itself and dispatches at run time.
+CXX_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
 # No --use_fast_math: it implies -ftz=true, which flushes subnormal fp32 values to zero and breaks the
 # bit-exact cast/pack/unpack/unscale contract; the kernels are memory-bound, so it bought nothing.
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
