@@ -108,4 +108,5 @@ void register_cpu_ops(pybind11::module_& m) {
         "bucket"_a, "dsts"_a, "offsets"_a, "scale"_a, "accumulate"_a);
   m.def("cpu_isa", []() { return std::string(pl_cpu::isa_name(pl_cpu::cpu_isa())); },
         "The instruction set the CPU kernels dispatch to (avx512, avx2 or default)");
+  void register_grad_views(pybind11::module_&); register_grad_views(m);  // csrc/cpu/grad_views.cpp
 }

@@ -11,7 +11,9 @@ optimizer step in Python and dispatch. Here each param group is split by (device
 - the optimizer states (fp32), and one fp32 step counter per parameter.
 
 A step is then one fused kernel call per buffer in the common case. The per-parameter host work left is
-two C-level passes over the parameter list (read ``p.grad``, compare with the expected view).
+one check that every ``p.grad`` is still its expected view: a loop in C++ over stored ``TensorImpl``
+pointers (``parallel_layers._C.GradViewChecker``) when the extension is available, else two C-level
+passes over the parameter list (read ``p.grad``, compare with the expected view).
 
 Per-parameter step counts. torch skips parameters whose ``.grad`` is None (no state change, no weight
 decay), so step counts (bias correction) can differ between parameters. Counts live on the device (a
@@ -29,12 +31,17 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import _extension
 from ..ops import BACKENDS, _backend, pack_bucket
 from ..ops.bucket import reference_pack_bucket
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _grad_of = operator.attrgetter("grad")
 _ALL = True  # participation pattern meaning "every parameter has a gradient"
+# Parameter types whose Python ``.grad`` getter is the plain one, so ``p.grad is v`` is exactly "the grad's
+# TensorImpl is v's" (what GradViewChecker compares). Other subclasses may override the getter.
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_mode_enabled = torch._C._is_torch_function_mode_enabled
 
 
 class FlatBuffer:
@@ -68,6 +75,11 @@ class FlatBuffer:
         self._ids: Optional[list] = None        # None: every parameter has the same step count
         self._last_has = None                   # participation pattern the cached runs belong to
         self._runs: List[Tuple[int, int]] = []
+        # C++ fast path of the "all grads are their views" check (see _all_views_fast), built on first use;
+        # False: unavailable. _checker_for: the (params, grad_views, len(params)) it was built for, so
+        # assigning new lists to params / grad_views rebuilds it (replace the lists, don't edit them).
+        self._checker = None
+        self._checker_for: Optional[tuple] = None
 
     # ------------------------------------------------------------------ views and lazily made states
     def _views(self, flat: torch.Tensor) -> List[torch.Tensor]:
@@ -94,6 +106,45 @@ class FlatBuffer:
         Gradients autograd allocated afresh (after ``zero_grad(set_to_none=True)``) are copied in with
         one ``pack_bucket`` call. ``on_first(self, i)`` is called for a parameter's first gradient.
         """
+        if self._all_views_fast():
+            if self._last_has is not _ALL:
+                self._refine(_ALL, on_first)
+        else:
+            self._collect_slow(on_first)
+        return self._runs
+
+    def _all_views_fast(self) -> bool:
+        """True only if every ``p.grad`` is exactly its view, checked in C++; False: unknown, use Python.
+
+        Same answer as ``p.grad is view`` for all params: a tensor's Python object and its ``TensorImpl``
+        are one-to-one. Not used while a torch function mode is active (it could intercept ``p.grad``).
+        """
+        if _mode_enabled():
+            return False
+        key, params = self._checker_for, self.params
+        if key is None or key[0] is not params or key[1] is not self.grad_views or key[2] != len(params):
+            ck = self._build_checker()   # first use, or params / grad_views were replaced
+        else:
+            ck = self._checker
+        return ck is not False and ck.all_views()
+
+    def _build_checker(self):
+        """(Re)build the C++ checker for the current ``params`` / ``grad_views``; False if unavailable."""
+        params, views = self.params, self.grad_views
+        self._checker_for = (params, views, len(params))
+        ext = _extension.load()[0]
+        ck = False
+        if ext is not None and hasattr(ext, "GradViewChecker") and len(params) == len(views) \
+                and all(type(p) in _PLAIN_TYPES for p in params):
+            try:
+                ck = ext.GradViewChecker(list(params), list(views))
+            except Exception:   # never let the fast path break a step
+                ck = False
+        self._checker = ck
+        return ck
+
+    def _collect_slow(self, on_first) -> None:
+        """The Python path of :meth:`collect` (some grad is not its view, or no C++ checker)."""
         grads = list(map(_grad_of, self.params))
         if all(map(operator.is_, grads, self.grad_views)):
             has = _ALL
@@ -106,7 +157,6 @@ class FlatBuffer:
                 has = _ALL
         if has != self._last_has:
             self._refine(has, on_first)
-        return self._runs
 
     def _pack(self, idx: List[int], grads: list) -> None:
         srcs = []
@@ -153,6 +203,9 @@ class FlatBuffer:
 
     def zero_grad(self) -> None:
         """``zero_grad(set_to_none=False)``: present grads become zeroed views (one memset)."""
+        if self._all_views_fast():
+            self.grad.zero_()
+            return
         grads = list(map(_grad_of, self.params))
         if not all(map(operator.is_, grads, self.grad_views)):
             for p, g, v in zip(self.params, grads, self.grad_views):
