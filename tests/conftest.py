@@ -41,3 +41,20 @@ def target(request):
 def is_interpreted(target) -> bool:
     """Triton under the interpreter is slow: tests use smaller sizes for it."""
     return target[1] == "triton" and target[0].type == "cpu"
+
+
+@pytest.fixture(scope="session")
+def dist_pools():
+    """``dist_pools(n)``: a pool of n gloo ranks, started once per session and shared by every test."""
+    from parallel_layers.testing import WorkerPool
+
+    pools = {}
+
+    def get(world_size: int) -> WorkerPool:
+        if world_size not in pools:
+            pools[world_size] = WorkerPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

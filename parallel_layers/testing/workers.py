@@ -1,0 +1,191 @@
+"""A pool of ``world_size`` real processes over gloo that runs many test bodies.
+
+Spawning a process and importing torch costs seconds on a small CPU, so the pool is started once and
+each test sends it a function to run on every rank (the DESIGN's advice). A body is a module-level
+function ``body(rank, world_size, *args)``; ``pool.run(body, *args)`` returns the list of per-rank
+results, rank order. If any rank raises, ``RankFailure`` carries every failing rank's traceback, and
+the pool is restarted (the other ranks may be stuck in a collective). If a call takes longer than
+its timeout, the pool is killed and the call fails: a bug makes a test fail, never hang CI.
+
+Each worker runs one thread (``torch.set_num_threads(1)``) so ranks do not fight over cores, and its
+default process group has a timeout, so a rank waiting on a dead peer errors out.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import os
+import pickle
+import queue
+import socket
+import sys
+import traceback
+from typing import Any, Callable, List
+
+import torch.multiprocessing as mp
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(module_name: str, module_file: str, qualname: str) -> Callable:
+    module = sys.modules.get(module_name)
+    if module is None:
+        directory = os.path.dirname(module_file)
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            spec = importlib.util.spec_from_file_location(module_name, module_file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _detached(obj):
+    """Results cross a process boundary: tensors lose their autograd history."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _detached(v) for k, v in obj.items()}
+    return obj
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        call_id, module_name, module_file, qualname, args, kwargs = task
+        try:
+            fn = _resolve(module_name, module_file, qualname)
+            out = fn(rank, world_size, *args, **kwargs)
+            # Pickled here (plain pickle copies tensor data) so an unpicklable result is reported as
+            # this rank's failure instead of dying silently in the queue's feeder thread.
+            payload = pickle.dumps(_detached(out))
+            results.put((call_id, rank, True, payload))
+        except BaseException:  # noqa: BLE001 - report everything, including assertion failures
+            results.put((call_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` gloo ranks kept alive across calls. Use as a context manager or call ``close()``."""
+
+    def __init__(self, world_size: int, *, pg_timeout_s: float = 60.0, env: dict | None = None):
+        self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s
+        self.env = dict(env or {})
+        self._procs: List = []
+        self._calls = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results,
+                                                         self.pg_timeout_s, self.env), daemon=True)
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def close(self) -> None:
+        for q, p in zip(getattr(self, "_tasks", []), self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:  # noqa: BLE001
+                    pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ running bodies
+    def run(self, fn: Callable, *args: Any, timeout: float = 180.0, **kwargs: Any) -> List[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return results in rank order."""
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        self._calls += 1
+        call_id = self._calls
+        module = sys.modules[fn.__module__]
+        task = (call_id, fn.__module__, os.path.abspath(module.__file__), fn.__qualname__, args, kwargs)
+        for q in self._tasks:
+            q.put(task)
+        results: dict = {}
+        failures: dict = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        grace_set = False
+        while len(results) + len(failures) < self.world_size:
+            if failures and not grace_set:  # others may be stuck in a collective: a moment, then restart
+                deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=3))
+                grace_set = True
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0 or not all(p.is_alive() for p in self._procs):
+                break
+            try:
+                cid, rank, ok, out = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if cid != call_id:
+                continue  # a late answer from an earlier, failed call
+            (results if ok else failures)[rank] = out
+        if failures or len(results) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
+            self.close()
+            parts = [f"--- rank {r} raised:\n{tb}" for r, tb in sorted(failures.items())]
+            if missing:
+                parts.append(f"--- ranks {missing} did not answer within {timeout:.0f}s (timeout or crash; "
+                             f"the pool was restarted)")
+            raise RankFailure(f"{fn.__qualname__} failed on {self.world_size} ranks:\n" + "\n".join(parts))
+        return [pickle.loads(results[r]) for r in range(self.world_size)]
+
+
+_MESHES: dict = {}
+
+
+def cached_mesh(dp: int = 1, tp: int = 1, pp: int = 1):
+    """Inside a worker: one ``ParallelMesh`` per shape, reused across test bodies (creating process
+    groups is a collective and costs time on every call)."""
+    key = (dp, tp, pp)
+    if key not in _MESHES:
+        from ..mesh import ParallelMesh
+        _MESHES[key] = ParallelMesh(dp=dp, tp=tp, pp=pp)
+    return _MESHES[key]
