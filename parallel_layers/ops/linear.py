@@ -1,17 +1,46 @@
 """Linear with a fused epilogue: ``act(x @ weight.T + bias)`` cast to ``out_dtype``, with autograd.
 
-Backends: on CUDA tensors the Triton matmul with the epilogue fused (``triton_kernels.matmul``);
-elsewhere the torch reference below. The backward is always torch matmuls (cuBLAS / MKL), which is
-what the forward epilogue fusion saves memory traffic for.
+Kernel contract (``triton_kernels.matmul.linear_epilogue``): ``x [M, K]``, ``weight [N, K]`` (nn.Linear
+layout), ``bias [N]`` or None, all one dtype (float32, bfloat16, float16); ``activation`` None, "gelu"
+(exact erf form, as ``F.gelu``) or "silu"; the product is accumulated in float32 and the bias add,
+activation and cast to ``out_dtype`` happen on the accumulator before the single store of Y. When the
+backward needs it, the kernel also stores the pre-activation ``z = x @ weight.T + bias`` (in x's dtype).
+
+Backends:
+- ``triton``: the default for CUDA tensors (the fused kernel). CPU tensors only when forced with
+  ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is imported (that is how CI tests it).
+- ``torch``: the reference ``F.linear`` then ``F.gelu``/``F.silu`` then ``.to(out_dtype)``. The
+  implementation for CPU tensors (this op has no C++ kernel, so no fallback warning) and for CUDA when
+  Triton is missing or the dtype is not one the kernel takes (e.g. float64).
+- ``cpp`` / ``cuda``: this op has no such kernel; asking for one by argument is a ``ValueError``, and
+  ``PARALLEL_LAYERS_BACKEND=cpp|cuda`` (set for whole test runs) means the automatic choice for this op.
+
+Backward (every backend): torch matmuls (cuBLAS / MKL), ``grad_z = act'(z) * grad_y`` via ATen's own
+``gelu_backward`` / ``silu_backward``, then ``grad_x = grad_z @ W``, ``grad_W = grad_z^T @ x``,
+``grad_b = sum(grad_z)``: the ATen calls eager autograd makes for the unfused chain (grad_W is formed as
+``grad_z^T @ x`` rather than eager's ``(x^T @ grad_z)^T``, so it comes out contiguous). With the torch
+backend the gradients matched eager autograd bit for bit on CPU (fp32 and bf16) in our checks.
+
+Why the pre-activation is *saved* rather than recomputed: recomputing ``z`` in backward costs one more
+``M x N x K`` matmul, +50% on the backward's two matmuls, to save ``M x N`` elements of activation memory;
+eager ``F.linear`` + ``F.gelu`` keeps exactly that tensor too, so saving it makes the fused op no worse than
+eager in memory and strictly cheaper in FLOPs. The extra store happens only when a gradient is needed
+and an activation is used (inference and activation-free layers write Y alone). Trading memory for
+recompute is what activation checkpointing is for, one level up.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from . import _backend
+
 ACTIVATIONS = (None, "gelu", "silu")
+OP = "fused_linear"
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
@@ -29,13 +58,135 @@ def reference_linear_epilogue(x, weight, bias, activation, out_dtype):
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def _choose_backend(device: torch.device, dtype: torch.dtype, backend: Optional[str]) -> str:
+    """"triton" or "torch" for this call (see the module docstring)."""
+    from_arg = backend is not None
+    requested = (backend if from_arg else os.environ.get(_backend.ENV_VAR, "auto")).strip().lower() or "auto"
+    if requested not in _backend.BACKENDS + ("auto",):
+        raise ValueError(f"{OP}: unknown backend {requested!r} (from "
+                         f"{'argument backend=' if from_arg else _backend.ENV_VAR}); "
+                         f"choose one of {_backend.BACKENDS} or 'auto'")
+    if requested in ("cpp", "cuda"):
+        if from_arg:
+            raise ValueError(f"{OP}: backend={requested!r}, but {OP} has no {requested} kernel; "
+                             f"it has ('torch', 'triton')")
+        requested = "auto"  # the environment variable is set for whole runs; this op has no such kernel
+    if requested == "torch":
+        return "torch"
+    if requested == "triton":
+        if device.type == "cpu" and not _backend.triton_interpreting():
+            raise RuntimeError(f"{OP}: backend 'triton' was forced on CPU tensors, which needs "
+                               f"TRITON_INTERPRET=1 set before triton_kernels is imported")
+        if device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"{OP}: backend 'triton' does not support device {device}")
+        if dtype not in TRITON_DTYPES:
+            raise TypeError(f"{OP}: the triton kernel takes inputs of dtype {TRITON_DTYPES}, got {dtype}; "
+                            f"use backend='torch' for {dtype}")
+        mod, why = _backend._triton_module()
+        if mod is None:
+            raise RuntimeError(f"{OP}: backend 'triton' was forced but cannot run: {why}")
+        return "triton"
+    # auto
+    if device.type == "cuda" and dtype in TRITON_DTYPES:
+        mod, why = _backend._triton_module()
+        if mod is not None:
+            return "triton"
+        _backend._warn_once(f"fallback:{OP}:cuda",
+                            f"parallel_layers: {OP} uses the torch reference on CUDA (unfused, slower): {why}")
+    return "torch"
+
+
+def _triton_forward(x, weight, bias, activation, out_dtype, save_pre):
+    from triton_kernels.matmul import linear_epilogue
+
+    pre = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device) if save_pre else None
+    y = linear_epilogue(x, weight, bias, activation, out_dtype, pre)
+    return y, pre
+
+
+def _torch_forward(x, weight, bias, activation, out_dtype, save_pre):
+    z = F.linear(x, weight, bias)
+    y = _activate(z, activation)
+    if out_dtype is not None:
+        y = y.to(out_dtype)
+    return y, (z if save_pre else None)
+
+
+class _FusedLinear(torch.autograd.Function):
+    """2-D ``act(x @ W^T + b)``; forward on the chosen backend, backward with torch matmuls."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, out_dtype, backend, save_pre):
+        run = _triton_forward if backend == "triton" else _torch_forward
+        y, pre = run(x, weight, bias, activation, out_dtype, save_pre)
+        ctx.activation = activation
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight, pre)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, pre = ctx.saved_tensors
+        grad_z = grad_y.to(x.dtype)  # the reference's ``.to(out_dtype)`` backward
+        if ctx.activation == "gelu":
+            grad_z = torch.ops.aten.gelu_backward(grad_z, pre, approximate="none")
+        elif ctx.activation == "silu":
+            grad_z = torch.ops.aten.silu_backward(grad_z, pre)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_z.mm(weight) if need_x else None
+        grad_w = grad_z.t().mm(x) if need_w else None
+        grad_b = grad_z.sum(0) if (need_b and ctx.has_bias) else None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _check(x, weight, bias, activation, out_dtype):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_linear: activation={activation!r} is not one of {ACTIVATIONS}")
+    if weight.dim() != 2:
+        raise ValueError(f"fused_linear: weight must be 2-D [out_features, in_features], got shape "
+                         f"{tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fused_linear: input has last dimension {x.shape[-1] if x.dim() else None} but the "
+                         f"weight expects {weight.shape[1]} (weight shape {tuple(weight.shape)})")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"fused_linear: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},) "
+                         f"for weight shape {tuple(weight.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if t.dtype != x.dtype:
+            raise TypeError(f"fused_linear: {name} has dtype {t.dtype} but the input has {x.dtype}; "
+                            f"cast them to one dtype")
+        if t.device != x.device:
+            raise ValueError(f"fused_linear: {name} is on {t.device} but the input is on {x.device}")
+    if not x.is_floating_point():
+        raise TypeError(f"fused_linear: input must be floating point, got {x.dtype}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise TypeError(f"fused_linear: out_dtype must be a floating-point dtype, got {out_dtype}")
+
+
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  activation: Optional[str] = None, out_dtype: Optional[torch.dtype] = None,
                  backend: Optional[str] = None) -> torch.Tensor:
-    """``act(x @ weight.T + bias)``; differentiable. ``activation``: None, "gelu" or "silu"."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"fused_linear: activation={activation!r} is not one of {ACTIVATIONS}")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"fused_linear: input has last dimension {x.shape[-1]} but the weight expects "
-                         f"{weight.shape[1]} (weight shape {tuple(weight.shape)})")
-    return reference_linear_epilogue(x, weight, bias, activation, out_dtype)
+    """``act(x @ weight.T + bias)`` cast to ``out_dtype``; differentiable. ``activation``: None, "gelu" or
+    "silu". ``x`` may have leading dimensions ``[..., in_features]``; ``backend``: None/"auto", "triton"
+    or "torch" (see the module docstring)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+        # What autocast does to F.linear: run it in the autocast dtype. The Function then runs with
+        # autocast off, so its forward and backward see exactly the dtypes chosen here.
+        dt = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+        with torch.autocast(device_type, enabled=False):
+            return fused_linear(x, weight, bias, activation=activation, out_dtype=out_dtype, backend=backend)
+    _check(x, weight, bias, activation, out_dtype)
+    name = _choose_backend(x.device, x.dtype, backend)
+    lead = x.shape[:-1]
+    x2d = x.reshape(lead.numel(), x.shape[-1])
+    # The pre-activation is kept only when autograd will need it (decided here: inside forward grad
+    # mode is off, and under no_grad parameters still have requires_grad set).
+    save_pre = activation is not None and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
+    y = _FusedLinear.apply(x2d, weight, bias, activation, out_dtype, name, save_pre)
+    return y.reshape(*lead, weight.shape[0])
