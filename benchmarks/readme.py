@@ -1,8 +1,8 @@
-"""Regenerate the README's benchmark section from benchmarks/results/kernels.csv.
+"""Regenerate the README's benchmark section from the CSVs under benchmarks/results/.
 
     python -m benchmarks.readme          # rewrites the text between the BENCHMARKS markers
 
-Nothing in that section is typed by hand: for each device, the latest run of the most complete mode
+Nothing in that section is typed by hand: for each CSV and device, the newest row of every case from the most complete mode
 (full, else quick) is turned into a table, with the machine, versions, date and the command that
 measured it, and every missed target is listed plainly.
 """
@@ -16,27 +16,36 @@ from typing import Dict, List
 from .harness import read_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CSV = os.path.join(ROOT, "benchmarks", "results", "kernels.csv")
 README = os.path.join(ROOT, "README.md")
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
 MODE_RANK = {"full": 0, "quick": 1}
-COMMAND = {"full": "make bench", "quick": "python -m benchmarks.kernels --quick"}
 
 
-def latest_runs(rows: List[Dict[str, str]]) -> List[List[Dict[str, str]]]:
-    """One run per device: the newest run of the best mode available (smoke runs never count)."""
+SECTIONS = [("kernels.csv", "Fused kernels", "make bench"),
+            ("tp.csv", "Tensor parallel (2 ranks)", "python -m benchmarks.tp; python -m benchmarks.cross_entropy"),
+            ("matmul.csv", "Fused matmul epilogue (GPU)", "python -m benchmarks.matmul")]
+
+
+def latest_rows(rows: List[Dict[str, str]]) -> Dict[str, List[Dict[str, str]]]:
+    """Per device: the newest row of each (case, sizes, dtype, backend), from the best mode measured
+    (full, else quick; smoke runs never count). For kernels.csv that is the latest full run."""
     by_device = defaultdict(list)
     for r in rows:
         if r.get("mode") in MODE_RANK:
             by_device[r["device"]].append(r)
-    runs = []
+    out = {}
     for device in sorted(by_device):
         device_rows = by_device[device]
         best = min(MODE_RANK[r["mode"]] for r in device_rows)
-        candidates = [r for r in device_rows if MODE_RANK[r["mode"]] == best]
-        newest = max(r["run_id"] for r in candidates)
-        runs.append([r for r in candidates if r["run_id"] == newest])
-    return runs
+        newest: Dict[tuple, Dict[str, str]] = {}
+        for r in device_rows:
+            if MODE_RANK[r["mode"]] != best:
+                continue
+            key = (r["case"], r["sizes"], r["dtype"], r["backend"])
+            if key not in newest or r["run_id"] >= newest[key]["run_id"]:
+                newest[key] = r
+        out[device] = list(newest.values())
+    return out
 
 
 def fmt(value: str, digits: int = 3) -> str:
@@ -46,29 +55,47 @@ def fmt(value: str, digits: int = 3) -> str:
         return value or "-"
 
 
-def render(runs: List[List[Dict[str, str]]]) -> str:
-    if not runs:
-        return "(no results yet: run `make bench`, then `python -m benchmarks.readme`)"
+def render_section(title: str, command: str, per_device: Dict[str, List[Dict[str, str]]]) -> List[str]:
     out = []
-    for run in runs:
+    for device, run in per_device.items():
         r0 = run[0]
-        out.append(f"**{r0['device']}**, {r0['threads']} threads, torch {r0['torch']}, triton {r0['triton']}, "
-                   f"{r0['date'][:10]}; measured by `{COMMAND[r0['mode']]}` ({r0['mode']} sizes). "
-                   f"Speedup = baseline time / our time, median of the timed repetitions; bandwidth as a "
-                   f"fraction of the copy bandwidth measured in the same run ({fmt(r0['copy_gbps'])} GB/s).")
+        dates = sorted({r["date"][:16].replace("T", " ") for r in run})
+        copy = {r.get("copy_gbps") for r in run if r.get("copy_gbps")}
+        out.append(f"#### {title}: {device}")
+        out.append("")
+        out.append(f"torch {r0['torch']}, triton {r0['triton']}, {r0['threads']} thread(s) per process, "
+                   f"{r0['mode']} sizes, measured {', '.join(dates)} UTC by `{command}`."
+                   + (f" Copy bandwidth measured in the same run: {', '.join(fmt(c) for c in sorted(copy))} GB/s."
+                      if copy else ""))
         out.append("")
         out.append("| case | sizes | dtype | backend | ours ms | baseline | baseline ms | speedup | GB/s | "
                    "of copy BW | target | met |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in run:
             out.append(f"| {r['case']} | {r['sizes']} | {r['dtype']} | {r['backend']} | {fmt(r['ours_median_ms'])} "
-                       f"| {r['baseline']} | {fmt(r['base_median_ms'])} | {fmt(r['speedup'])}x | {fmt(r['gbps'])} "
-                       f"| {fmt(r['bw_fraction'], 2)} | {r['target'] or '-'} | {r['met'] or '-'} |")
-        missed = [r["case"] + f" ({r['backend']})" for r in run if r.get("met") == "no"]
+                       f"| {r['baseline']} | {fmt(r['base_median_ms'])} | {fmt(r['speedup'])}x "
+                       f"| {fmt(r.get('gbps', ''))} | {fmt(r.get('bw_fraction', ''), 2)} | {r['target'] or '-'} "
+                       f"| {r['met'] or '-'} |")
+        missed = [f"{r['case']} {r['sizes']} ({r['backend']})" for r in run if r.get("met") == "no"]
         out.append("")
-        out.append("Targets missed in this run: " + (", ".join(missed) if missed else "none") + ".")
+        out.append("Targets missed: " + (", ".join(missed) if missed else "none") + ".")
         out.append("")
-    if any(os.path.exists(os.path.join(ROOT, "benchmarks", "results", p)) for p in ("speedup.png",)):
+    return out
+
+
+def render() -> str:
+    out = ["Speedup = baseline time / our time (median of the timed repetitions, ours and the baseline "
+           "back to back in one run). Bandwidth as a fraction of the copy bandwidth measured in the same run.",
+           ""]
+    found = False
+    for name, title, command in SECTIONS:
+        per_device = latest_rows(read_csv(os.path.join(ROOT, "benchmarks", "results", name)))
+        if per_device:
+            found = True
+            out += render_section(title, command, per_device)
+    if not found:
+        return "(no results yet: run `make bench`, then `python -m benchmarks.readme`)"
+    if os.path.exists(os.path.join(ROOT, "benchmarks", "results", "speedup.png")):
         out.append("![speedup per case](benchmarks/results/speedup.png)")
         out.append("![fraction of copy bandwidth](benchmarks/results/bandwidth_fraction.png)")
     return "\n".join(out).rstrip()
@@ -81,7 +108,7 @@ def main(argv=None) -> int:
         return 1
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    section = render(latest_runs(read_csv(CSV)))
+    section = render()
     with open(README, "w") as fh:
         fh.write(head + BEGIN + "\n" + section + "\n" + END + tail)
     print(section)

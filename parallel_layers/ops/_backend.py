@@ -14,13 +14,20 @@ When the automatic choice has to fall back to ``torch`` it warns once, saying wh
 Forcing: ``backend=`` on any op, or the environment variable ``PARALLEL_LAYERS_BACKEND``
 (``auto``, ``torch``, ``cpp``, ``triton``, ``cuda``). A forced backend that cannot run raises
 ``RuntimeError`` with the reason instead of silently running something else.
+
+Not every op has every backend: an op declares the ones it implements with ``backends=`` (default: all
+four). The automatic choice only considers those, and for a device type none of them covers (e.g. an op
+with no C++ kernel, on CPU) the torch reference *is* that op's implementation, with no warning.
+``backend=`` naming one the op lacks raises ``ValueError``; the environment variable naming one the
+op lacks falls back to the automatic choice with a one-time warning (the variable is set for whole
+test runs, and an op without that kernel has nothing else to offer).
 """
 from __future__ import annotations
 
 import functools
 import os
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -82,20 +89,36 @@ def _availability(backend: str, device: torch.device):
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'")
 
 
-def resolve(op: str, device: torch.device, backend: Optional[str] = None) -> str:
-    """Return the backend name that will run ``op`` on ``device``."""
-    requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+def resolve(op: str, device: torch.device, backend: Optional[str] = None,
+            backends: Sequence[str] = BACKENDS) -> str:
+    """Return the backend name that will run ``op`` on ``device``.
+
+    ``backends``: the backends ``op`` implements (``torch`` is implied: every op has its reference).
+    """
+    from_arg = backend is not None
+    requested = backend if from_arg else os.environ.get(ENV_VAR, "auto")
     requested = requested.strip().lower() or "auto"
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"{op}: unknown backend {requested!r} (from "
-                             f"{'argument backend=' if backend is not None else ENV_VAR}); "
+                             f"{'argument backend=' if from_arg else ENV_VAR}); "
                              f"choose one of {BACKENDS} or 'auto'")
+        if requested != "torch" and requested not in backends:
+            has = ("torch",) + tuple(b for b in backends if b != "torch")
+            if from_arg:
+                raise ValueError(f"{op}: backend={requested!r}, but {op} has no {requested} kernel; it has {has}")
+            _warn_once(f"missing:{op}:{requested}",
+                       f"parallel_layers: {ENV_VAR}={requested} but {op} has no {requested} kernel (it has "
+                       f"{has}); {op} uses the automatic choice")
+            requested = "auto"
+    if requested != "auto":
         impl, why = _availability(requested, device)
         if impl is None:
             raise RuntimeError(f"{op}: backend {requested!r} was forced but cannot run: {why}")
         return requested
-    order = ("triton", "cuda") if device.type == "cuda" else ("cpp",)
+    order = [b for b in (("triton", "cuda") if device.type == "cuda" else ("cpp",)) if b in backends]
+    if not order:
+        return "torch"  # this op's implementation for this device type is the torch one
     reasons = []
     for name in order:
         impl, why = _availability(name, device)
@@ -108,9 +131,11 @@ def resolve(op: str, device: torch.device, backend: Optional[str] = None) -> str
     return "torch"
 
 
-def kernel(op: str, device: torch.device, backend: Optional[str], reference: Callable) -> Callable:
-    """The function implementing ``op``'s kernel contract on the chosen backend."""
-    name = resolve(op, device, backend)
+def kernel(op: str, device: torch.device, backend: Optional[str], reference: Callable,
+           backends: Sequence[str] = BACKENDS) -> Callable:
+    """The function implementing ``op``'s kernel contract on the chosen backend (``backends``: the
+    ones ``op`` implements, see ``resolve``)."""
+    name = resolve(op, device, backend, backends)
     if name == "torch":
         return reference
     impl, _ = _availability(name, device)

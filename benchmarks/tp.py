@@ -1,0 +1,181 @@
+"""Tensor-parallel GPT block: our layers against DTensor's ``parallelize_module``, 2 gloo ranks on CPU.
+
+    python -m benchmarks.tp            # full sizes
+    python -m benchmarks.tp --smoke    # tiny sizes, seconds
+
+Two processes (one thread each) form a TP group of 2. On every rank, from one seed:
+
+* ours: ``GPT(cfg, tp_group=mesh.tp_group).blocks[0]``: ``ColumnParallelLinear`` qkv (heads split),
+  causal SDPA on the local heads, ``RowParallelLinear`` proj; ``ColumnParallelLinear(activation="gelu")``
+  fc and ``RowParallelLinear`` fc2; LayerNorms and residuals replicated.
+* baseline: the same block built dense (``GPT(cfg).blocks[0]``, identical weights) and split with
+  ``torch.distributed.tensor.parallel.parallelize_module`` on the same ``DeviceMesh`` (``mesh["tp"]``):
+  ``ColwiseParallel`` on qkv and fc, ``RowwiseParallel`` on proj and fc2: the same shards and the same
+  two all-reduces forward (and two backward) as ours.
+
+A step is forward + backward of ``[b, s, d]`` fp32 activations (input requires grad, upstream gradient
+fixed), gradients reset to None first. Both run back to back, interleaved (harness.compare), median of
+the timed reps after warm-up, on both ranks; the table shows rank 0's figures and the slower rank's
+median. Target: ours at most 1.0x the baseline's time (speedup >= 1.0). Rows go to
+``benchmarks/results/tp.csv`` (shared with the vocab-parallel cross-entropy benchmark).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import socket
+import sys
+from typing import List, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+from . import harness
+
+CSV_PATH = os.path.join(harness.RESULTS_DIR, "tp.csv")
+# (batch, seq, d_model, n_head); d_ff = 4 d_model
+SIZES = {
+    "full": [(4, 128, 256, 4), (4, 256, 512, 8), (2, 512, 1024, 16)],
+    "smoke": [(2, 16, 64, 4)],
+}
+REPS = {"full": (15, 3), "smoke": (10, 1)}
+TARGET = 1.0
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _measure(mesh, b, s, d, h, reps, warmup):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from parallel_layers.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=h, d_model=d, max_seq_len=s, dropout=0.0)
+    torch.manual_seed(0)
+    ours = GPT(cfg, tp_group=mesh.tp_group).blocks[0]
+    torch.manual_seed(0)
+    theirs = copy.deepcopy(GPT(cfg).blocks[0])
+    parallelize_module(theirs, mesh["tp"], {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                            "mlp.fc": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(b, s, d, generator=gen).requires_grad_()
+    upstream = torch.randn(b, s, d, generator=gen)
+
+    def step(block):
+        def run():
+            x.grad = None
+            for p in block.parameters():
+                p.grad = None
+            block(x).backward(upstream)
+        return run
+
+    with torch.no_grad():  # same weights, same function: the outputs agree up to rounding
+        diff = (ours(x) - theirs(x)).abs().max().item()
+    t_ours, t_base = harness.compare(step(ours), step(theirs), torch.device("cpu"), reps, warmup)
+    return t_ours, t_base, diff
+
+
+def _worker(rank: int, port: int, mode: str, sizes, reps_warmup, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    import torch.distributed as dist
+
+    from parallel_layers.mesh import ParallelMesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+    try:
+        mesh = ParallelMesh(tp=WORLD)
+        reps, warmup = reps_warmup
+        results = []
+        for b, s, d, h in sizes:
+            t_ours, t_base, diff = _measure(mesh, b, s, d, h, reps, warmup)
+            results.append(((b, s, d, h), t_ours, t_base, diff))
+        queue.put((rank, results, None))
+    except Exception as exc:  # noqa: BLE001 - report, do not hang the parent
+        import traceback
+        queue.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(mode: str, sizes, reps_warmup) -> List[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, mode, sizes, reps_warmup, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    answers = {}
+    for _ in range(WORLD):
+        rank, results, err = queue.get()
+        if err:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} failed:\n{err}")
+        answers[rank] = results
+    for p in procs:
+        p.join()
+    common = dict(run_id=harness.now_iso(), date=harness.now_iso(), mode=mode, dtype="float32",
+                  backend=f"gloo x{WORLD}", device=harness.device_name(torch.device("cpu")), threads=1,
+                  **harness.versions())
+    rows = []
+    for i, (shape, t_ours, t_base, diff) in enumerate(answers[0]):
+        b, s, d, h = shape
+        slow_ours = max(answers[r][i][1].median_ms for r in answers)
+        slow_base = max(answers[r][i][2].median_ms for r in answers)
+        speedup = t_base.median_ms / t_ours.median_ms
+        rows.append(dict(common, case="gpt_block_fwd_bwd_tp2", sizes=f"b{b}xs{s}xd{d}xh{h}",
+                         ours_median_ms=t_ours.median_ms, ours_p20_ms=t_ours.p20_ms, ours_p80_ms=t_ours.p80_ms,
+                         base_median_ms=t_base.median_ms, base_p20_ms=t_base.p20_ms, base_p80_ms=t_base.p80_ms,
+                         speedup=speedup, target=f"speedup>={TARGET}", met="yes" if speedup >= TARGET else "no",
+                         baseline="DTensor parallelize_module(ColwiseParallel/RowwiseParallel)",
+                         slowest_rank=(slow_ours, slow_base), max_diff=diff))
+    return rows
+
+
+def print_table(rows: List[dict]) -> None:
+    head = ["case", "sizes", "ours ms", "dtensor ms", "speedup", "slowest rank ours/dtensor ms", "target",
+            "met", "max |out diff|"]
+    cells = [[r["case"], r["sizes"], f"{r['ours_median_ms']:.3f}", f"{r['base_median_ms']:.3f}",
+              f"{r['speedup']:.2f}x", f"{r['slowest_rank'][0]:.3f}/{r['slowest_rank'][1]:.3f}", r["target"],
+              r["met"], f"{r['max_diff']:.1e}"] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("  ".join("-" * w for w in widths))
+    for c in cells:
+        print("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
+    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
+    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    ap.add_argument("--sizes", action="append", metavar="BxSxDxH",
+                    help="batch x seq x d_model x n_head (repeatable); default: the mode's sizes")
+    ap.add_argument("--reps", type=int, help="timed repetitions")
+    args = ap.parse_args(argv)
+    mode = "smoke" if args.smoke else "full"
+    reps, warmup = REPS[mode]
+    reps = args.reps or reps
+    sizes = [tuple(int(v) for v in t.split("x")) for t in args.sizes] if args.sizes else SIZES[mode]
+    if any(len(t) != 4 for t in sizes):
+        ap.error("--sizes takes BxSxDxH, e.g. 4x256x512x8")
+    print(f"device: {harness.device_name(torch.device('cpu'))} | {WORLD} gloo ranks, 1 thread each | torch "
+          f"{torch.__version__} | mode: {mode}, {reps} reps after {warmup} warm-up (forward + backward, fp32)")
+    rows = run(mode, sizes, (reps, warmup))
+    print_table(rows)
+    if not args.no_csv:
+        harness.append_csv(args.csv, rows)
+        print(f"\nappended {len(rows)} rows to {os.path.relpath(args.csv)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

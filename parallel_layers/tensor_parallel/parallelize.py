@@ -1,0 +1,170 @@
+"""``parallelize(model, mesh, plan)``: turn the dense layers of any model into tensor-parallel ones.
+
+A plan maps module-name patterns (``fnmatch`` style, matched against ``model.named_modules()``) to a
+style; every match is replaced *in place* by the parallel layer built from it with ``from_dense``
+(the dense weights are sliced, so the parallel model computes what the dense one did)::
+
+    plan = {"model.embed_tokens": "vocab",
+            "model.layers.*.self_attn.[qkv]_proj": "colwise",
+            "model.layers.*.self_attn.o_proj": "rowwise",
+            "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+            "model.layers.*.mlp.down_proj": "rowwise",
+            "lm_head": "colwise_gather"}
+    parallelize(model, mesh, plan)
+
+=================  ============================  ===============================================
+style              replaces                      becomes
+=================  ============================  ===============================================
+``"colwise"``      ``nn.Linear``                 ``ColumnParallelLinear`` (output ``[..., out/tp]``)
+``"colwise_gather"`` ``nn.Linear``               ``ColumnParallelLinear(gather_output=True)``
+``"rowwise"``      ``nn.Linear``                 ``RowParallelLinear`` (input ``[..., in/tp]``)
+``"vocab"``        ``nn.Embedding``              ``VocabParallelEmbedding``
+=================  ============================  ===============================================
+
+A style may also be a dict, ``{"style": "colwise", "gather_output": True}``: the other keys go to the
+layer's ``from_dense`` (``sequence_parallel``, ``activation``, ``input_is_parallel``, ...).
+
+The plan only moves weights and inserts the communication; code *between* the layers must work on the
+local shard. A column-parallel q/k/v projection hands attention ``n_heads / tp`` heads: attention that
+infers the head count from the tensor (``view(b, s, -1, head_dim)``, as Hugging Face Llama does) just
+works; attention that reads ``config.num_heads`` needs a local config with ``num_heads / tp``.
+Unlike ``torch.distributed.tensor.parallel.parallelize_module`` the result holds plain tensors, not
+DTensors.
+
+:func:`gather_dense_state_dict` is the inverse for checking: the full dense weights (or gradients)
+gathered from the shards, keyed like the original model.
+"""
+from __future__ import annotations
+
+import difflib
+from fnmatch import fnmatchcase
+from typing import Dict, Mapping, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..distributed import collectives as C
+from ..mesh import ParallelMesh
+from .embedding import VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear
+
+_STYLES = {
+    "colwise": (ColumnParallelLinear, nn.Linear, {}),
+    "colwise_gather": (ColumnParallelLinear, nn.Linear, {"gather_output": True}),
+    "rowwise": (RowParallelLinear, nn.Linear, {}),
+    "vocab": (VocabParallelEmbedding, nn.Embedding, {}),
+}
+
+
+def _group_of(mesh) -> "dist.ProcessGroup":
+    if isinstance(mesh, ParallelMesh):
+        return mesh.tp_group
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    raise TypeError(f"parallelize: mesh must be a ParallelMesh or a torch.distributed ProcessGroup (the TP "
+                    f"group); got {type(mesh).__name__}")
+
+
+def _style(pattern: str, spec) -> tuple:
+    if isinstance(spec, str):
+        name, options = spec, {}
+    elif isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("style", None)
+    else:
+        raise TypeError(f"parallelize: plan[{pattern!r}] must be a style name or a dict with a 'style' key; "
+                        f"got {type(spec).__name__}")
+    if name not in _STYLES:
+        raise ValueError(f"parallelize: plan[{pattern!r}] has style {name!r}; choose one of {sorted(_STYLES)}")
+    cls, dense_type, defaults = _STYLES[name]
+    return name, cls, dense_type, {**defaults, **options}
+
+
+def _check_sizes(name: str, module: nn.Module, style: str, tp: int) -> None:
+    if style.startswith("colwise") and module.out_features % tp:
+        what = ("out_features", module.out_features)
+    elif style == "rowwise" and module.in_features % tp:
+        what = ("in_features", module.in_features)
+    else:
+        return  # vocab: padded to a multiple of tp by the layer
+    raise ValueError(f"parallelize: module {name!r} (nn.Linear({module.in_features}, {module.out_features})) "
+                     f"cannot be split {style}: {what[0]}={what[1]} does not divide by the tensor-parallel "
+                     f"size {tp}; choose a tensor-parallel size that divides {what[1]} or leave it out of the plan")
+
+
+def parallelize(model: nn.Module, mesh: Union[ParallelMesh, "dist.ProcessGroup"],
+                plan: Mapping[str, Union[str, dict]]) -> nn.Module:
+    """Replace the modules ``plan`` names with tensor-parallel layers over ``mesh``'s TP group; returns
+    ``model`` (changed in place). Every rank must call it with the same model and plan."""
+    group = _group_of(mesh)
+    tp = C.world_size(group)
+    modules = dict(model.named_modules())
+    chosen: Dict[str, tuple] = {}
+    for pattern, spec in plan.items():
+        style, cls, dense_type, options = _style(pattern, spec)
+        matches = [n for n in modules if n and fnmatchcase(n, pattern)]
+        if not matches:
+            names = [n for n, m in modules.items() if isinstance(m, (nn.Linear, nn.Embedding))]
+            close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.0) or names[:5]
+            raise ValueError(f"parallelize: pattern {pattern!r} matched no module of the model; candidates: "
+                             f"{', '.join(close) or '(no nn.Linear or nn.Embedding in the model)'}")
+        for name in matches:
+            module = modules[name]
+            if not isinstance(module, dense_type):
+                raise TypeError(f"parallelize: pattern {pattern!r} matched {name!r}, a {type(module).__name__}, "
+                                f"but style {style!r} replaces an {dense_type.__name__}")
+            if name in chosen and chosen[name][0] != (style, options):
+                raise ValueError(f"parallelize: module {name!r} is matched by patterns {chosen[name][1]!r} and "
+                                 f"{pattern!r} with different styles")
+            _check_sizes(name, module, style, tp)
+            chosen[name] = ((style, options), pattern, cls)
+    for name, ((style, options), _, cls) in chosen.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, cls.from_dense(modules[name], tp_group=group, **options))
+    return model
+
+
+def _gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if C.world_size(group) == 1:
+        return t.clone()
+    full = C.all_gather_dim0(t.detach().movedim(dim, 0).contiguous(), group)
+    return full.movedim(0, dim)
+
+
+def gather_dense_state_dict(model: nn.Module, *, grads: bool = False) -> Dict[str, torch.Tensor]:
+    """The dense model's ``state_dict`` (``grads=True``: its gradients) gathered from the TP shards.
+
+    Sharded parameters (``partition_dim`` set by the parallel layers) are all-gathered along that
+    dimension over their layer's TP group; the vocabulary padding of ``VocabParallelEmbedding`` is
+    dropped; everything else is copied as is. Every rank gets the full tensors. A collective: every TP
+    rank must call it. A parameter without a gradient maps to ``None`` with ``grads=True``.
+    """
+    owners = {}
+    for mname, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners[f"{mname}.{pname}" if mname else pname] = module
+    source = ({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)} if grads
+              else {n: t for n, t in model.state_dict(keep_vars=True).items()})
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: Dict[str, torch.Tensor] = {}
+    for name, tensor in source.items():
+        module = owners.get(name)
+        param = params.get(name)
+        dim = getattr(param, "partition_dim", None) if param is not None else None
+        if tensor is None:
+            out[name] = None
+            continue
+        tensor = tensor.detach()
+        if dim is None or module is None or not hasattr(module, "tp_group"):
+            out[name] = tensor.clone()
+            continue
+        full = _gather_dim(tensor, dim, module.tp_group)
+        if isinstance(module, VocabParallelEmbedding):
+            full = full[:module.num_embeddings]
+        out[name] = full
+    return out
+
+
+__all__ = ["parallelize", "gather_dense_state_dict"]
