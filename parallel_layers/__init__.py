@@ -4,14 +4,18 @@ Importing never fails because a kernel could not be built: ops fall back to thei
 with one warning that says why.
 """
 from . import ops
+from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
+from .data_parallel import DataParallel
 from .mesh import ParallelMesh
 from .optim import FusedAdamW, FusedSGD
 from .tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, VocabParallelEmbedding,
                               allreduce_sequence_parallel_grads, parallelize, tensor_parallel_rng_tracker,
                               vocab_parallel_cross_entropy)
+from .zero import ZeroOptimizer
 
 __version__ = "0.1.0"
 
 __all__ = ["ops", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
-           "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "__version__"]
+           "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "DataParallel",
+           "ZeroOptimizer", "PrecisionPolicy", "DynamicLossScaler", "clip_grad_norm_", "__version__"]

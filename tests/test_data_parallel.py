@@ -1,0 +1,325 @@
+"""DataParallel (stage 0) on real gloo ranks against single-process training of the same GPT.
+
+Every rank builds the plain ``GPT(cfg)`` from seed 0 (the oracle, trained on the FULL batch) and a replica
+from a rank-dependent seed (so the wrap-time broadcast is what makes the replicas equal), wraps the replica
+over the DP group and trains it on its slice of the batch. Small buckets (a few KiB) give ~7 buckets, so
+ordering, overlap and rebuild are exercised.
+
+fp32 tolerance 1e-5 relative: losses elementwise, parameters per tensor in norm (``|a - b| / |b|``). The
+configs use ``bias=False``: with a key bias its exact gradient is zero and Adam turns rounding noise into
+steps of size lr (see tests/test_gpt_tp.py); LayerNorm biases remain.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel_layers.data_parallel import DataParallel, ParamAndGradBuffer, overlap_report
+from parallel_layers.models import GPT, GPTConfig
+from parallel_layers.testing import cached_mesh
+
+SMALL = dict(vocab_size=101, n_layer=2, n_head=4, d_model=32, max_seq_len=16, dropout=0.0, bias=False)
+CAPS = dict(bucket_cap_mb=0.01, first_bucket_cap_mb=0.004)
+BATCH = 8
+
+
+def _batches(steps, cfg, seed=123):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, cfg.vocab_size, (BATCH, cfg.max_seq_len), generator=gen),
+             torch.randint(0, cfg.vocab_size, (BATCH, cfg.max_seq_len), generator=gen)) for _ in range(steps)]
+
+
+def _rel_norm(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _max_param_err(ref: dict, got: dict):
+    return max((_rel_norm(got[k], v), k) for k, v in ref.items())
+
+
+def _mean_over(group, x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+# ---------------------------------------------------------------------- parity with single-process training
+def body_parity(rank, world, dp, tp, steps):
+    mesh = cached_mesh(dp=dp, tp=tp)
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(0)
+    dense = GPT(cfg)
+    torch.manual_seed(0 if tp > 1 or rank == 0 else 1000 + rank)   # dp rank 0 holds the oracle init
+    model = GPT(cfg, tp_group=mesh.tp_group if tp > 1 else None)
+    if tp > 1:   # perturb so the broadcast matters here too (shards of dp rank 0 win)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * mesh.dp_rank)
+    ddp = DataParallel(model, mesh.dp_group, **CAPS)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (dense, model)]
+    per = BATCH // dp
+    sl = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
+    losses, errs, versions = [], [], []
+    for idx, tgt in _batches(steps, cfg):
+        for o in opts:
+            o.zero_grad()
+        _, ref_loss = dense(idx, tgt)
+        ref_loss.backward()
+        _, loss = ddp(idx[sl], tgt[sl])
+        loss.backward()
+        losses.append((ref_loss.item(), _mean_over(mesh.dp_group, loss.item())))
+        versions.append(ddp.layout_version)
+        for o in opts:
+            o.step()
+        got = model.dense_state_dict() if tp > 1 else model.state_dict()
+        errs.append(_max_param_err(dense.state_dict(), got))
+    layout = [ddp._names[id(p)] for b in ddp.buffer.buckets for p in b.params]
+    return dict(losses=losses, errs=errs, versions=versions, n_buckets=len(ddp.buffer.buckets),
+                layout=layout, arrival=ddp.last_sync_timeline["arrival"])
+
+
+@pytest.mark.parametrize("world,dp,tp", [(2, 2, 1), (4, 4, 1), (4, 2, 2)], ids=["dp2", "dp4", "tp2xdp2"])
+def test_stage0_matches_single_process(dist_pools, world, dp, tp):
+    results = dist_pools(world).run(body_parity, dp, tp, 10)
+    for rank, out in enumerate(results):
+        assert out["n_buckets"] >= 4
+        for step, (ref, got) in enumerate(out["losses"]):
+            assert abs(got - ref) <= 1e-5 * abs(ref), f"rank {rank} step {step}: loss {got} vs single {ref}"
+        for step, (err, name) in enumerate(out["errs"]):
+            assert err <= 1e-5, f"rank {rank} step {step}: {name} differs by {err:.2e} (relative norm)"
+        # Bucket order rebuilt once, from the arrival order of the first backward; stable afterwards.
+        assert out["versions"][-1] == out["versions"][0] <= 1
+        assert out["layout"] == out["arrival"], f"rank {rank}: layout is not the gradient arrival order"
+    assert all(r["layout"] == results[0]["layout"] for r in results)
+
+
+# ---------------------------------------------------------------------- overlap: bit-identical and real
+def body_overlap(rank, world, comm_dtype):
+    group = cached_mesh(dp=world).dp_group
+    cfg = GPTConfig(**SMALL)
+    models = []
+    for overlap in (True, False):
+        torch.manual_seed(rank)
+        models.append(DataParallel(GPT(cfg), group, overlap=overlap, comm_dtype=comm_dtype, **CAPS))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    per = BATCH // world
+    identical, reports = True, []
+    for idx, tgt in _batches(3, cfg):
+        grads = []
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            _, loss = m(idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+            loss.backward()
+            grads.append([p.grad.clone() for p in m.module.parameters()])
+            reports.append(overlap_report(m.last_sync_timeline))
+            o.step()
+        identical &= all(torch.equal(a, b) for a, b in zip(*grads))
+        identical &= all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    return identical, reports
+
+
+@pytest.mark.parametrize("comm_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_overlap_is_bit_identical_and_real(dist_pools, comm_dtype):
+    for rank, (identical, reports) in enumerate(dist_pools(2).run(body_overlap, comm_dtype)):
+        assert identical, f"rank {rank}: overlapped and non-overlapped gradients differ"
+        on, off = reports[0::2], reports[1::2]
+        # Recorded, not inferred: launches before backward ended, while some gradients were not yet computed.
+        assert all(r["launched_before_backward_end"] >= 1 for r in on), on
+        assert all(r["launched_before_backward_end"] == 0 for r in off), off
+
+
+# ---------------------------------------------------------------------- no_sync accumulation
+def body_no_sync(rank, world):
+    group = cached_mesh(dp=world).dp_group
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(0)
+    dense = GPT(cfg)
+    torch.manual_seed(0)
+    ddp = DataParallel(GPT(cfg), group, **CAPS)
+    idx, tgt = _batches(1, cfg)[0]
+    _, loss = dense(idx, tgt)
+    loss.backward()
+    per, half = BATCH // world, BATCH // world // 2
+    ddp.zero_grad()
+    lo = rank * per
+    with ddp.no_sync():
+        _, l1 = ddp(idx[lo:lo + half], tgt[lo:lo + half])
+        (l1 / 2).backward()
+    launched_in_no_sync = ddp.last_sync_timeline is not None
+    _, l2 = ddp(idx[lo + half:lo + per], tgt[lo + half:lo + per])
+    (l2 / 2).backward()
+    err = max((_rel_norm(p.grad, q.grad), n) for (n, p), q in zip(ddp.module.named_parameters(), dense.parameters()))
+    return launched_in_no_sync, err
+
+
+def test_no_sync_accumulation_equals_large_batch(dist_pools):
+    for rank, (launched, (err, name)) in enumerate(dist_pools(2).run(body_no_sync)):
+        assert not launched, f"rank {rank}: a collective ran inside no_sync()"
+        assert err <= 1e-5, f"rank {rank}: accumulated gradient of {name} differs by {err:.2e}"
+
+
+# ---------------------------------------------------------------------- unused parameters
+class WithExtra(nn.Module):
+    """GPT plus a layer used only when ``use_extra`` (rank-dependent in the test)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gpt = GPT(cfg)
+        self.extra = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, idx, tgt, use_extra=False):
+        _, loss = self.gpt(idx, tgt)
+        if use_extra:
+            loss = loss + self.extra(self.gpt.wte.weight[:4]).square().mean()
+        return loss
+
+
+def body_unused(rank, world):
+    group = cached_mesh(dp=world).dp_group
+    cfg = GPTConfig(**SMALL)
+    idx, tgt = _batches(1, cfg)[0]
+    per = BATCH // world
+    mine = slice(rank * per, (rank + 1) * per)
+    out = {}
+    torch.manual_seed(0)
+    ddp = DataParallel(WithExtra(cfg), group, **CAPS)
+    try:
+        ddp(idx[mine], tgt[mine]).backward()
+        out["error"] = None
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    # find_unused_parameters=True, unused on every rank: same as single process (extra untouched, grad None).
+    torch.manual_seed(0)
+    dense = WithExtra(cfg)
+    torch.manual_seed(0)
+    ddp = DataParallel(WithExtra(cfg), group, find_unused_parameters=True, **CAPS)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1) for m in (dense, ddp)]
+    for idx, tgt in _batches(3, cfg):
+        for o in opts:
+            o.zero_grad()
+        dense(idx, tgt).backward()
+        ddp(idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]).backward()
+        out["extra_grad_none"] = ddp.module.extra.weight.grad is None
+        for o in opts:
+            o.step()
+    out["err"] = _max_param_err(dense.state_dict(), ddp.module.state_dict())
+    # Used on ranks > 0 only: averaged gradient = sum of the users' gradients / world; rank 0 does not hang.
+    expected = torch.zeros_like(dense.extra.weight)
+    for r in range(1, world):
+        dense.zero_grad()
+        dense(idx[r * per:(r + 1) * per], tgt[r * per:(r + 1) * per], use_extra=True).backward()
+        expected += dense.extra.weight.grad / world
+    ddp.zero_grad()
+    ddp(idx[mine], tgt[mine], use_extra=rank > 0).backward()
+    out["partial_err"] = _rel_norm(ddp.module.extra.weight.grad, expected)
+    return out
+
+
+def test_unused_parameters(dist_pools):
+    for rank, out in enumerate(dist_pools(2).run(body_unused)):
+        msg = out["error"]
+        assert msg and "extra.weight" in msg and "extra.bias" in msg and "find_unused_parameters=True" in msg, msg
+        assert "Expected to have finished reduction" not in msg
+        assert out["extra_grad_none"], f"rank {rank}: a globally unused parameter got a gradient"
+        err, name = out["err"]
+        assert err <= 1e-5, f"rank {rank}: {name} differs by {err:.2e}"
+        assert out["partial_err"] <= 1e-5, f"rank {rank}: locally unused parameter: {out['partial_err']:.2e}"
+
+
+# ---------------------------------------------------------------------- bf16 communication
+def body_bf16_bound(rank, world):
+    """Per element: pack rounds g_r / w to bf16 (rel. error <= u = 2^-8), then (w - 1) bf16 additions each round
+    a partial sum bounded by S = sum_r |g_r| / w (error <= u S each); unpack to fp32 is exact. Bound: w u S."""
+    group = cached_mesh(dp=world).dp_group
+    cfg = GPTConfig(**SMALL)
+    idx, tgt = _batches(1, cfg)[0]
+    per = BATCH // world
+    mine = (idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+    got = {}
+    for comm in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        ddp = DataParallel(GPT(cfg), group, comm_dtype=comm, **CAPS)
+        ddp(*mine)[1].backward()
+        got[comm] = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+    torch.manual_seed(0)
+    local = GPT(cfg)
+    local(*mine)[1].backward()
+    worst = 0.0
+    for n, p in local.named_parameters():
+        s = p.grad.abs() / world
+        dist.all_reduce(s, group=group)
+        bound = world * 2.0 ** -8 * s * 1.001 + 1e-30
+        worst = max(worst, ((got[torch.bfloat16][n] - got[None][n]).abs() / bound).max().item())
+    return worst
+
+
+def test_bf16_communication_within_rounding_bound(dist_pools):
+    for rank, worst in enumerate(dist_pools(2).run(body_bf16_bound)):
+        assert worst <= 1.0, f"rank {rank}: bf16-communicated gradient exceeds the bound by {worst:.2f}x"
+
+
+# ---------------------------------------------------------------------- wrap-time broadcast, buffer layout
+class WithBuffer(nn.Module):
+    def __init__(self, rank):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.register_buffer("stat", torch.full((4,), float(rank)))
+        with torch.no_grad():
+            self.lin.weight.fill_(rank)
+
+
+def body_broadcast(rank, world):
+    group = cached_mesh(dp=world).dp_group
+    ddp = DataParallel(WithBuffer(rank), group)
+    return ddp.module.lin.weight.detach().clone(), ddp.module.stat.clone()
+
+
+def test_params_and_buffers_broadcast_at_wrap(dist_pools):
+    for rank, (w, stat) in enumerate(dist_pools(2).run(body_broadcast)):
+        assert torch.equal(w, torch.zeros(3, 5)) and torch.equal(stat, torch.zeros(4)), f"rank {rank}"
+
+
+def test_buffer_layout_single_process():
+    ps = [nn.Parameter(torch.randn(300, 100)) for _ in range(4)] + [nn.Parameter(torch.randn(7))]
+    vals = [p.detach().clone() for p in ps]
+    buf = ParamAndGradBuffer(ps, None, bucket_cap_mb=0.2, first_bucket_cap_mb=0.1, pad_to_multiple=64)
+    assert [list(map(id, b.params)) for b in buf.buckets][0] == [id(ps[4]), id(ps[3])]   # reversed, small first
+    assert all(b.numel % 64 == 0 for b in buf.buckets)
+    assert all(torch.equal(p, v) for p, v in zip(ps, vals))
+    # Shards: dp=4 view of the same bucket arithmetic; overlaps tile each shard's parameter part.
+    b = buf.buckets[1]
+    b.dp_size, b.shard_numel = 4, b.numel // 4
+    covered = sum(n for r in range(4) for _, _, _, n in b.param_shard_overlaps(r))
+    assert covered == sum(p.numel() for p in b.params)
+    for p in ps:
+        b, off = buf.bucket_of(p)
+        assert p.data_ptr() == b.param_data[off:].data_ptr()
+        assert p.main_grad.data_ptr() == b.grad_data[off:].data_ptr()
+    buf.rebuild(ps[:2])
+    flat = [id(p) for b in buf.buckets for p in b.params]
+    assert flat == [id(p) for p in ps[:2] + [ps[4], ps[3], ps[2]]]    # given order first, the rest as before
+    assert all(torch.equal(p, v) for p, v in zip(ps, vals))
+
+
+def body_reduce_scatter(rank, world):
+    """ZeRO's path: each rank's shard of every bucket equals the same slice of the all-reduced gradient."""
+    group = cached_mesh(dp=world).dp_group
+    cfg = GPTConfig(**SMALL)
+    idx, tgt = _batches(1, cfg)[0]
+    per = BATCH // world
+    bufs = []
+    for op in ("all_reduce", "reduce_scatter"):
+        torch.manual_seed(0)
+        ddp = DataParallel(GPT(cfg), group, reduce_op=op, rebuild_bucket_order=False, **CAPS)
+        ddp(idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])[1].backward()
+        bufs.append(ddp.buffer)
+    err = 0.0
+    for a, b in zip(bufs[0].buckets, bufs[1].buckets):
+        s0, s1 = b.shard_range(rank)
+        err = max(err, (a.grad_data[s0:s1] - b.grad_data[s0:s1]).abs().max().item())
+    return err
+
+
+def test_reduce_scatter_shards_match_all_reduce(dist_pools):
+    for rank, err in enumerate(dist_pools(2).run(body_reduce_scatter)):
+        assert err <= 1e-7, f"rank {rank}: reduce-scattered shard differs by {err:.2e}"
