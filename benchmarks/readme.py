@@ -23,6 +23,8 @@ MODE_RANK = {"full": 0, "quick": 1}
 
 SECTIONS = [("kernels.csv", "Fused kernels", "make bench"),
             ("tp.csv", "Tensor parallel (2 ranks)", "python -m benchmarks.tp; python -m benchmarks.cross_entropy"),
+            ("dp.csv", "Data parallel", "python -m benchmarks.dp"),
+            ("zero.csv", "ZeRO", "python -m benchmarks.zero; python -m benchmarks.zero3"),
             ("matmul.csv", "Fused matmul epilogue (GPU)", "python -m benchmarks.matmul")]
 
 

@@ -301,25 +301,48 @@ def test_buffer_layout_single_process():
     assert all(torch.equal(p, v) for p, v in zip(ps, vals))
 
 
-def body_reduce_scatter(rank, world):
-    """ZeRO's path: each rank's shard of every bucket equals the same slice of the all-reduced gradient."""
+def body_reduce_scatter(rank, world, rebuild):
+    """ZeRO's path: each rank's shard of every bucket equals the same elements of the all-reduced gradient.
+
+    With ``rebuild``, the first backward re-lays the buckets out in arrival order BEFORE reducing (a
+    reduce-scatter cannot be re-laid out afterwards: each rank holds only its own shard averaged), so it
+    launches nothing early; the second backward reduces in the new layout with overlap again."""
     group = cached_mesh(dp=world).dp_group
     cfg = GPTConfig(**SMALL)
-    idx, tgt = _batches(1, cfg)[0]
     per = BATCH // world
-    bufs = []
-    for op in ("all_reduce", "reduce_scatter"):
-        torch.manual_seed(0)
-        ddp = DataParallel(GPT(cfg), group, reduce_op=op, rebuild_bucket_order=False, **CAPS)
-        ddp(idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])[1].backward()
-        bufs.append(ddp.buffer)
-    err = 0.0
-    for a, b in zip(bufs[0].buckets, bufs[1].buckets):
-        s0, s1 = b.shard_range(rank)
-        err = max(err, (a.grad_data[s0:s1] - b.grad_data[s0:s1]).abs().max().item())
-    return err
+    ref = {}
+    torch.manual_seed(0)
+    ar = DataParallel(GPT(cfg), group, reduce_op="all_reduce", rebuild_bucket_order=False, **CAPS)
+    torch.manual_seed(0)
+    rs = DataParallel(GPT(cfg), group, reduce_op="reduce_scatter", rebuild_bucket_order=rebuild, **CAPS)
+    out = dict(err=0.0, shard_err=0.0, versions=[], early=[])
+    for idx, tgt in _batches(2, cfg):
+        for m in (ar, rs):
+            m.zero_grad()
+            m(idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])[1].backward()
+        ref = {id(q): p.grad for p, q in zip(ar.module.parameters(), rs.module.parameters())}
+        for b in rs.buffer.buckets:
+            shard = rs.bucket_grad_shard(b)
+            s0, s1 = b.shard_range(rank)
+            out["shard_err"] = max(out["shard_err"], (shard - b.grad_data[s0:s1]).abs().max().item())
+            for p, start_p, start_s, n in b.param_shard_overlaps(rank):
+                want = ref[id(p)].reshape(-1)[start_p:start_p + n]
+                out["err"] = max(out["err"], (shard[start_s:start_s + n] - want).abs().max().item())
+        out["versions"].append(rs.layout_version)
+        out["early"].append(overlap_report(rs.last_sync_timeline)["launched_before_backward_end"])
+    out["layout"] = [rs._names[id(p)] for b in rs.buffer.buckets for p in b.params]
+    out["arrival"] = rs.last_sync_timeline["arrival"]
+    return out
 
 
-def test_reduce_scatter_shards_match_all_reduce(dist_pools):
-    for rank, err in enumerate(dist_pools(2).run(body_reduce_scatter)):
-        assert err <= 1e-7, f"rank {rank}: reduce-scattered shard differs by {err:.2e}"
+@pytest.mark.parametrize("rebuild", [False, True], ids=["fixed", "rebuild"])
+def test_reduce_scatter_shards_match_all_reduce(dist_pools, rebuild):
+    for rank, out in enumerate(dist_pools(2).run(body_reduce_scatter, rebuild)):
+        assert out["err"] <= 1e-7, f"rank {rank}: reduce-scattered shard differs by {out['err']:.2e}"
+        assert out["shard_err"] == 0.0, f"rank {rank}: grad_shard and grad_data's shard disagree"
+        if rebuild:
+            assert out["versions"] == [1, 1], out["versions"]
+            assert out["layout"] == out["arrival"]
+            assert out["early"][0] == 0 and out["early"][1] >= 1, out["early"]
+        else:
+            assert out["versions"] == [0, 0] and all(e >= 1 for e in out["early"]), out

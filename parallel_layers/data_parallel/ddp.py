@@ -16,6 +16,12 @@ Traps handled (DESIGN.md, "Known traps"): a bucket's buffers belong to it alone 
 touched again only after its work was waited on; the bucket order is rebuilt once, from the order gradients
 actually arrived on rank 0 (broadcast so all ranks agree), skipped with ``find_unused_parameters``
 as in PyTorch; parameters without a gradient are reported by name instead of a hang.
+
+Rebuild timing: with ``all_reduce`` the first backward reduces in the initial layout and the averaged
+gradients move into the new layout afterwards (every rank holds all of them). With ``reduce_scatter`` that
+would be wrong (each rank holds only its old shard averaged), so the first synced backward launches nothing
+until its end, re-lays out the still-local gradients, then reduces in the new layout: one backward without
+overlap, and a ZeRO optimizer built before it simply derives its shards from the new layout.
 """
 from __future__ import annotations
 
@@ -40,7 +46,8 @@ class DataParallel(nn.Module):
     ``reduce_op="all_reduce"`` (stage 0): every rank ends with the full averaged gradient in ``p.grad``
     (for fp32 params; low-precision params keep theirs in ``p.main_grad`` and ``p.grad`` is None).
     ``reduce_op="reduce_scatter"`` (ZeRO 1/2): each rank ends with the averaged *shard* of every bucket in
-    ``bucket.grad_data[bucket.shard_range(dp_rank)]``; the rest of the grad buffer holds local values.
+    :attr:`grad_shard` (one flat tensor, bucket after bucket; :meth:`bucket_grad_shard` gives a bucket's view),
+    mirrored into ``bucket.grad_data[bucket.shard_range(dp_rank)]``; the rest of the grad buffer holds local values.
 
     ``comm_dtype`` (e.g. bf16): buckets are packed as ``(grad * 1/world).to(comm_dtype)`` (scale BEFORE the
     cast: no overflow for fp16), reduced in that dtype, unpacked into the fp32 main grads.
@@ -75,9 +82,10 @@ class DataParallel(nn.Module):
         self._names: Dict[int, str] = {id(p): n for n, p in named}
         self.buffer = ParamAndGradBuffer([p for _, p in named], dp_group, bucket_cap_mb=bucket_cap_mb,
                                          first_bucket_cap_mb=first_bucket_cap_mb, grad_dtype=self.grad_dtype)
-        # Sharded optimizers own shards of the layout they were built on: by default only stage 0 rebuilds.
-        self._rebuild_pending = (reduce_op == "all_reduce") if rebuild_bucket_order is None else bool(rebuild_bucket_order)
-        self._rebuild_pending = self._rebuild_pending and not self.find_unused_parameters and self.dp_size > 1
+        # Rebuilt once from the arrival order (default on, as PyTorch's reducer; off with unused parameters,
+        # whose arrival order says nothing). reduce_scatter re-lays out before reducing: see finish_grad_sync.
+        rebuild = True if rebuild_bucket_order is None else bool(rebuild_bucket_order)
+        self._rebuild_pending = rebuild and not self.find_unused_parameters and self.dp_size > 1
         self.layout_version = 0          # bumped when the bucket layout is rebuilt (views change)
         if broadcast_from_rank0 and self.dp_size > 1:
             with torch.no_grad():
@@ -99,19 +107,32 @@ class DataParallel(nn.Module):
         self._direct = buf.param_dtype == self.grad_dtype   # autograd accumulates straight into the buffer
         for p in buf.params:
             p.grad = p.main_grad if self._direct else None
-        low = self.comm_dtype != self.grad_dtype
-        # One comm buffer per bucket, never shared: a bucket's memory is reused only after its work finished.
-        self._comm_in = [torch.empty(b.numel, dtype=self.comm_dtype, device=buf.device) if low else None
-                         for b in buf.buckets]
-        self._comm_out = [torch.empty(b.shard_numel, dtype=self.comm_dtype, device=buf.device)
-                          if self.reduce_op == "reduce_scatter" else None for b in buf.buckets]
+        # reduce_scatter: this rank's averaged shards of every bucket, concatenated (bucket order) into ONE
+        # flat tensor in the grad dtype. The collective writes straight into it (comm dtype = grad dtype), so
+        # it is the only persistent copy of the reduced shard: a ZeRO optimizer steps on it directly.
+        self.shard_offsets: List[int] = []
+        pos = 0
+        for b in buf.buckets:
+            self.shard_offsets.append(pos)
+            pos += b.shard_numel
+        self.grad_shard: Optional[torch.Tensor] = (
+            torch.zeros(pos, dtype=self.grad_dtype, device=buf.device) if self.reduce_op == "reduce_scatter" else None)
         self._scale = torch.full((1,), 1.0 / self.dp_size, dtype=torch.float32, device=buf.device)
         self._one = torch.ones(1, dtype=torch.float32, device=buf.device)
+
+    def bucket_grad_shard(self, b: Bucket) -> torch.Tensor:
+        """reduce_scatter: the view of :attr:`grad_shard` that holds bucket ``b``'s averaged shard."""
+        off = self.shard_offsets[b.index]
+        return self.grad_shard[off:off + b.shard_numel]
 
     def _reset_iteration(self) -> None:
         self._ready_count = [0] * len(self.buffer.buckets)
         self._ready: set = set()
         self._works: Dict[int, object] = {}     # bucket index -> async work (None: group of one)
+        # bucket index -> (packed input, reduce-scatter output) in the comm dtype, or None where the
+        # collective works on the fp32 buffers themselves. Allocated at launch, owned by that bucket alone,
+        # dropped only after its work was waited on (no ping-pong reuse, DESIGN.md traps).
+        self._staged: Dict[int, tuple] = {}
         self._next = 0                          # lowest bucket index not launched yet
         self._arrival: List[torch.nn.Parameter] = []
         self._callback_queued = False
@@ -134,6 +155,8 @@ class DataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 (views must survive: always zero)
         self.buffer.zero_grad()
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
         if self._direct:
             for p in self.buffer.params:
                 p.grad = p.main_grad
@@ -156,6 +179,12 @@ class DataParallel(nn.Module):
                 f"or wrap with DataParallel(..., find_unused_parameters=True)")
         for p in missing:          # their buffer slices hold zeros (or no_sync sums): reduce them as they are
             self._mark_ready(p, launch=False)
+        arrival = self._arrival
+        if self._rebuild_pending and self.reduce_op == "reduce_scatter":
+            # A reduce-scatter leaves each rank only its shard averaged; re-laying out afterwards would give every
+            # rank a new shard mixing averaged and local values. So this one backward launched nothing: the local
+            # gradients move with their parameters into the arrival-order layout, then they are reduced there.
+            self._rebuild_from(arrival)
         for b in self.buffer.buckets:   # bucket order: the same sequence of collectives on every rank
             if b.index not in self._works:
                 self._launch(b)
@@ -165,11 +194,10 @@ class DataParallel(nn.Module):
         self.last_sync_timeline = {"backward_end": t_end, "n_params": len(self.buffer.params),
                                    "grads_ready_at_backward_end": n_hooks, "overlap": self.overlap,
                                    "launches": list(self._launch_log),
-                                   "arrival": [self._names[id(p)] for p in self._arrival]}
-        arrival = self._arrival
-        self._reset_iteration()
-        if self._rebuild_pending:
+                                   "arrival": [self._names[id(p)] for p in arrival]}
+        if self._rebuild_pending:      # all_reduce: every rank holds the full averaged gradient; it moves along
             self._rebuild_from(arrival)
+        self._reset_iteration()
 
     # ------------------------------------------------------------------ backward machinery
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
@@ -189,7 +217,9 @@ class DataParallel(nn.Module):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
         self._arrival.append(p)
-        self._mark_ready(p, launch=self.overlap)
+        # reduce_scatter waits for its one re-layout (see finish_grad_sync) before reducing anything
+        defer = self._rebuild_pending and self.reduce_op == "reduce_scatter"
+        self._mark_ready(p, launch=self.overlap and not defer)
 
     def _mark_ready(self, p, launch: bool) -> None:
         self._ready.add(id(p))
@@ -209,39 +239,48 @@ class DataParallel(nn.Module):
         if self.dp_size == 1:
             self._works[b.index] = None
             return
-        src = self._comm_in[b.index]
+        rs = self.reduce_op == "reduce_scatter"
         with torch.no_grad():
-            if src is None:
+            if self.comm_dtype == self.grad_dtype:
                 b.grad_data.mul_(self._scale)      # average = sum of (g / world); no separate divide pass later
-                src = b.grad_data
+                src, out = b.grad_data, (self.bucket_grad_shard(b) if rs else None)
             else:
+                src = torch.empty(b.numel, dtype=self.comm_dtype, device=b.grad_data.device)
                 pack_bucket([b.grad_data], src, scale=self._scale, offsets=[0])  # scale, then down-cast
-            if self.reduce_op == "all_reduce":
-                work = C.all_reduce(src, self.dp_group, async_op=True)
+                out = torch.empty(b.shard_numel, dtype=self.comm_dtype, device=src.device) if rs else None
+                self._staged[b.index] = (src, out)
+            if rs:
+                _, work = C.reduce_scatter_dim0(src, self.dp_group, out=out, async_op=True)
             else:
-                _, work = C.reduce_scatter_dim0(src, self.dp_group, out=self._comm_out[b.index], async_op=True)
+                work = C.all_reduce(src, self.dp_group, async_op=True)
         self._works[b.index] = work
 
     def _wait_all(self) -> None:
-        """Wait on every launched work (in launch order), then bring results into the fp32 grad buffer."""
+        """Wait on every launched work (in launch order), then bring results into the fp32 grad memory.
+
+        reduce_scatter: the averaged shard lands in :attr:`grad_shard` (written by the collective itself, or
+        unpacked from the comm dtype) and is mirrored into ``bucket.grad_data[shard_range]``, whose full buffer
+        exists during backward anyway (ZeRO-2 frees it between steps)."""
         for bi, work in list(self._works.items()):
             if work is not None:
                 work.wait()
-            if self.dp_size == 1:
-                continue
             b = self.buffer.buckets[bi]
+            src, out = self._staged.pop(bi, (None, None))
             with torch.no_grad():
                 if self.reduce_op == "all_reduce":
-                    if self._comm_in[bi] is not None:
-                        unpack_bucket(self._comm_in[bi], [b.grad_data], scale=self._one, offsets=[0], accumulate=False)
-                else:
-                    s0, s1 = b.shard_range(self.dp_rank)
-                    out = self._comm_out[bi]
-                    if out.dtype == b.grad_data.dtype:
-                        b.grad_data[s0:s1].copy_(out)
-                    else:
-                        unpack_bucket(out, [b.grad_data[s0:s1]], scale=self._one, offsets=[0], accumulate=False)
+                    if src is not None:
+                        unpack_bucket(src, [b.grad_data], scale=self._one, offsets=[0], accumulate=False)
+                    continue
+                shard = self.bucket_grad_shard(b)
+                s0, s1 = b.shard_range(self.dp_rank)
+                if self.dp_size == 1:
+                    shard.copy_(b.grad_data)
+                    continue
+                if out is not None:
+                    unpack_bucket(out, [shard], scale=self._one, offsets=[0], accumulate=False)
+                b.grad_data[s0:s1].copy_(shard)
         self._works = {}
+        self._staged = {}
 
     def _drop_globally_unused(self, missing) -> None:
         """Params no rank used get ``.grad = None`` (as in single-process training: the optimizer skips them)."""
@@ -284,8 +323,7 @@ class DataParallel(nn.Module):
         if [id(p) for p in new] == [id(p) for p in self.buffer.params[:len(new)]]:
             return                                # already in arrival order
         self.buffer.rebuild(new)
-        self._index_params()
-        self._reset_iteration()
+        self._index_params()         # the caller resets the per-iteration bookkeeping
         self.layout_version += 1
 
 

@@ -22,9 +22,15 @@ Our layout differs from the paper's idealisation in ways the report makes visibl
 * a bf16/fp16 model needs a low-precision staging shard (the kernel's ``param_copy``, then all-gathered
   into the parameters): ``param_bytes / N_d`` more, reported as ``staging_bytes``;
 * an fp32 model still gets a separate fp32 master shard (12 bytes / N_d of state, like the paper);
-* DataParallel keeps one reduce-scatter output per bucket (a shard each, ``comm_bytes``);
+* the reduce-scatter writes each bucket's averaged shard straight into one flat fp32 tensor
+  (``DataParallel.grad_shard``) that the optimizer steps on: stage 2 holds exactly ONE persistent copy of
+  the rank's gradient shard (4 bytes / N_d with fp32 main grads); stage 1 holds it beside the full buffer;
+  low-precision communication buffers exist only while a bucket is in flight (``comm_bytes`` is 0 between steps);
 * stage 2 frees the full gradient buffer between steps only; it is re-allocated for forward/backward
   (autograd accumulates into it), so peak memory *during* backward is stage 1's (``transient_grad_bytes``).
+
+So, with bf16 parameters and fp32 main grads, a stage-2 rank holds ``2 + (4 + 12 + 2) / N_d`` bytes per
+parameter (params, grad shard, optimizer state, bf16 staging shard) against the paper's ``2 + (2 + 12) / N_d``.
 
 The report *measures* the tensors (distinct storages, so views are not double counted); the formulas
 here are the independent expectation the tests compare it with.
@@ -57,11 +63,12 @@ def paper_bytes_per_param(stage: int, dp_size: int, *, param_bytes: float = PAPE
 
 def expected_bytes(stage: int, dp_size: int, padded_numel: int, *, param_dtype: torch.dtype,
                    grad_dtype: torch.dtype = torch.float32, comm_dtype: Optional[torch.dtype] = None,
-                   n_buckets: int = 1) -> Dict[str, int]:
+                   n_buckets: int = 1, reduce_op: str = "reduce_scatter") -> Dict[str, int]:
     """Bytes a rank holds between steps with our layout (stages 1 and 2), from the padded buffer size.
 
     ``padded_numel`` is the sum of the (padded) bucket sizes; it divides by ``dp_size``. Keys match
-    ``ZeroOptimizer.memory_report()``.
+    ``ZeroOptimizer.memory_report()``. ``comm_dtype`` does not change anything between steps (its buffers
+    are transient); it is accepted so callers can pass their DataParallel settings as they are.
     """
     if stage not in (1, 2):
         raise ValueError(f"expected_bytes: stage={stage!r}; ZeroOptimizer implements stages 1 and 2")
@@ -72,13 +79,18 @@ def expected_bytes(stage: int, dp_size: int, padded_numel: int, *, param_dtype: 
     def size(dt):
         return torch.empty(0, dtype=dt).element_size()
 
-    pb, gb, cb = size(param_dtype), size(grad_dtype), size(comm_dtype or grad_dtype)
+    if reduce_op not in ("reduce_scatter", "all_reduce") or (stage == 2 and reduce_op != "reduce_scatter"):
+        raise ValueError(f"expected_bytes: reduce_op={reduce_op!r} with stage {stage}; stage 2 uses "
+                         f"'reduce_scatter', stage 1 'reduce_scatter' or 'all_reduce'")
+    pb, gb = size(param_dtype), size(grad_dtype)
     low = param_dtype != torch.float32
+    scattered = reduce_op == "reduce_scatter"
     out = {"param_bytes": padded_numel * pb,
-           "grad_bytes": padded_numel * gb if stage == 1 else shard * 4,      # stage 2: the fp32 shard
-           "comm_bytes": shard * cb,                                          # reduce-scatter outputs
+           # the reduced fp32 shard (one copy) + stage 1's full buffer
+           "grad_bytes": (shard * 4 if scattered else 0) + (padded_numel * gb if stage == 1 else 0),
+           "comm_bytes": 0,                                                   # transient: launch to wait
            "optimizer_bytes": 3 * 4 * shard,                                  # master, exp_avg, exp_avg_sq
-           "staging_bytes": (shard * pb if low else 0) + (shard * 4 if stage == 1 and n_buckets > 1 else 0)}
+           "staging_bytes": (shard * pb if low else 0) + (shard * 4 if not scattered and n_buckets > 1 else 0)}
     out["total_bytes"] = sum(out.values())
     return out
 

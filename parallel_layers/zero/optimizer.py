@@ -8,10 +8,11 @@ state is three fp32 tensors of ``S`` elements: master weights, exp_avg, exp_avg_
 
 A step, all on the device (no host sync, so an AMP ``found_inf`` costs nothing):
 
-1. gradients: ``DataParallel(reduce_op="reduce_scatter")`` reduce-scattered every bucket during backward;
-   this rank's averaged shard of bucket b sits in ``bucket.grad_data[shard_range]`` (stage 1 keeps the
-   full grad buffer; stage 2 keeps only the shards, see ``_grad_shard``). With one bucket the shard is a
-   view; with several they are copied into one flat fp32 tensor so that
+1. gradients: ``DataParallel(reduce_op="reduce_scatter")`` reduce-scattered every bucket during backward
+   straight into its flat ``grad_shard`` (this rank's averaged shards, bucket after bucket: exactly the
+   layout of the optimizer state), which the optimizer steps on as it is: no copy, no second shard.
+   Stage 1 keeps the full grad buffer as well; stage 2 frees it between steps (see ``_release_grads``).
+   (Stage 1 over ``reduce_op="all_reduce"`` slices the shard out of the full buffer instead.)
 2. ONE fused ``adamw_step`` updates the whole local shard (master, moments, and for bf16/fp16 models the
    low-precision copy in the same pass), then
 3. every bucket's updated shard is all-gathered (model dtype) into ``bucket.param_data``, so every rank
@@ -24,10 +25,12 @@ parameter name, e.g. ``lambda name, p: p.ndim < 2``) excludes some. Uniform deca
 fused kernel; a mixed mask costs one extra elementwise pass (decoupled decay ``p *= 1 - lr*wd`` does not
 depend on the moments, so applying it just before the kernel is the same update).
 
-The buffer may be re-laid out once (``DataParallel`` rebuilds buckets from the order gradients arrived):
-the optimizer notices (the buffer storage changed) and moves its state to the new layout. Before the
-first step that is free; afterwards (and in ``load_state_dict`` when the saved layout differs) it is one
-all-gather of the state per old bucket: a collective, all ranks of the DP group take part.
+The buffer may be re-laid out once (``DataParallel`` rebuilds buckets from the order gradients arrived,
+at the end of the first synced backward and, with reduce-scatter, *before* reducing, so the gradients are
+already reduced in the new layout): the optimizer notices (the buffer storage changed) and re-derives its
+shards. Before the first step that is free; when the state already holds something (``load_state_dict``
+into a fresh wrapper, whose first backward then re-lays out) it is one all-gather of the state per old
+bucket: a collective, all ranks of the DP group take part.
 """
 from __future__ import annotations
 
@@ -119,20 +122,22 @@ class ZeroOptimizer:
         return self.dp.buffer.grad_buffer.untyped_storage()
 
     def _release_grads(self) -> None:
-        """Stage 2: free the full grad buffer once this rank's shard has been copied out of it.
+        """Stage 2: free the full grad buffer; only this rank's gradient shard persists.
 
-        What remains between steps: the fp32 gradient shard (``S`` elements) and DataParallel's per-bucket
-        reduce-scatter outputs (``S`` elements in the comm dtype). The full buffer (autograd accumulates
-        into it, so it is also the buckets' staging memory) is re-allocated, zeroed, at the next forward
-        of the wrapper and lives through backward: peak memory during backward is that of stage 1; the
-        saving is on everything that happens between steps (optimizer step, evaluation, a forward's
-        activations). The storage is resized in place, so ``p.grad``/``p.main_grad`` views stay valid.
-        Consequence: each step consumes the gradients (as if ``zero_grad`` followed every step).
+        What remains between steps: ONE copy of the gradient shard, DataParallel's flat fp32 ``grad_shard``
+        (``S`` elements), which the reduce-scatter wrote and the optimizer stepped on (zeroed here: the step
+        consumed it). The full buffer (autograd accumulates into it, so it is also the buckets' send
+        memory) is re-allocated, zeroed, at the next forward of the wrapper and lives through backward:
+        peak memory during backward is that of stage 1; the saving is on everything that happens between
+        steps (optimizer step, evaluation, a forward's activations). The storage is resized in place, so
+        ``p.grad``/``p.main_grad`` views stay valid. Consequence: each step consumes the gradients (as if
+        ``zero_grad`` followed every step).
         """
         st = self._grad_storage()
         if st.nbytes():
             self._grad_nbytes = st.nbytes()
             st.resize_(0)
+        self.dp.grad_shard.zero_()
 
     def _materialize_grads(self, *_unused) -> None:
         st = self._grad_storage()
@@ -175,9 +180,9 @@ class ZeroOptimizer:
             self.low = params if low else None
             self.exp_avg = torch.zeros(pos, dtype=torch.float32, device=dev)
             self.exp_avg_sq = torch.zeros(pos, dtype=torch.float32, device=dev)
-            # Several buckets: their grad shards are not adjacent in the grad buffer; gather them here.
-            # Stage 2 always owns this shard: it is the only gradient memory that outlives backward.
-            own = len(buckets) > 1 or self.stage == 2
+            # reduce_scatter: DataParallel.grad_shard already is the flat shard. Stage 1 over all_reduce with
+            # several buckets: the shards are not adjacent in the grad buffer; they are gathered here.
+            own = not self._scattered() and len(buckets) > 1
             self._grad_flat = torch.zeros(pos, dtype=torch.float32, device=dev) if own else None
             self._decay_vec = self._decay_vector(buckets)
 
@@ -199,36 +204,8 @@ class ZeroOptimizer:
             return
         old_layout, old = self._layout, (self.master, self.exp_avg, self.exp_avg_sq)
         self._build(buckets)
-        self._repair_grads(old_layout)
         if self._started:       # else nothing learned yet: the new shards start from the params
             self._remap(old_layout, old)
-
-    @torch.no_grad()
-    def _repair_grads(self, old_layout: List[dict]) -> None:
-        """After DataParallel rebuilt its buckets (it does so at the end of a gradient sync), this rank's
-        *new* shard holds a mix of averaged values (elements it owned in the old layout) and local,
-        unreduced ones. Each rank contributes the elements it owned before, zeros elsewhere; one all-reduce
-        of the grad buffer then leaves the full averaged gradient on every rank. Once per rebuild."""
-        grad_buffer = self.dp.buffer.grad_buffer
-        if grad_buffer.untyped_storage().nbytes() == 0 or self.dp_size == 1:
-            return
-        owned: Dict[str, Tuple[int, int]] = {}
-        for desc in old_layout:
-            n_shard = desc["numel"] // self.dp_size
-            s0, s1 = self.dp_rank * n_shard, (self.dp_rank + 1) * n_shard
-            for name, o, n in desc["params"]:
-                a, b = max(o, s0) - o, min(o + n, s1) - o
-                if a < b:
-                    owned[name] = (a, b)
-        mine = torch.zeros_like(grad_buffer)
-        for b in self._bucket_list:
-            for p, o in zip(b.params, b.param_offsets):
-                rng = owned.get(self._names.get(id(p)))
-                if rng is not None:
-                    start = b.global_offset + o
-                    mine[start + rng[0]:start + rng[1]] = p.main_grad.reshape(-1)[rng[0]:rng[1]]
-        C.all_reduce(mine, self.group)
-        grad_buffer.copy_(mine)
 
     def _remap(self, old_layout: List[dict], old: Sequence[torch.Tensor]) -> None:
         """Move this rank's state from ``old_layout`` to the current one (a collective over the DP group).
@@ -261,10 +238,19 @@ class ZeroOptimizer:
             self.low.copy_(self.master)
 
     # ------------------------------------------------------------------ step
+    def _scattered(self) -> bool:
+        return getattr(self.dp, "reduce_op", "reduce_scatter") == "reduce_scatter"
+
     def _grad_shard(self) -> torch.Tensor:
-        """This rank's averaged gradient shard, flat fp32 (a view when there is one bucket)."""
-        if self.stage == 2 and self._grad_storage().nbytes() == 0:
-            return self._grad_flat.zero_()   # released and no backward since: no gradient
+        """This rank's averaged gradient shard, flat fp32: DataParallel's ``grad_shard`` itself after a
+        reduce-scatter; sliced from the all-reduced buffer otherwise (a view when there is one bucket)."""
+        if self._scattered():
+            g = self.dp.grad_shard
+            if g.numel() != self.shard_numel or g.dtype != torch.float32:
+                raise ValueError(f"ZeroOptimizer: DataParallel's grad_shard has {g.numel()} {g.dtype} elements, "
+                                 f"expected {self.shard_numel} float32; build DataParallel with the default "
+                                 f"grad_dtype (fp32 main grads)")
+            return g
         views = []
         for b in self._bucket_list:
             s, e = b.shard_range(self.dp_rank)
@@ -283,7 +269,8 @@ class ZeroOptimizer:
                 loss = closure()
         self._check_layout()
         dev, g = self.device, self.param_groups[0]
-        scale = torch.ones(1, device=dev) if grad_scale is None else torch.reciprocal(_scalar("grad_scale", grad_scale, dev))
+        scale = torch.ones(1, device=dev) if grad_scale is None else \
+            torch.reciprocal(_scalar("grad_scale", grad_scale, dev))
         if clip_coef is not None:
             scale = scale * _scalar("clip_coef", clip_coef, dev)
         inf = torch.zeros(1, device=dev) if found_inf is None else _scalar("found_inf", found_inf, dev)
@@ -373,23 +360,26 @@ class ZeroOptimizer:
         parameter, beside the ZeRO paper's bytes per parameter for this stage.
 
         ``param_bytes``: the flat parameter buffer (full model, every rank). ``grad_bytes``: gradient memory
-        that persists between steps (stage 1: the full grad buffer; stage 2: the fp32 shard).
-        ``comm_bytes``: DataParallel's per-bucket reduce-scatter outputs (a shard each, persistent).
-        ``optimizer_bytes``: fp32 master, exp_avg, exp_avg_sq shards. ``staging_bytes``: the low-precision
-        param-copy shard (bf16/fp16 models) and, stage 1 with several buckets, the flat grad shard.
+        that persists between steps: DataParallel's reduced fp32 shard (the one copy the optimizer steps on),
+        plus, stage 1 only, the full grad buffer. ``comm_bytes``: communication buffers alive now (the
+        low-precision pack/reduce-scatter buffers live only from a bucket's launch to its wait: 0 between
+        steps). ``optimizer_bytes``: fp32 master, exp_avg, exp_avg_sq shards. ``staging_bytes``: the
+        low-precision param-copy shard (bf16/fp16 models) and, stage 1 over all_reduce with several
+        buckets, the flat grad shard gathered from the buffer.
         ``transient_grad_bytes``: stage 2's full grad buffer, allocated from forward to the step only.
         """
         self._check_layout()
         buckets = self._bucket_list
         num_params = sum(p.numel() for b in buckets for p in b.params)
-        grad_buf = [self.dp.buffer.grad_buffer]
+        grad_mem = [self.dp.buffer.grad_buffer, getattr(self.dp, "grad_shard", None)]   # released: 0 bytes
+        staged = [t for pair in getattr(self.dp, "_staged", {}).values() for t in pair]
         rep = {"stage": self.stage, "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_params": num_params,
                "padded_numel": sum(b.numel for b in buckets), "shard_numel": self.shard_numel,
                "param_bytes": M.storage_bytes(b.param_data for b in buckets),
-               "grad_bytes": M.storage_bytes(grad_buf + ([self._grad_flat] if self.stage == 2 else [])),
-               "comm_bytes": M.storage_bytes(getattr(self.dp, "_comm_out", None) or []),
+               "grad_bytes": M.storage_bytes(grad_mem),
+               "comm_bytes": M.storage_bytes(staged),
                "optimizer_bytes": M.storage_bytes([self.master, self.exp_avg, self.exp_avg_sq]),
-               "staging_bytes": M.storage_bytes([self.low] + ([self._grad_flat] if self.stage == 1 else [])),
+               "staging_bytes": M.storage_bytes([self.low, self._grad_flat]),
                "transient_grad_bytes": self._grad_nbytes if self.stage == 2 else 0}
         rep["total_bytes"] = sum(rep[k] for k in ("param_bytes", "grad_bytes", "comm_bytes", "optimizer_bytes",
                                                   "staging_bytes"))
