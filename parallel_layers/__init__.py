@@ -11,11 +11,11 @@ from .optim import FusedAdamW, FusedSGD
 from .tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParallelLinear, VocabParallelEmbedding,
                               allreduce_sequence_parallel_grads, parallelize, tensor_parallel_rng_tracker,
                               vocab_parallel_cross_entropy)
-from .zero import ZeroOptimizer
+from .zero import ZeroOptimizer, ZeroStage3, ZeroStage3Optimizer
 
 __version__ = "0.1.0"
 
 __all__ = ["ops", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
            "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "DataParallel",
-           "ZeroOptimizer", "PrecisionPolicy", "DynamicLossScaler", "clip_grad_norm_", "__version__"]
+           "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler", "clip_grad_norm_", "__version__"]

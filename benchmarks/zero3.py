@@ -1,0 +1,209 @@
+"""ZeRO stage 3 (``ZeroStage3`` + ``ZeroStage3Optimizer``) against FSDP2 (``fully_shard``) on CPU gloo.
+
+    python -m benchmarks.zero3            # GPT V8192 L6 d512 (~23.3M parameters), 2 gloo ranks x 1 thread
+    python -m benchmarks.zero3 --smoke    # tiny sizes, seconds (no CSV with --no-csv)
+
+Two processes (one thread each) form a data-parallel group of 2; each trains the same GPT (one seed) on
+its half of the batch, one full step per call (forward, backward, optimizer step, zero grad):
+
+* ours: ``ZeroStage3(gpt, group)`` (every block a unit, the root keeps embeddings and final LayerNorm),
+  ``ZeroStage3Optimizer`` (one fused AdamW over the rank's flat shard);
+* baseline: ``fully_shard(block, mesh)`` for every block, then ``fully_shard(gpt, mesh)``, and
+  ``torch.optim.AdamW(foreach=True)`` (FSDP2's DTensor parameters; the multi-tensor path is the fast
+  one, the default on CPU would be a per-tensor loop).
+
+Step time: ``harness.compare`` (warm-up, then both interleaved), a barrier before each step; rank 0's
+median (p20-p80). Target: ours at most 1.0x FSDP2's (speedup >= 1.0).
+
+Peak memory: each method alone in the rank (the other one not built; both were built and stepped once
+before, and deleted, so imports and caches are in the baseline): build, two warm-up steps (so
+AdamW's state exists), then reset the high-water mark (``/proc/self/clear_refs`` = 5) and run one step;
+the figure is VmHWM minus the RSS the process had before the model was built (so it counts parameters,
+gradients, optimizer state and the step's transient memory). The ranks run with
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks go back to the OS and RSS follows live memory. Max over
+ranks, median over ``reps`` measured steps. Target: at most 1.0x FSDP2's.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+from . import harness
+
+CSV_PATH = os.path.join(harness.RESULTS_DIR, "zero.csv")
+WORLD = 2
+SIZES = {"full": dict(vocab_size=8192, n_layer=6, d_model=512, n_head=8, max_seq_len=64, batch=8),
+         "smoke": dict(vocab_size=128, n_layer=2, d_model=32, n_head=2, max_seq_len=16, batch=4)}
+REPS = {"full": (7, 2), "smoke": (5, 1)}
+LR = 1e-4
+MEM_METHOD = "VmHWM - RSS before build, clear_refs=5, MALLOC_MMAP_THRESHOLD_=65536, max over ranks"
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+
+
+def _build(name: str, size: dict, group, device_mesh):
+    """A step function for ``name`` ('ours' or 'fsdp2') on a freshly built GPT (same seed for both)."""
+    from parallel_layers.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{k: v for k, v in size.items() if k != "batch"}))
+    if name == "ours":
+        from parallel_layers.zero.stage3 import ZeroStage3
+        from parallel_layers.zero.stage3_optimizer import ZeroStage3Optimizer
+
+        model = ZeroStage3(model, group)
+        opt = ZeroStage3Optimizer(model, lr=LR, weight_decay=0.1)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=device_mesh)
+        fully_shard(model, mesh=device_mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=True)
+    return model, opt
+
+
+def _step_fn(model, opt, x, y):
+    import torch.distributed as dist
+
+    losses = []
+
+    def step():
+        dist.barrier()
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return step, losses
+
+
+def _rank(rank: int, port: int, mode: str, queue) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600))
+    try:
+        device_mesh = init_device_mesh("cpu", (WORLD,))
+        group = device_mesh.get_group()
+        size = SIZES[mode]
+        reps, warmup = REPS[mode]
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randint(0, size["vocab_size"], (size["batch"], size["max_seq_len"]), generator=gen)
+        y = torch.roll(x, -1, dims=1)
+        x, y = x.chunk(WORLD)[rank].contiguous(), y.chunk(WORLD)[rank].contiguous()
+        out = {}
+        # ---- warm the process: lazy imports, dispatch caches and gloo buffers are not a method's memory
+        for name in ("ours", "fsdp2"):
+            _step_fn(*_build(name, size, group, device_mesh), x, y)[0]()
+            gc.collect()
+        # ---- peak memory: one method at a time
+        for name in ("ours", "fsdp2"):
+            gc.collect()
+            base = _status_mb("VmRSS")
+            model, opt = _build(name, size, group, device_mesh)
+            step, losses = _step_fn(model, opt, x, y)
+            for _ in range(2):
+                step()
+            peaks = []
+            for _ in range(reps):
+                gc.collect()
+                _reset_peak()
+                step()
+                peaks.append(_status_mb("VmHWM") - base)
+            peak = torch.tensor([statistics.median(peaks)], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            out[name + "_peak_mb"] = peak.item()
+            out[name + "_first_loss"] = losses[0]
+            del model, opt, step
+            gc.collect()
+        # ---- step time: both alive, interleaved
+        ours_step, _ = _step_fn(*_build("ours", size, group, device_mesh), x, y)
+        base_step, _ = _step_fn(*_build("fsdp2", size, group, device_mesh), x, y)
+        out["ours"], out["fsdp2"] = harness.compare(ours_step, base_step, torch.device("cpu"), reps, warmup)
+        if rank == 0:
+            queue.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    import torch.multiprocessing as mp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
+    ap.add_argument("--no-csv", action="store_true")
+    args = ap.parse_args(argv)
+    mode = "smoke" if args.smoke else "full"
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"   # inherited by the spawned ranks (see the docstring)
+    t0 = time.time()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_rank, args=(_free_port(), mode, queue), nprocs=WORLD, start_method="spawn", join=True)
+    res = queue.get()
+    from parallel_layers.models import GPT, GPTConfig
+
+    size = SIZES[mode]
+    n_params = sum(p.numel() for p in GPT(GPTConfig(**{k: v for k, v in size.items() if k != "batch"})).parameters())
+    sizes = (f"V{size['vocab_size']}xL{size['n_layer']}xd{size['d_model']}xs{size['max_seq_len']}xb{size['batch']} "
+             f"({n_params} params)")
+    ours, base = res["ours"], res["fsdp2"]
+    speedup = base.median_ms / ours.median_ms
+    mem_ratio = res["ours_peak_mb"] / res["fsdp2_peak_mb"]
+    ver = harness.versions()
+    device = harness.device_name(torch.device("cpu"))
+    print(f"device: {device}; torch {ver['torch']}; {WORLD} gloo ranks x 1 thread; GPT {sizes}, fp32")
+    print(f"{'method':<28} {'step ms':>9} {'p20-p80':>17} {'peak MB':>9}")
+    print(f"{'ours ZeroStage3':<28} {ours.median_ms:>9.1f} {f'{ours.p20_ms:.1f}-{ours.p80_ms:.1f}':>17} "
+          f"{res['ours_peak_mb']:>9.1f}")
+    print(f"{'FSDP2 fully_shard':<28} {base.median_ms:>9.1f} {f'{base.p20_ms:.1f}-{base.p80_ms:.1f}':>17} "
+          f"{res['fsdp2_peak_mb']:>9.1f}")
+    print(f"step time ours/FSDP2 {1 / speedup:.3f}x (speedup {speedup:.3f}x, target <= 1.0x); "
+          f"peak memory ours/FSDP2 {mem_ratio:.3f}x (target <= 1.0x)")
+    print(f"first-step loss ours {res['ours_first_loss']:.6f} FSDP2 {res['fsdp2_first_loss']:.6f}; "
+          f"memory: {MEM_METHOD}; {time.time() - t0:.0f} s")
+    if not args.no_csv:
+        run_id = harness.now_iso()
+        common = dict(run_id=run_id, date=run_id, mode=mode, sizes=sizes, dtype="float32", backend=f"gloo x{WORLD}",
+                      device=device, torch=ver["torch"], triton=ver["triton"], threads=1)
+        harness.append_csv(CSV_PATH, [
+            dict(common, case=f"zero3_train_step_dp{WORLD}", ours_median_ms=ours.median_ms, ours_p20_ms=ours.p20_ms,
+                 ours_p80_ms=ours.p80_ms, base_median_ms=base.median_ms, base_p20_ms=base.p20_ms,
+                 base_p80_ms=base.p80_ms, speedup=speedup, target="speedup>=1.0",
+                 met="yes" if speedup >= 1.0 else "no", baseline="FSDP2 fully_shard per block + root, AdamW(foreach)"),
+            dict(common, case=f"zero3_peak_memory_dp{WORLD}", target="mem_ratio<=1.0",
+                 met="yes" if mem_ratio <= 1.0 else "no",
+                 baseline=(f"FSDP2 fully_shard per block + root; peak MB ours {res['ours_peak_mb']:.1f} vs "
+                           f"{res['fsdp2_peak_mb']:.1f} = {mem_ratio:.3f}x ({MEM_METHOD})"))])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
