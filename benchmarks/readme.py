@@ -25,6 +25,7 @@ SECTIONS = [("kernels.csv", "Fused kernels", "make bench"),
             ("tp.csv", "Tensor parallel (2 ranks)", "python -m benchmarks.tp; python -m benchmarks.cross_entropy"),
             ("dp.csv", "Data parallel", "python -m benchmarks.dp"),
             ("zero.csv", "ZeRO", "python -m benchmarks.zero; python -m benchmarks.zero3"),
+            ("pipeline.csv", "Pipeline", "python -m benchmarks.pipeline"),
             ("matmul.csv", "Fused matmul epilogue (GPU)", "python -m benchmarks.matmul")]
 
 

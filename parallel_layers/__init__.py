@@ -3,7 +3,7 @@
 Importing never fails because a kernel could not be built: ops fall back to their torch reference
 with one warning that says why.
 """
-from . import ops
+from . import ops, pipeline
 from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
 from .data_parallel import DataParallel
 from .mesh import ParallelMesh
@@ -15,7 +15,7 @@ from .zero import ZeroOptimizer, ZeroStage3, ZeroStage3Optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["ops", "pipeline", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
            "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "DataParallel",
            "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler", "clip_grad_norm_", "__version__"]

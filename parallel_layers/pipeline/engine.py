@@ -1,0 +1,236 @@
+"""Executes a pipeline schedule: the instruction list of this rank, one instruction at a time.
+
+``PipelineEngine(chunks, pp_group, schedule=..., num_microbatches=m)``; ``engine.step(inputs, targets)``
+splits the batch into ``m`` microbatches along dim 0, runs this rank's instructions and leaves the
+accumulated gradients in the chunks' parameters (call ``zero_grad`` before, the optimizer after). The
+last stage's loss of every microbatch is scaled by ``1 / m`` before its backward, so for a mean loss
+over equal microbatches the accumulated gradients equal the full batch's. Returns the mean loss over
+microbatches (on every pipeline rank when ``broadcast_loss``, else on the last stage only, None
+elsewhere).
+
+A chunk is any module ``chunk(x, targets=None)``: stage 0 receives the microbatch of ``inputs``; the
+last stage receives ``targets`` and returns a scalar loss; every other stage maps a tensor to a tensor.
+Chunks with a ``finish_grads()`` method (``GPTStage``: tied embeddings, sequence-parallel grads) have it
+called once after the schedule.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..distributed import collectives as C
+from .p2p import HEADER_LEN, HEADER_TAG, P2P, decode_header, encode_header
+from .schedules import Instr, build_schedule, check_schedule_args, format_schedule
+from .timeline import Timeline, bubble_fraction, draw, gather_timelines
+
+
+class PipelineEngine:
+    def __init__(self, chunks: Sequence[nn.Module], pp_group, *, schedule: str = "1f1b", num_microbatches: int,
+                 tensor_shape: Optional[Sequence[int]] = None, broadcast_loss: bool = True,
+                 record_timeline: bool = False, device: Optional[torch.device] = None):
+        self.chunks = list(chunks)
+        if not self.chunks:
+            raise ValueError("PipelineEngine: no chunks given")
+        self.group = pp_group
+        self.p, self.rank = C.world_size(pp_group), C.rank(pp_group)
+        self.v, self.m = len(self.chunks), num_microbatches
+        self.S = self.p * self.v
+        check_schedule_args(schedule, self.p, num_microbatches, self.v)
+        self.schedule = schedule
+        self.steps = build_schedule(schedule, self.p, num_microbatches, self.rank, self.v)
+        self.tensor_shape = None if tensor_shape is None else tuple(int(x) for x in tensor_shape)
+        self.broadcast_loss = broadcast_loss
+        self.record_timeline = record_timeline
+        self.device = device
+        self.p2p = P2P(pp_group, device) if self.p > 1 else None
+        self.timeline = Timeline(self.rank)
+        self.last_timelines: Optional[List[Timeline]] = None
+
+    # ------------------------------------------------------------------ helpers
+    def stage(self, chunk: int) -> int:
+        return chunk * self.p + self.rank
+
+    def describe(self) -> str:
+        return f"{self.schedule}, rank {self.rank} of {self.p}, {self.v} chunk(s), {self.m} microbatches:\n" + \
+            format_schedule(self.steps)
+
+    def _split(self, t: Optional[torch.Tensor], name: str, needed: bool) -> Optional[List[torch.Tensor]]:
+        if not needed:
+            return None
+        if t is None:
+            raise ValueError(f"PipelineEngine.step: pipeline rank {self.rank} holds stage "
+                             f"{'0' if name == 'inputs' else self.S - 1} and needs {name}")
+        if t.shape[0] % self.m:
+            raise ValueError(f"PipelineEngine.step: batch of {t.shape[0]} does not split into {self.m} equal "
+                             f"microbatches; use a batch size that is a multiple of num_microbatches")
+        return list(t.chunk(self.m, dim=0))
+
+    def _timed(self, op, mb, chunk, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        self.timeline.record(op, mb, chunk, t0, time.perf_counter())
+        return out
+
+    # ------------------------------------------------------------------ one step
+    def step(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None):
+        holds_first, holds_last = 0 in map(self.stage, range(self.v)), self.S - 1 in map(self.stage, range(self.v))
+        mb_inputs = self._split(inputs, "inputs", holds_first)
+        mb_targets = self._split(targets, "targets", holds_last)
+        inputs_of: Dict[Tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> input (requires grad)
+        outputs: Dict[Tuple[int, int], torch.Tensor] = {}     # (mb, chunk) -> output, or scaled loss
+        out_grads: Dict[Tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> d loss / d output
+        in_grads: Dict[Tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> d loss / d input, to send
+        recv_shape: Dict[int, Tuple[tuple, torch.dtype]] = {}  # chunk -> activation shape this step
+        header_sent: set = set()
+        losses: List[torch.Tensor] = []
+        if self.record_timeline and self.p > 1:
+            dist.barrier(group=self.group)
+        self.timeline.start()
+
+        for step in self.steps:
+            if isinstance(step, Instr):
+                mb, c = step.mb, step.chunk
+                s = self.stage(c)
+                if step.op == "F":
+                    if s == 0:
+                        x = mb_inputs[mb]
+                    elif self.p == 1:              # previous stage on this rank: local hand-off
+                        x = outputs[(mb, c - 1)].detach().requires_grad_()
+                        inputs_of[(mb, c)] = x
+                    else:
+                        x = inputs_of[(mb, c)]
+                    if s == self.S - 1:
+                        loss = self._timed("F", mb, c, lambda: self.chunks[c](x, mb_targets[mb]))
+                        losses.append(loss.detach())
+                        outputs[(mb, c)] = loss / self.m
+                    else:
+                        outputs[(mb, c)] = self._timed("F", mb, c, lambda: self.chunks[c](x))
+                else:
+                    out = outputs.pop((mb, c))
+                    grad = None if s == self.S - 1 else out_grads.pop((mb, c))
+                    self._timed("B", mb, c, lambda: torch.autograd.backward(out, grad))
+                    x = inputs_of.pop((mb, c), None)
+                    if x is not None:
+                        if self.p == 1:
+                            out_grads[(mb, c - 1)] = x.grad
+                        else:
+                            in_grads[(mb, c)] = x.grad
+                continue
+            self._communicate(step, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent)
+
+        if self.p2p is not None:
+            self.p2p.drain()
+        self.timeline.stop()
+        seen = set()
+        for chunk in self.chunks:
+            if hasattr(chunk, "finish_grads") and id(chunk) not in seen:
+                seen.add(id(chunk))
+                chunk.finish_grads()
+        loss = torch.stack(losses).mean() if losses else None
+        if self.broadcast_loss and self.p > 1:
+            buf = loss.clone() if loss is not None else torch.zeros((), dtype=self._loss_dtype())
+            C.broadcast(buf, self.p - 1, self.group)   # stage S - 1 lives on pipeline rank p - 1
+            loss = buf
+        return loss
+
+    def _loss_dtype(self):
+        return next(self.chunks[0].parameters()).dtype
+
+    def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent):
+        """One batch of messages. Activation shapes first travel in a header round (first message of
+        a link in this step), then the data; only receives are waited for."""
+        t0 = time.perf_counter()
+        headers, hdr_ops = {}, []
+        for ins in batch:
+            if ins.op == "SEND_ACT" and ins.chunk not in header_sent:
+                header_sent.add(ins.chunk)
+                hdr_ops.append(("send", encode_header(outputs[(ins.mb, ins.chunk)]), ins.peer, f"send header {ins}"))
+            elif ins.op == "RECV_ACT" and ins.chunk not in recv_shape:
+                headers[ins.chunk] = torch.empty(HEADER_LEN, dtype=torch.int64)
+                hdr_ops.append(("recv", headers[ins.chunk], ins.peer, f"receive header {ins}"))
+        if hdr_ops:
+            self.p2p.wait(self.p2p.post(hdr_ops, tag=HEADER_TAG))
+            for ins in batch:                       # both ends check what the user declared
+                if ins.op == "SEND_ACT" and self.tensor_shape is not None:
+                    try:
+                        self._check_shape(tuple(outputs[(ins.mb, ins.chunk)].shape), ins, sending=True)
+                    except ValueError:
+                        # deliver the header first (a send dies with its buffer), so the receiver
+                        # raises the same clear error instead of timing out
+                        try:
+                            self.p2p.drain()
+                        except RuntimeError:
+                            pass
+                        raise
+            for chunk, h in headers.items():
+                shape, dtype = decode_header(h)
+                recv_shape[chunk] = (shape, dtype)
+                if self.tensor_shape is not None:
+                    self._check_shape(shape, next(i for i in batch if i.op == "RECV_ACT" and i.chunk == chunk),
+                                      sending=False)
+        ops, received = [], []
+        for ins in batch:
+            key = (ins.mb, ins.chunk)
+            if ins.op == "SEND_ACT":
+                out = outputs[key].detach()
+                if tuple(out.shape) != recv_shape.get(("sent", ins.chunk), tuple(out.shape)):
+                    raise ValueError(f"pipeline stage {self.stage(ins.chunk)}: microbatch {ins.mb} output has shape "
+                                     f"{tuple(out.shape)} but earlier microbatches had "
+                                     f"{recv_shape[('sent', ins.chunk)]}; microbatches must have equal shapes")
+                recv_shape[("sent", ins.chunk)] = tuple(out.shape)
+                ops.append(("send", out.contiguous(), ins.peer, f"send {ins}"))
+            elif ins.op == "SEND_GRAD":
+                g = in_grads.pop(key)
+                ops.append(("send", g.contiguous(), ins.peer, f"send {ins}"))
+            elif ins.op == "RECV_ACT":
+                shape, dtype = recv_shape[ins.chunk]
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                ops.append(("recv", buf, ins.peer, f"receive {ins}"))
+                received.append((ins, buf))
+            else:  # RECV_GRAD: the shape of the activation this rank sent
+                out = outputs[key]
+                buf = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+                ops.append(("recv", buf, ins.peer, f"receive {ins}"))
+                received.append((ins, buf))
+        self.p2p.wait(self.p2p.post(ops))
+        for ins, buf in received:
+            key = (ins.mb, ins.chunk)
+            if ins.op == "RECV_ACT":
+                inputs_of[key] = buf.requires_grad_(buf.is_floating_point())
+            else:
+                out_grads[key] = buf
+        if received:
+            first = received[0][0]
+            self.timeline.record("W", first.mb, first.chunk, t0, time.perf_counter())
+
+    def _check_shape(self, shape, ins, sending: bool):
+        if shape != self.tensor_shape:
+            s = self.stage(ins.chunk)
+            other = s + 1 if sending else s - 1
+            raise ValueError(f"pipeline: stage {other if not sending else s} sends activations of shape {shape} to "
+                             f"stage {s if not sending else other}, but the declared tensor_shape is "
+                             f"{self.tensor_shape}; fix the stage split or tensor_shape (microbatch {ins.mb})")
+
+    # ------------------------------------------------------------------ timeline
+    def gather_timeline(self) -> Optional[List[Timeline]]:
+        """All ranks' timelines of the last step on pipeline rank 0 (None elsewhere); a collective."""
+        self.last_timelines = gather_timelines(self.timeline, self.group if self.p > 1 else None)
+        return self.last_timelines
+
+    def bubble_fraction(self) -> Optional[float]:
+        """Measured bubble of the last step (call :meth:`gather_timeline` first; rank 0 only)."""
+        return None if self.last_timelines is None else bubble_fraction(self.last_timelines)
+
+    def draw_timeline(self, path: str, title: Optional[str] = None) -> Optional[str]:
+        """Gathers (a collective) and, on pipeline rank 0, writes the PNG; returns its path there."""
+        tls = self.gather_timeline()
+        if tls is None:
+            return None
+        return draw(tls, path, title or f"{self.schedule}: p={self.p}, m={self.m}, chunks={self.v}")
+
+
+__all__ = ["PipelineEngine"]

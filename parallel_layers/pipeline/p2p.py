@@ -1,0 +1,106 @@
+"""Point-to-point transfer of activations (forward) and gradients (backward) over the ``pp_group``.
+
+One communication step of a schedule is a list of sends and receives posted together:
+``dist.batch_isend_irecv`` (coalesced on NCCL; on gloo torch issues the ops one by one), falling back to
+plain ``isend``/``irecv`` where batching is unavailable. The caller waits for the receives at once and
+for the sends lazily (:meth:`P2P.drain`), so a rank never stalls on a send its neighbour will only
+match after a receive of its own (see ``schedules.simulate``).
+
+Shapes travel once per step and link: before the first activation of a step on a link, the sender
+posts a small int64 header ``[ndim, dtype, *shape]``; the receiver allocates from it (gradients have the
+shape of the activation the rank itself sent, so they need no header). If the user declared
+``tensor_shape`` both ends check the header against it and raise the same clear ``ValueError``.
+
+Timeouts: a wait uses the process group's timeout (create the pipeline's group with
+``dist.new_group(timeout=...)`` for a short one), and a failed wait is re-raised naming this rank, the
+message and the peer, since the usual cause is a peer that raised first.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+HEADER_LEN = 8  # ndim, dtype code, up to 6 dims
+HEADER_TAG = 7
+
+
+def encode_header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > HEADER_LEN - 2:
+        raise ValueError(f"pipeline p2p: activations of {t.dim()} dims are not supported (at most {HEADER_LEN - 2})")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"pipeline p2p: activation dtype {t.dtype} is not supported ({_DTYPES})")
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
+    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def decode_header(h: torch.Tensor) -> Tuple[Tuple[int, ...], torch.dtype]:
+    ndim, code = int(h[0]), int(h[1])
+    return tuple(int(x) for x in h[2:2 + ndim]), _DTYPES[code]
+
+
+class P2P:
+    """Sends and receives between pipeline ranks of ``group`` (peers named by their rank in the group)."""
+
+    def __init__(self, group, device: Optional[torch.device] = None):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.rank = dist.get_rank(group)
+        self.device = device or torch.device("cpu")
+        self._pending_sends: List[Tuple[object, torch.Tensor, str]] = []
+        self._batched = hasattr(dist, "batch_isend_irecv")
+
+    def post(self, ops: Sequence[Tuple[str, torch.Tensor, int, str]], tag: int = 0) -> List[Tuple[object, str]]:
+        """Post ``(kind, tensor, peer, what)`` ops (kind ``"send"``/``"recv"``); returns the receives'
+        works (``(work, what)``) to wait on. Sends are kept (with their tensors alive) until drained.
+        ``tag``: headers use their own tag, so they form a FIFO channel apart from the data (the two
+        ends may group a header and a data message into different batches)."""
+        if not ops:
+            return []
+        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self.ranks[peer], self.group, tag)
+               for kind, t, peer, _ in ops]
+        works = None
+        if self._batched:
+            try:
+                works = dist.batch_isend_irecv(p2p)
+            except (RuntimeError, NotImplementedError):  # a backend without coalescing: one by one
+                self._batched = False
+        if works is None:
+            works = [(dist.isend if kind == "send" else dist.irecv)(t, self.ranks[peer], group=self.group, tag=tag)
+                     for kind, t, peer, _ in ops]
+        recvs = []
+        for (kind, t, peer, what), work in zip(ops, works):
+            if kind == "send":
+                self._pending_sends.append((work, t, what))
+            else:
+                recvs.append((work, what))
+        self._reap()
+        return recvs
+
+    def wait(self, works: Sequence[Tuple[object, str]]) -> None:
+        for work, what in works:
+            self._wait_one(work, what)
+
+    def _wait_one(self, work, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - re-raised with the pipeline context
+            raise RuntimeError(f"pipeline rank {self.rank} (global rank {dist.get_rank()}): {what} failed or timed "
+                               f"out: {exc}. A neighbouring stage probably raised first; see its error.") from exc
+
+    def _reap(self) -> None:
+        """Forget sends that have completed (frees their buffers early; 1F1B's memory bound needs it)."""
+        self._pending_sends = [(w, t, what) for w, t, what in self._pending_sends if not w.is_completed()]
+
+    def drain(self) -> None:
+        """Wait for every posted send (end of a step)."""
+        pending, self._pending_sends = self._pending_sends, []
+        for work, _, what in pending:
+            self._wait_one(work, what)
+
+
+__all__ = ["P2P", "encode_header", "decode_header", "HEADER_LEN", "HEADER_TAG"]

@@ -1,0 +1,289 @@
+"""Pipeline schedules as explicit instruction lists (DeepSpeed's idea): built first, then executed.
+
+A schedule is, for every pipeline rank, a list of *steps*. A step is either one compute instruction
+(``Forward(mb, chunk)`` / ``Backward(mb, chunk)``) or a tuple of communication instructions
+(``SendAct``, ``RecvAct``, ``SendGrad``, ``RecvGrad``) that the engine posts together
+(``batch_isend_irecv``) and waits for together. Because the lists are plain data they can be printed
+(:func:`format_schedule`), unit-tested, and checked for deadlock by :func:`simulate` without a model.
+
+Layout (Megatron-LM's): ``p`` ranks, ``v`` chunks per rank (virtual stages). Chunk ``c`` on rank ``r``
+is the global stage ``c * p + r``; stage ``s`` sends activations to stage ``s + 1`` (rank ``(r+1) % p``)
+and gradients back to stage ``s - 1``. GPipe and 1F1B use ``v = 1``.
+
+Only the *compute order* differs between schedules (:func:`gpipe_order`, :func:`one_f_one_b_order`,
+:func:`interleaved_order`); :func:`add_communication` then derives the messages from it the same way
+for all: between two compute steps, the sends of the previous one and the receives the next one needs
+form one batch (Megatron's ``send_forward_recv_backward``). The engine posts a batch at once and waits
+only for its receives; sends complete in the background (interleaved 1F1B deadlocks if a rank must wait
+for its send to the wrap-around neighbour before it may post the receive that neighbour waits on).
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple, Union
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Instr:
+    op: str            # "F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
+    mb: int
+    chunk: int
+    peer: int = -1     # pipeline rank of the other end (communication only)
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in ("F", "B")
+
+    def __str__(self) -> str:
+        name = {"F": "Forward", "B": "Backward", "SEND_ACT": "SendAct", "RECV_ACT": "RecvAct",
+                "SEND_GRAD": "SendGrad", "RECV_GRAD": "RecvGrad"}[self.op]
+        peer = f"->{self.peer}" if self.op.startswith("SEND") else f"<-{self.peer}" if self.peer >= 0 else ""
+        return f"{name}(mb={self.mb}, chunk={self.chunk}{', ' + peer if peer else ''})"
+
+
+def Forward(mb: int, chunk: int = 0) -> Instr:  # noqa: N802 - instruction constructors read like the issue
+    return Instr("F", mb, chunk)
+
+
+def Backward(mb: int, chunk: int = 0) -> Instr:  # noqa: N802
+    return Instr("B", mb, chunk)
+
+
+Step = Union[Instr, Tuple[Instr, ...]]
+
+
+# ---------------------------------------------------------------------------------------- validation
+def check_schedule_args(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
+    """Clear errors for combinations a schedule cannot run (same message on every rank)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                        ("num_chunks", num_chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"pipeline: {name}={value!r} must be a positive integer")
+    if schedule != "interleaved" and num_chunks != 1:
+        raise ValueError(f"pipeline: schedule {schedule!r} runs one chunk per rank, got num_chunks={num_chunks}; "
+                         f"use schedule='interleaved' for virtual stages")
+    if schedule == "1f1b" and num_microbatches < num_stages:
+        raise ValueError(f"pipeline: 1F1B needs at least as many microbatches as stages, got "
+                         f"num_microbatches={num_microbatches} < {num_stages} stages; use >= {num_stages} "
+                         f"microbatches (or schedule='gpipe')")
+    if schedule == "interleaved" and num_microbatches % num_stages:
+        raise ValueError(f"pipeline: interleaved 1F1B needs num_microbatches divisible by the pipeline size, got "
+                         f"num_microbatches={num_microbatches} and {num_stages} stages; use a multiple of "
+                         f"{num_stages}")
+
+
+# ---------------------------------------------------------------------------------------- compute orders
+def gpipe_order(p: int, m: int, rank: int) -> List[Instr]:
+    """All forwards, then all backwards."""
+    return [Forward(i) for i in range(m)] + [Backward(i) for i in range(m)]
+
+
+def one_f_one_b_order(p: int, m: int, rank: int) -> List[Instr]:
+    """Warm-up of ``p - rank - 1`` forwards, steady one-forward-one-backward, cool-down of backwards.
+    At most ``p - rank`` microbatches are in flight (forward done, backward not) on ``rank``."""
+    warmup = min(p - rank - 1, m)
+    order = [Forward(i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [Forward(warmup + i), Backward(i)]
+    order += [Backward(i) for i in range(m - warmup, m)]
+    return order
+
+
+def interleaved_order(p: int, m: int, rank: int, v: int) -> List[Instr]:
+    """Megatron-LM's interleaved 1F1B: microbatches go through the ``v`` chunks in groups of ``p``;
+    warm-up ``2 (p - rank - 1) + (v - 1) p`` forwards, then 1F1B over (microbatch, chunk) pairs."""
+    total = m * v
+
+    def unit(k: int, forward: bool) -> Tuple[int, int]:
+        group, pos = divmod(k, p * v)          # each group of p*v units covers p microbatches x v chunks
+        chunk = pos // p
+        mb = group * p + pos % p
+        return mb, (chunk if forward else v - 1 - chunk)
+
+    if m == p:
+        warmup = total                          # Megatron: with m == p everything warms up first
+    else:
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [Forward(*unit(k, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [Forward(*unit(warmup + k, True)), Backward(*unit(k, False))]
+    order += [Backward(*unit(k, False)) for k in range(total - warmup, total)]
+    return order
+
+
+def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1) -> List[Step]:
+    """Insert the messages a compute order needs. Stage ``s = chunk * p + rank``; a neighbour stage on
+    this same rank (``p == 1``) is a local hand-off, no message."""
+    S = p * v
+
+    def stage(chunk):
+        return chunk * p + rank
+
+    def sends(ins: Instr) -> List[Instr]:
+        s = stage(ins.chunk)
+        if ins.op == "F" and s < S - 1 and p > 1:
+            return [Instr("SEND_ACT", ins.mb, ins.chunk, (rank + 1) % p)]
+        if ins.op == "B" and s > 0 and p > 1:
+            return [Instr("SEND_GRAD", ins.mb, ins.chunk, (rank - 1) % p)]
+        return []
+
+    def recvs(ins: Instr) -> List[Instr]:
+        s = stage(ins.chunk)
+        if ins.op == "F" and s > 0 and p > 1:
+            return [Instr("RECV_ACT", ins.mb, ins.chunk, (rank - 1) % p)]
+        if ins.op == "B" and s < S - 1 and p > 1:
+            return [Instr("RECV_GRAD", ins.mb, ins.chunk, (rank + 1) % p)]
+        return []
+
+    steps: List[Step] = []
+    pending: List[Instr] = []
+    for ins in order:
+        batch = tuple(pending + recvs(ins))
+        if batch:
+            steps.append(batch)
+        steps.append(ins)
+        pending = sends(ins)
+    if pending:
+        steps.append(tuple(pending))
+    return steps
+
+
+def build_schedule(schedule: str, num_stages: int, num_microbatches: int, rank: int,
+                   num_chunks: int = 1) -> List[Step]:
+    """The instruction list of pipeline rank ``rank``."""
+    check_schedule_args(schedule, num_stages, num_microbatches, num_chunks)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if not 0 <= rank < p:
+        raise ValueError(f"pipeline: rank {rank} outside 0..{p - 1}")
+    if schedule == "gpipe":
+        order = gpipe_order(p, m, rank)
+    elif schedule == "1f1b":
+        order = one_f_one_b_order(p, m, rank)
+    else:
+        order = interleaved_order(p, m, rank, v)
+    return add_communication(order, p, rank, v)
+
+
+def build_all(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> List[List[Step]]:
+    return [build_schedule(schedule, num_stages, num_microbatches, r, num_chunks) for r in range(num_stages)]
+
+
+def format_schedule(steps: Sequence[Step]) -> str:
+    lines = []
+    for step in steps:
+        lines.append(str(step) if isinstance(step, Instr) else "  [" + ", ".join(map(str, step)) + "]")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- simulation
+class ScheduleError(AssertionError):
+    """A schedule that cannot run: deadlock, mismatched messages or a missing dependency."""
+
+
+def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1) -> Dict[str, object]:
+    """Run every rank's instruction stream against the others the way the engine executes it: a
+    message moves only when both ends have posted it (rendezvous, as gloo's send/recv do), messages
+    match first-in-first-out per (sender, receiver) pair, sends are posted without waiting and a
+    communication step ends when its receives have arrived. Raises :class:`ScheduleError` on
+    deadlock, on a message whose two ends disagree about (kind, microbatch, stage), on a forward whose
+    input is not there, or a backward before its forward. Returns statistics (max in-flight per rank,
+    number of rounds)."""
+    p, v = len(streams), num_chunks
+    S = p * v
+    pos = [0] * p
+    have_act = [set() for _ in range(p)]     # (mb, stage) inputs present on the rank
+    have_grad = [set() for _ in range(p)]    # (mb, stage) output gradients present
+    done_f = [set() for _ in range(p)]
+    done_b = [set() for _ in range(p)]
+    in_flight = [0] * p
+    max_in_flight = [0] * p
+    posted: Dict[Tuple[int, int], deque] = defaultdict(deque)   # (src, dst) -> posted sends
+    waiting: Dict[Tuple[int, int], deque] = defaultdict(deque)  # (src, dst) -> posted recvs
+    done_ops: set = set()
+    posted_batches = [None] * p
+    rounds = 0
+
+    def stage(r, chunk):
+        return chunk * p + r
+
+    while any(pos[r] < len(streams[r]) for r in range(p)):
+        rounds += 1
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(streams[r]):
+                step = streams[r][pos[r]]
+                if isinstance(step, Instr):
+                    s = stage(r, step.chunk)
+                    key = (step.mb, s)
+                    if step.op == "F":
+                        local_prev = p == 1 and s > 0 and (step.mb, s - 1) in done_f[r]
+                        if s > 0 and key not in have_act[r] and not local_prev:
+                            raise ScheduleError(f"rank {r}: {step} has no input activation")
+                        done_f[r].add(key)
+                        in_flight[r] += 1
+                        max_in_flight[r] = max(max_in_flight[r], in_flight[r])
+                    else:
+                        if key not in done_f[r]:
+                            raise ScheduleError(f"rank {r}: {step} before its forward")
+                        local_next = p == 1 and s < S - 1 and (step.mb, s + 1) in done_b[r]
+                        if s < S - 1 and key not in have_grad[r] and not local_next:
+                            raise ScheduleError(f"rank {r}: {step} has no output gradient")
+                        done_b[r].add(key)
+                        in_flight[r] -= 1
+                    pos[r] += 1
+                    progressed = True
+                    continue
+                if posted_batches[r] is None:          # post every op of the batch at once
+                    posted_batches[r] = step
+                    for ins in step:
+                        if ins.op.startswith("SEND"):
+                            if ins.op == "SEND_ACT" and (ins.mb, stage(r, ins.chunk)) not in done_f[r]:
+                                raise ScheduleError(f"rank {r}: {ins} before its forward")
+                            if ins.op == "SEND_GRAD" and (ins.mb, stage(r, ins.chunk)) not in done_b[r]:
+                                raise ScheduleError(f"rank {r}: {ins} before its backward")
+                            posted[(r, ins.peer)].append((r, ins))
+                        else:
+                            waiting[(ins.peer, r)].append((r, ins))
+                    progressed = True
+                # match what can be matched, FIFO per pair
+                for pair in list(posted):
+                    while posted[pair] and waiting[pair]:
+                        (src, snd), (dst, rcv) = posted[pair].popleft(), waiting[pair].popleft()
+                        s_src, s_dst = stage(src, snd.chunk), stage(dst, rcv.chunk)
+                        ok = (snd.mb == rcv.mb and
+                              ((snd.op == "SEND_ACT" and rcv.op == "RECV_ACT" and s_dst == s_src + 1) or
+                               (snd.op == "SEND_GRAD" and rcv.op == "RECV_GRAD" and s_dst == s_src - 1)))
+                        if not ok:
+                            raise ScheduleError(f"message mismatch: rank {src} {snd} meets rank {dst} {rcv}")
+                        done_ops.add((src, snd))
+                        done_ops.add((dst, rcv))
+                        (have_act if rcv.op == "RECV_ACT" else have_grad)[dst].add((rcv.mb, s_dst))
+                        progressed = True
+                # Sends are posted and not waited for (the engine waits them lazily), so a batch is
+                # done once its receives have arrived.
+                if all((r, ins) in done_ops for ins in step if ins.op.startswith("RECV")):
+                    posted_batches[r] = None
+                    pos[r] += 1
+                    progressed = True
+                    continue
+                break
+        if not progressed:
+            stuck = {r: str(streams[r][pos[r]]) for r in range(p) if pos[r] < len(streams[r])}
+            raise ScheduleError(f"deadlock: ranks wait at {stuck}")
+    unmatched = [str(ins) for q in posted.values() for _, ins in q]
+    if unmatched:
+        raise ScheduleError(f"sends never received: {unmatched}")
+    for r in range(p):
+        if in_flight[r] != 0:
+            raise ScheduleError(f"rank {r}: {in_flight[r]} microbatches never ran backward")
+    return {"max_in_flight": max_in_flight, "rounds": rounds, "forwards": [len(d) for d in done_f],
+            "backwards": [len(d) for d in done_b]}
+
+
+__all__ = ["Instr", "Forward", "Backward", "SCHEDULES", "build_schedule", "build_all", "format_schedule",
+           "simulate", "ScheduleError", "check_schedule_args", "add_communication"]

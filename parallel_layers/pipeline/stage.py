@@ -1,0 +1,237 @@
+"""Splitting a model into pipeline stages, and the reference GPT built directly as stages.
+
+Layout of virtual stages (Megatron-LM's): with ``p`` pipeline ranks and ``v`` chunks per rank there are
+``S = p * v`` stages; chunk ``c`` of rank ``r`` is stage ``c * p + r``. With ``v = 1`` a rank holds
+one contiguous slice of the layers.
+
+Building the GPT as stages (:func:`build_gpt_stages`): every rank walks the *full* construction order
+of :class:`~parallel_layers.models.gpt.GPT` (``wte, wpe, blocks..., ln_f, lm_head``), constructing each
+module from the default generator, and keeps only the modules its stages own; a module it does not
+own is dropped as soon as it is built. Why not the meta device: weights are drawn from one generator
+stream in construction order, and the only exact way to advance that stream past a module is to draw
+its numbers (the CPU generator's consumption depends on the sampling kernel's vectorisation). So
+``torch.manual_seed(s); build_gpt_stages(...)`` holds exactly the slices of
+``torch.manual_seed(s); GPT(cfg)`` at any pipeline size, and a rank's peak memory is its own layers
+plus the single largest module it does not own (one block or the embedding), never the whole model.
+
+Tied embeddings: the first stage owns ``wte`` for the embedding; the last stage (when tied) holds its
+own copy, drawn from the same numbers, for the LM head. Their gradients are summed over a group of the
+first and last pipeline rank (:func:`tied_embedding_group`) in :meth:`GPTStage.finish_grads`, so both
+copies see the dense model's gradient and stay equal under any optimizer that is deterministic in it.
+When one rank holds both ends (``p = 1``), the chunks share one module.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from ..distributed import collectives as C
+from ..models.gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group
+
+
+def partition_layers(num_layers: int, num_stages: int, boundaries: Optional[Sequence[int]] = None,
+                     require_divisible: bool = False) -> List[Tuple[int, int]]:
+    """``[start, end)`` layer ranges of ``num_stages`` stages.
+
+    ``boundaries``: explicit split points, ``num_stages - 1`` increasing integers in ``(0, num_layers)``
+    (a stage may also be empty at the ends). Otherwise balanced by count: the first ``num_layers %
+    num_stages`` stages get one layer more; with ``require_divisible=True`` an uneven count is an error
+    (the interleaved schedule's chunks should cost alike)."""
+    if num_stages < 1:
+        raise ValueError(f"partition_layers: num_stages={num_stages} must be >= 1")
+    if boundaries is not None:
+        b = list(boundaries)
+        if len(b) != num_stages - 1 or any(not 0 <= x <= num_layers for x in b) or b != sorted(b):
+            raise ValueError(f"partition_layers: boundaries={b} must be {num_stages - 1} non-decreasing layer "
+                             f"indices in [0, {num_layers}] for {num_stages} stages")
+        edges = [0] + b + [num_layers]
+        return [(edges[i], edges[i + 1]) for i in range(num_stages)]
+    if require_divisible and num_layers % num_stages:
+        raise ValueError(f"partition_layers: {num_layers} layers do not divide into {num_stages} stages; choose "
+                         f"n_layer a multiple of {num_stages} (pipeline size x chunks) or pass explicit boundaries")
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def stage_ids(pp_rank: int, pp_size: int, num_chunks: int = 1) -> List[int]:
+    """Global stage index of each chunk of ``pp_rank``."""
+    return [c * pp_size + pp_rank for c in range(num_chunks)]
+
+
+def _rng_context_fn(tracker):
+    """``context_fn`` for ``torch.utils.checkpoint``: the TP dropout stream (tracker) is restored on
+    recomputation like the default generator (which ``preserve_rng_state`` already handles)."""
+    saved = {}
+
+    @contextlib.contextmanager
+    def forward_ctx():
+        saved["states"] = tracker.get_states()
+        yield
+
+    @contextlib.contextmanager
+    def recompute_ctx():
+        current = tracker.get_states()
+        tracker.set_states(saved["states"])
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return forward_ctx(), recompute_ctx()
+
+
+def checkpointed(block: nn.Module, x: torch.Tensor, tracker=None) -> torch.Tensor:
+    """Run ``block(x)`` without keeping its activations; backward recomputes it with the same RNG
+    state (dropout masks replay exactly)."""
+    kwargs = {}
+    if tracker is not None:
+        kwargs["context_fn"] = lambda: _rng_context_fn(tracker)
+    return _torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of the reference GPT: embeddings on stage 0, blocks ``layer_range``, final
+    LayerNorm + LM head + loss on the last stage. ``forward(x, targets=None)``: token ids (first stage)
+    or hidden states in; hidden states out, or on the last stage the logits shard (no targets) or the
+    mean loss. Built by :func:`build_gpt_stages` (which makes the weights equal the full GPT's)."""
+
+    # The pieces are GPT's own, so a stage computes exactly what the full model does.
+    embed = GPT.embed
+    head = GPT.head
+    loss = GPT.loss
+
+    def __init__(self, config: GPTConfig, stage_index: int, num_stages: int, layer_range: Tuple[int, int],
+                 tp: _Parallel, modules: dict, *, checkpoint: bool = False, tied_group=None):
+        super().__init__()
+        self.config, self.stage_index, self.num_stages = config, stage_index, num_stages
+        self.layer_range = tuple(layer_range)
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self._tp, self.tp_group, self.tp_size, self.tp_rank = tp, tp.group, tp.size, tp.rank
+        self.checkpoint = checkpoint
+        self.tied_group = tied_group
+        if self.is_first or (self.is_last and config.tie_embeddings):
+            self.wte = modules["wte"]
+        if self.is_first:
+            self.wpe = modules["wpe"]
+        self.blocks = nn.ModuleList(modules["blocks"][i] for i in range(*self.layer_range))
+        if self.is_last:
+            self.ln_f = modules["ln_f"]
+            self.lm_head = modules["lm_head"]
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.embed(x) if self.is_first else x
+        for block in self.blocks:
+            h = checkpointed(block, h, self._tp.rng) if (self.checkpoint and self.training) else block(h)
+        if not self.is_last:
+            return h
+        shard = self.head(h)
+        return shard if targets is None else self.loss(shard, targets)
+
+    def dense_name(self, name: str) -> str:
+        """This stage's parameter name -> the full ``GPT``'s (``blocks.i`` renumbered)."""
+        if name.startswith("blocks."):
+            _, i, rest = name.split(".", 2)
+            return f"blocks.{int(i) + self.layer_range[0]}.{rest}"
+        return name
+
+    def finish_grads(self) -> None:
+        """After backward: sequence-parallel partial grads over TP, tied embedding grads over the
+        first/last stage group."""
+        if self._tp.sp:
+            from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
+            allreduce_sequence_parallel_grads(self, self.tp_group)
+        if self.tied_group is not None and hasattr(self, "wte") and self.config.tie_embeddings:
+            w = self.wte.weight
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            C.all_reduce(w.grad, self.tied_group)
+
+
+def tied_embedding_group(pp_group):
+    """A group of the first and last rank of every pipeline group (a collective over the whole world:
+    every rank must call it, in the same order). Returns this rank's group, or None if it is neither
+    first nor last, or if the pipeline has one rank."""
+    mine = dist.get_process_group_ranks(pp_group)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    result = None
+    for ranks in sorted({tuple(r) for r in every}):
+        if len(ranks) < 2:
+            continue
+        g = dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=False)
+        if list(ranks) == mine and dist.get_rank() in (ranks[0], ranks[-1]):
+            result = g
+    return result
+
+
+def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
+                     boundaries: Optional[Sequence[int]] = None, require_divisible: bool = False,
+                     tp_group=None, tied_group=None, checkpoint: bool = False, dtype=None,
+                     device=None) -> List[GPTStage]:
+    """The stages (one per chunk) that pipeline rank ``pp_rank`` of ``pp_size`` owns, with the weights
+    of ``GPT(config)`` built from the same seed (see the module docstring). ``boundaries``: explicit
+    layer split points across all ``pp_size * num_chunks`` stages; ``tied_group``: from
+    :func:`tied_embedding_group` when ``config.tie_embeddings`` and ``pp_size > 1``."""
+    S = pp_size * num_chunks
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"build_gpt_stages: pp_rank={pp_rank} outside 0..{pp_size - 1}")
+    ranges = partition_layers(config.n_layer, S, boundaries, require_divisible)
+    mine = stage_ids(pp_rank, pp_size, num_chunks)
+    owned_layers = {i for s in mine for i in range(*ranges[s])}
+    has_first, has_last = 0 in mine, S - 1 in mine
+    group = _resolve_group(tp_group)
+    tp = _Parallel(group, config, dtype, device)
+    for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
+        if size % tp.size:
+            raise ValueError(f"build_gpt_stages: {name}={size} does not divide by the tensor-parallel size {tp.size}")
+    d, V = config.d_model, config.vocab_size
+    # Same construction order as GPT.__init__ (it fixes which random numbers each weight gets).
+    if group is None:
+        wte = nn.Embedding(V, d, **tp.factory)
+    else:
+        from ..tensor_parallel.embedding import VocabParallelEmbedding
+        wte = VocabParallelEmbedding(V, d, tp_group=group, sequence_parallel=tp.sp, **tp.factory)
+    keep_wte = has_first or (has_last and config.tie_embeddings)
+    if not keep_wte:
+        wte = None
+    wpe = nn.Embedding(config.max_seq_len, d, **tp.factory)
+    wpe.weight.sequence_parallel = tp.sp
+    if not has_first:
+        wpe = None
+    blocks = {}
+    for i in range(config.n_layer):
+        block = Block(config, tp)            # built (drawing its numbers) even when not ours ...
+        if i in owned_layers:
+            blocks[i] = block
+        del block                            # ... and freed at once when not
+    ln_f = tp.layer_norm(d, config.layer_norm_eps) if has_last else None
+    lm_head = None
+    if not config.tie_embeddings:
+        shim = type("_HeadShim", (), {"config": config})()
+        lm_head = GPT._untied_head(shim, tp)
+        if not has_last:
+            lm_head = None
+    with torch.no_grad():
+        if wte is not None:
+            wte.weight.mul_(config.init_std)
+        if wpe is not None:
+            wpe.weight.mul_(config.init_std)
+    modules = {"wte": wte, "wpe": wpe, "blocks": blocks, "ln_f": ln_f, "lm_head": lm_head}
+    if has_first and has_last:
+        tied_group = None                    # one rank holds both ends: they share the module
+    return [GPTStage(config, s, S, ranges[s], tp, modules, checkpoint=checkpoint,
+                     tied_group=tied_group if (s in (0, S - 1)) else None) for s in mine]
+
+
+__all__ = ["partition_layers", "stage_ids", "GPTStage", "build_gpt_stages", "tied_embedding_group",
+           "checkpointed"]

@@ -1,0 +1,118 @@
+"""A recorded timeline per pipeline rank, its measured bubble fraction, and a PNG drawing.
+
+Every rank records ``(op, microbatch, chunk, start, end)`` for each compute instruction it runs and
+for each wait on communication (op ``"W"``). Times are ``time.perf_counter()`` seconds relative to the
+step's start; the engine starts a recorded step at a barrier of the pipeline group, so the ranks'
+zeros agree to within the barrier's exit skew (microseconds on one host). ``perf_counter`` is
+CLOCK_MONOTONIC on Linux: one clock for every process of a host.
+
+Bubble fraction of a rank = 1 - (compute time) / (step time), step time = the slowest rank's end;
+the pipeline's figure is the mean over ranks: the share of stage-time the pipeline left idle (waiting
+on neighbours or messages), which is what ``(p - 1) / (m + p - 1)`` predicts for 1F1B with equal
+stages.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch.distributed as dist
+
+
+@dataclass
+class Event:
+    op: str          # "F", "B" (compute) or "W" (waiting on messages)
+    mb: int
+    chunk: int
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    rank: int
+    events: List[Event] = field(default_factory=list)
+    t0: float = 0.0
+    t_end: float = 0.0
+
+    def start(self) -> None:
+        self.events.clear()
+        self.t0 = time.perf_counter()
+
+    def record(self, op: str, mb: int, chunk: int, start: float, end: float) -> None:
+        self.events.append(Event(op, mb, chunk, start - self.t0, end - self.t0))
+
+    def stop(self) -> None:
+        self.t_end = time.perf_counter() - self.t0
+
+    @property
+    def busy(self) -> float:
+        return sum(e.end - e.start for e in self.events if e.op in ("F", "B"))
+
+    def to_rows(self) -> List[tuple]:
+        return [(e.op, e.mb, e.chunk, e.start, e.end) for e in self.events]
+
+
+def bubble_fraction(timelines: Sequence[Timeline]) -> float:
+    """Mean over ranks of idle / step time, step time = the last rank's end."""
+    total = max(t.t_end for t in timelines)
+    if total <= 0:
+        return 0.0
+    return sum(1.0 - t.busy / total for t in timelines) / len(timelines)
+
+
+def gather_timelines(local: Timeline, group) -> Optional[List[Timeline]]:
+    """Every pipeline rank's timeline on the group's rank 0 (None elsewhere). A collective."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [local]
+    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object((local.rank, local.to_rows(), local.t_end), out, group_dst=0, group=group)
+    if out is None:
+        return None
+    result = []
+    for rank, rows, t_end in out:
+        tl = Timeline(rank)
+        tl.events = [Event(*r) for r in rows]
+        tl.t_end = t_end
+        result.append(tl)
+    return result
+
+
+def draw(timelines: Sequence[Timeline], path: str, title: str = "") -> str:
+    """Draw the ranks' timelines (one row per rank; forward blue, backward green, waits grey; the
+    microbatch written in each box, ``mb.chunk`` with virtual stages) to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(timelines)
+    chunks = max((e.chunk for t in timelines for e in t.events), default=0) + 1
+    fig, ax = plt.subplots(figsize=(12, 0.7 * n + 1.4))
+    colors = {"F": ["#4c72b0", "#8fb0e0", "#2a4a80"], "B": ["#55a868", "#96d3a6", "#2f6e3f"]}
+    total = max(t.t_end for t in timelines) * 1e3
+    for t in timelines:
+        y = n - 1 - t.rank
+        for e in t.events:
+            s, w = e.start * 1e3, (e.end - e.start) * 1e3
+            if e.op == "W":
+                ax.broken_barh([(s, w)], (y - 0.15, 0.3), facecolors="#cccccc")
+                continue
+            ax.broken_barh([(s, w)], (y - 0.4, 0.8), facecolors=colors[e.op][e.chunk % 3], edgecolor="white",
+                           linewidth=0.5)
+            if w > total / 80:
+                label = f"{e.mb}" if chunks == 1 else f"{e.mb}.{e.chunk}"
+                ax.text(s + w / 2, y, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"rank {n - 1 - i}" for i in range(n)])
+    ax.set_xlabel("time (ms)")
+    ax.set_xlim(0, total * 1.01)
+    bubble = bubble_fraction(timelines)
+    ax.set_title(f"{title}  bubble {bubble:.1%}  (blue forward, green backward, grey waiting)".strip())
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["Event", "Timeline", "bubble_fraction", "gather_timelines", "draw"]

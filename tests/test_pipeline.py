@@ -1,0 +1,194 @@
+"""Pipeline parallelism on real gloo ranks, every rank checked: each schedule at pp = 2 and 4 against
+the unpipelined GPT (same seed, same full batch, float64), activation checkpointing with dropout on,
+and bad input that must end in a clear error on every rank, never a hang."""
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel_layers.models.gpt import GPT, GPTConfig
+from parallel_layers.pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
+from parallel_layers.testing import RankFailure, cached_mesh
+
+_TIED = {}
+
+
+def _tied(mesh):
+    key = id(mesh)
+    if key not in _TIED:                 # a collective: every rank builds it in the same test body
+        _TIED[key] = tied_embedding_group(mesh.pp_group)
+    return _TIED[key]
+
+
+def _config(n_layer, dropout=0.0, tie=True):
+    return GPTConfig(vocab_size=48, n_layer=n_layer, n_head=2, d_model=16, max_seq_len=8, dropout=dropout,
+                     tie_embeddings=tie)
+
+
+def _batch(batch=8, seq=8, vocab=48):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def body_parity(rank, world, schedule, m, v, tie, timeline_png):
+    mesh = cached_mesh(pp=world)
+    cfg = _config(n_layer=8, tie=tie)
+    idx, targets = _batch()
+    torch.manual_seed(0)
+    dense = GPT(cfg, dtype=torch.float64)
+    _, ref_loss = dense(idx, targets)
+    ref_loss.backward()
+    ref = {n: p.grad for n, p in dense.named_parameters()}
+
+    torch.manual_seed(0)
+    chunks = build_gpt_stages(cfg, mesh.pp_rank, world, num_chunks=v, tied_group=_tied(mesh) if tie else None,
+                              dtype=torch.float64)
+    engine = PipelineEngine(chunks, mesh.pp_group, schedule=schedule, num_microbatches=m,
+                            record_timeline=bool(timeline_png))
+    loss = engine.step(idx, targets)
+    worst, names = 0.0, []
+    for chunk in chunks:
+        for n, p in chunk.named_parameters():
+            r = ref[chunk.dense_name(n)]
+            worst = max(worst, ((p.grad - r).norm() / r.norm().clamp_min(1e-30)).item())
+            names.append(chunk.dense_name(n))
+    out = {"loss_err": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad_err": worst,
+           "names": names}
+    if timeline_png:
+        path = engine.draw_timeline(timeline_png)
+        out["png"] = path
+        out["bubble"] = engine.bubble_fraction()
+        out["events"] = len(engine.timeline.events)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("schedule,m,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2)])
+def test_pipeline_matches_unpipelined_gpt(dist_pools, tmp_path, world, schedule, m, v):
+    png = str(tmp_path / "timeline.png") if (world == 2 and schedule == "1f1b" and m == 4) else None
+    out = dist_pools(world).run(body_parity, schedule, m, v, True, png)
+    covered = set()
+    for r, res in enumerate(out):
+        assert res["loss_err"] < 1e-12, (r, res["loss_err"])
+        assert res["grad_err"] < 1e-10, (r, res["grad_err"])
+        covered |= set(res["names"])
+    cfg = _config(8)
+    torch.manual_seed(0)
+    assert covered == {n for n, _ in GPT(cfg).named_parameters()}    # every parameter lives on a stage
+    if png:
+        assert os.path.getsize(out[0]["png"]) > 1000
+        assert 0.0 <= out[0]["bubble"] < 1.0 and out[1]["events"] >= 2 * m
+        assert all(res.get("png") is None for res in out[1:])
+
+
+def test_pipeline_untied_embeddings(dist_pools):
+    for res in dist_pools(2).run(body_parity, "1f1b", 2, 1, False, None):
+        assert res["loss_err"] < 1e-12 and res["grad_err"] < 1e-10
+
+
+def body_checkpointing(rank, world):
+    mesh = cached_mesh(pp=world)
+    cfg = _config(n_layer=4, dropout=0.2)
+    idx, targets = _batch()
+    grads = []
+    for ckpt, step_seed in ((False, 5), (True, 5), (False, 6)):
+        torch.manual_seed(0)
+        chunks = build_gpt_stages(cfg, mesh.pp_rank, world, tied_group=_tied(mesh), checkpoint=ckpt)
+        engine = PipelineEngine(chunks, mesh.pp_group, schedule="1f1b", num_microbatches=2)
+        torch.manual_seed(step_seed)              # the dropout masks of this step
+        engine.step(idx, targets)
+        grads.append(torch.cat([p.grad.flatten() for p in chunks[0].parameters()]))
+    return torch.equal(grads[0], grads[1]), torch.equal(grads[0], grads[2])
+
+
+def test_activation_checkpointing_replays_dropout(dist_pools):
+    for r, (same, same_other_seed) in enumerate(dist_pools(2).run(body_checkpointing)):
+        assert same, f"rank {r}: checkpointed gradients differ from the plain ones"
+        assert not same_other_seed, f"rank {r}: dropout had no effect (test would prove nothing)"
+
+
+def _short_group(seconds=3.0):
+    return dist.new_group(list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=seconds))
+
+
+def body_bad_config(rank, world):
+    msgs = []
+    try:
+        build_gpt_stages(_config(n_layer=5), rank, world, num_chunks=2, require_divisible=True)
+    except ValueError as e:
+        msgs.append(str(e))
+    group = cached_mesh(pp=world).pp_group
+    try:
+        PipelineEngine([nn.Identity()], group, schedule="1f1b", num_microbatches=world - 1)
+    except ValueError as e:
+        msgs.append(str(e))
+    try:
+        PipelineEngine([nn.Identity(), nn.Identity()], group, schedule="interleaved", num_microbatches=3)
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
+
+
+def test_bad_configuration_is_a_clear_error_on_every_rank(dist_pools):
+    for msgs in dist_pools(4).run(body_bad_config):
+        assert len(msgs) == 3, msgs
+        assert "5 layers do not divide into 8 stages" in msgs[0]
+        assert "1F1B needs at least as many microbatches as stages" in msgs[1] and "3 < 4" in msgs[1]
+        assert "divisible by the pipeline size" in msgs[2]
+
+
+def body_shape_mismatch(rank, world):
+    group = _short_group()
+    torch.manual_seed(0)
+    chunks = build_gpt_stages(_config(n_layer=4), rank, world)
+    engine = PipelineEngine(chunks, group, schedule="gpipe", num_microbatches=2, tensor_shape=(4, 8, 17))
+    idx, targets = _batch()
+    try:
+        engine.step(idx, targets)
+    except (ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_shape_mismatch_between_stages_is_a_clear_error(dist_pools):
+    out = dist_pools(4).run(body_shape_mismatch, timeout=60)
+    # stages 0 and 1 see the bad shape at once; the stages behind them time out on the short group
+    for r in (0, 1):
+        kind, msg = out[r]
+        assert kind == "ValueError" and "stage 0 sends activations of shape (4, 8, 16) to stage 1" in msg, out[r]
+        assert "declared tensor_shape is (4, 8, 17)" in msg
+    for r in (2, 3):
+        kind, msg = out[r]
+        assert kind == "RuntimeError" and f"pipeline rank {r}" in msg and "neighbouring stage" in msg, out[r]
+
+
+class _Boom(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, targets=None):
+        raise RuntimeError("deliberate failure in stage 1")
+
+
+def body_rank_raises(rank, world):
+    group = _short_group(2.0)
+    torch.manual_seed(0)
+    chunks = build_gpt_stages(_config(n_layer=2), rank, world)
+    if rank == 1:
+        chunks = [_Boom(chunks[0])]
+    engine = PipelineEngine(chunks, group, schedule="1f1b", num_microbatches=2)
+    idx, targets = _batch()
+    engine.step(idx, targets)
+
+
+def test_a_rank_that_raises_fails_every_rank_within_the_timeout(dist_pools):
+    # Last in the file: the pool is restarted after a failure.
+    with pytest.raises(RankFailure) as info:
+        dist_pools(2).run(body_rank_raises, timeout=60)
+    msg = str(info.value)
+    assert "--- rank 1 raised" in msg and "deliberate failure in stage 1" in msg
+    assert "--- rank 0 raised" in msg and "pipeline rank 0" in msg    # the other rank: by the timeout

@@ -1,0 +1,126 @@
+"""Pipeline schedules as data: no processes, no model. Every schedule is built for several (p, m, v),
+then every rank's instruction stream is run against the others by ``simulate`` (rendezvous messages,
+FIFO per pair), which raises on deadlock, mismatched messages, a forward without its input or a
+backward before its forward."""
+import itertools
+
+import pytest
+
+from parallel_layers.pipeline.schedules import (Instr, ScheduleError, build_all, build_schedule, format_schedule,
+                                                simulate)
+from parallel_layers.pipeline.stage import partition_layers
+
+CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in (4, 5, 8) if s == "gpipe" or m >= p]
+CASES += [("gpipe", 4, 1, 1), ("gpipe", 3, 2, 1)]
+CASES += [("interleaved", p, m, v) for p in (1, 2, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)]
+
+
+def computes(stream):
+    return [s for s in stream if isinstance(s, Instr)]
+
+
+def messages(stream):
+    return [i for s in stream if isinstance(s, tuple) for i in s]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_schedule_runs_without_deadlock_and_covers_everything(schedule, p, m, v):
+    streams = build_all(schedule, p, m, v)
+    stats = simulate(streams, num_chunks=v)          # raises ScheduleError on any violation
+    for r, stream in enumerate(streams):
+        comp = computes(stream)
+        # m forwards and m backwards per chunk, every (mb, chunk) exactly once
+        for op in ("F", "B"):
+            got = sorted((i.mb, i.chunk) for i in comp if i.op == op)
+            assert got == sorted(itertools.product(range(m), range(v))), (r, op)
+        # every forward precedes its backward
+        pos = {(i.op, i.mb, i.chunk): k for k, i in enumerate(comp)}
+        assert all(pos[("F", mb, c)] < pos[("B", mb, c)] for mb in range(m) for c in range(v))
+        # interleaved covers every virtual stage c * p + r
+        assert {i.chunk * p + r for i in comp} == {c * p + r for c in range(v)}
+    assert stats["forwards"] == [m * v] * p and stats["backwards"] == [m * v] * p
+
+
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_every_send_has_its_receive(schedule, p, m, v):
+    streams = build_all(schedule, p, m, v)
+    sends, recvs = [], []
+    for r, stream in enumerate(streams):
+        for i in messages(stream):
+            stage = i.chunk * p + r
+            if i.op == "SEND_ACT":
+                sends.append(("act", i.mb, stage, stage + 1, i.peer))
+            elif i.op == "SEND_GRAD":
+                sends.append(("grad", i.mb, stage, stage - 1, i.peer))
+            elif i.op == "RECV_ACT":
+                recvs.append(("act", i.mb, stage - 1, stage, r))
+            else:
+                recvs.append(("grad", i.mb, stage + 1, stage, r))
+    assert sorted(sends) == sorted(recvs)
+    S = p * v
+    if p > 1:  # one activation and one gradient per stage boundary and microbatch
+        assert len(sends) == 2 * m * (S - 1)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (3, 7), (4, 4), (4, 8), (4, 16)])
+def test_1f1b_bounds_in_flight_microbatches(p, m):
+    stats = simulate(build_all("1f1b", p, m))
+    assert all(n <= p for n in stats["max_in_flight"]), stats
+    assert stats["max_in_flight"] == [min(p - r, m) for r in range(p)]
+    gpipe = simulate(build_all("gpipe", p, m))
+    assert gpipe["max_in_flight"] == [m] * p          # what 1F1B saves
+
+
+def test_1f1b_shape_warmup_steady_cooldown():
+    ops = [f"{i.op}{i.mb}" for i in computes(build_schedule("1f1b", 4, 6, rank=1))]
+    assert ops == ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "F5", "B3", "B4", "B5"]
+    ops = [f"{i.op}{i.mb}" for i in computes(build_schedule("gpipe", 2, 3, rank=0))]
+    assert ops == ["F0", "F1", "F2", "B0", "B1", "B2"]
+
+
+def test_interleaved_order_matches_megatron():
+    # p=2, v=2, m=4, rank 0: warm-up 2*(p-r-1) + (v-1)*p = 4 forwards
+    ops = [f"{i.op}{i.mb}.{i.chunk}" for i in computes(build_schedule("interleaved", 2, 4, rank=0, num_chunks=2))]
+    assert ops[:4] == ["F0.0", "F1.0", "F0.1", "F1.1"]
+    assert ops[4:8] == ["F2.0", "B0.1", "F3.0", "B1.1"]
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="1F1B needs at least as many microbatches as stages"):
+        build_schedule("1f1b", 4, 3, rank=0)
+    with pytest.raises(ValueError, match="num_microbatches divisible by the pipeline size"):
+        build_schedule("interleaved", 4, 6, rank=0, num_chunks=2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        build_schedule("zigzag", 2, 2, rank=0)
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        build_schedule("gpipe", 2, 2, rank=0, num_chunks=2)
+
+
+def test_simulator_catches_a_deadlock_and_a_mismatch():
+    streams = build_all("1f1b", 2, 2)
+    # rank 1 waits for microbatch 1 first: its neighbour sends 0 first -> mismatch
+    swapped = [list(s) for s in streams]
+    swapped[1][0] = (Instr("RECV_ACT", 1, 0, 0),)
+    with pytest.raises(ScheduleError):
+        simulate(swapped)
+    # a receive that nobody sends -> deadlock
+    stuck = [list(s) for s in streams]
+    stuck[0].insert(0, (Instr("RECV_GRAD", 0, 0, 1),))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(stuck)
+
+
+def test_schedule_prints():
+    text = format_schedule(build_schedule("1f1b", 2, 2, rank=0))
+    assert "Forward(mb=0, chunk=0)" in text and "SendAct(mb=0, chunk=0, ->1)" in text
+    assert "RecvGrad(mb=0, chunk=0, <-1)" in text
+
+
+def test_partition_layers():
+    assert partition_layers(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert partition_layers(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert partition_layers(8, 3, boundaries=[1, 5]) == [(0, 1), (1, 5), (5, 8)]
+    with pytest.raises(ValueError, match="do not divide into 3 stages"):
+        partition_layers(8, 3, require_divisible=True)
+    with pytest.raises(ValueError, match="boundaries"):
+        partition_layers(8, 3, boundaries=[5, 1])
