@@ -114,7 +114,7 @@ class ZeroStage3Optimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.z.zero_grad()
+        self.z.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
