@@ -51,6 +51,11 @@ def latest_rows(rows: List[Dict[str, str]]) -> Dict[str, List[Dict[str, str]]]:
     return out
 
 
+def met_text(value: str) -> str:
+    """Benchmarks write yes/no or True/False; the README says yes/no."""
+    return {"true": "yes", "false": "no"}.get((value or "").lower(), value or "-")
+
+
 def fmt(value: str, digits: int = 3) -> str:
     try:
         return f"{float(value):.{digits}g}"
@@ -78,8 +83,8 @@ def render_section(title: str, command: str, per_device: Dict[str, List[Dict[str
             out.append(f"| {r['case']} | {r['sizes']} | {r['dtype']} | {r['backend']} | {fmt(r['ours_median_ms'])} "
                        f"| {r['baseline']} | {fmt(r['base_median_ms'])} | {fmt(r['speedup'])}x "
                        f"| {fmt(r.get('gbps', ''))} | {fmt(r.get('bw_fraction', ''), 2)} | {r['target'] or '-'} "
-                       f"| {r['met'] or '-'} |")
-        missed = [f"{r['case']} {r['sizes']} ({r['backend']})" for r in run if r.get("met") == "no"]
+                       f"| {met_text(r['met'])} |")
+        missed = [f"{r['case']} {r['sizes']} ({r['backend']})" for r in run if met_text(r.get("met")) == "no"]
         out.append("")
         out.append("Targets missed: " + (", ".join(missed) if missed else "none") + ".")
         out.append("")
