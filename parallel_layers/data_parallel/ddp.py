@@ -164,6 +164,18 @@ class DataParallel(nn.Module):
             for p in self.buffer.params:
                 p.grad = None
 
+    def sync_gradients(self) -> None:
+        """Reduce, in one go, the gradients accumulated so far under :meth:`no_sync` (e.g. over every
+        microbatch of a pipeline step, where backwards are many separate ``autograd.backward`` calls).
+        Every parameter counts as ready (accumulated zeros for those without a gradient); the buckets
+        are reduced in bucket order, exactly as at the end of a synced backward. A collective over the
+        dp group. No bucket re-layout happens on this path (the buffer keeps its initial order)."""
+        self._rebuild_pending = False
+        for p in self.buffer.params:
+            if id(p) not in self._ready:
+                self._mark_ready(p, launch=False)
+        self.finish_grad_sync()
+
     def finish_grad_sync(self) -> None:
         """Launch every bucket not yet launched, wait on every work, unpack. Runs at the end of backward."""
         t_end = time.perf_counter()

@@ -1,0 +1,330 @@
+"""``python -m parallel_layers demo``: the reference GPT trained with 3D parallelism, checked against
+the single-process model.
+
+Launching: without ``RANK``/``WORLD_SIZE`` in the environment the demo spawns ``dp * tp * pp`` processes
+itself (gloo on CPU, one thread each, a free local port). Under ``torchrun`` (those variables set) it
+spawns nothing: it initialises from the environment, with NCCL and one GPU per process
+(``LOCAL_RANK``) when CUDA is available, gloo otherwise.
+
+Data: byte-level text (vocabulary 256) of the Python standard library's own ``.py`` sources, read in
+sorted path order (every machine has them). Each step draws a global batch of random windows from a
+generator seeded by ``(seed, step)``, so every rank and the single-process reference see the same data.
+
+At the end the loss curve is compared with the single-process ``GPT`` of the same config, seed, data and
+optimizer (``torch.optim.AdamW`` + ``torch.nn.utils.clip_grad_norm_``), run in the launcher (or on rank
+0 under torchrun); ``summary.json`` and ``timeline.png`` (the last step's pipeline schedule) go to
+``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+FP32_RTOL = 1e-4          # per-step relative loss agreement in fp32 (rounding only)
+BF16_RTOL = 5e-2          # bf16 model (fp32 master weights) against the fp32 reference
+
+
+# ---------------------------------------------------------------------- data
+def load_corpus(max_bytes: int) -> torch.Tensor:
+    """The stdlib's ``.py`` files (sorted paths, no site-packages), concatenated, as uint8, at most
+    ``max_bytes`` bytes."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if "site-packages" in rel or "dist-packages" in rel:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    if len(blob) < 1024:
+        raise RuntimeError(f"demo: found only {len(blob)} bytes of Python sources under {root}")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
+
+
+def get_batch(corpus: torch.Tensor, step: int, batch: int, seq: int, seed: int):
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=gen)
+    win = torch.stack([corpus[s:s + seq + 1] for s in starts.tolist()]).long()
+    return win[:, :-1].contiguous(), win[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------------- set-up
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m parallel_layers demo",
+                                description="Train the reference GPT with dp x tp x pp parallelism on the "
+                                            "Python standard library's sources and compare with one process.")
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2))
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    p.add_argument("--out", default="demo_out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
+    p.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
+    return p
+
+
+def model_config(args):
+    from .models.gpt import GPTConfig
+    return GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                     max_seq_len=args.seq_len, dropout=0.0, bias=False, tie_embeddings=True)
+
+
+def check_args(args) -> None:
+    world = args.dp * args.tp * args.pp
+    chunks = 2 if args.schedule == "interleaved" else 1
+    errs = []
+    if args.batch_size % (args.dp * args.microbatches):
+        errs.append(f"--batch-size {args.batch_size} must be a multiple of dp x microbatches = "
+                    f"{args.dp * args.microbatches}")
+    if args.n_head % args.tp or (4 * args.d_model) % args.tp or 256 % args.tp:
+        errs.append(f"--n-head {args.n_head} and 4 x d_model must divide by --tp {args.tp}")
+    if args.n_layer < args.pp * chunks or (chunks > 1 and args.n_layer % (args.pp * chunks)):
+        errs.append(f"--n-layer {args.n_layer} must be a multiple of pp x chunks = {args.pp * chunks} "
+                    f"for the {args.schedule} schedule" if chunks > 1 else
+                    f"--n-layer {args.n_layer} must be at least --pp {args.pp}")
+    if args.precision == "bf16" and args.zero == 0:
+        errs.append("--precision bf16 needs fp32 master weights: use --zero 1 or --zero 2")
+    if world < 1:
+        errs.append("dp, tp and pp must be positive")
+    if errs:
+        raise SystemExit("demo: " + "; ".join(errs))
+
+
+def rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- the parallel run
+def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -> Optional[dict]:
+    """Runs on every rank of an initialised process group; returns the results on rank 0."""
+    import torch.distributed as dist
+
+    from .mesh import ParallelMesh
+    from .parallel3d import Parallel3D
+    rank = dist.get_rank()
+    mesh = ParallelMesh(args.dp, args.tp, args.pp)
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    model = Parallel3D(model_config(args), mesh, zero=args.zero, schedule=args.schedule,
+                       num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
+                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
+                       record_timeline=True, seed=args.seed, device=device)
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, desc=f"3D dp={args.dp} tp={args.tp} pp={args.pp}", unit="step",
+                   dynamic_ncols=True)
+    losses, step_times = [], []
+    tokens_per_step = args.batch_size * args.seq_len
+    mem = torch.zeros(1, dtype=torch.float64, device=device)
+    for step in range(args.steps):
+        x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        t0 = time.perf_counter()
+        out = model.train_step(x, y)
+        step_times.append(time.perf_counter() - t0)
+        losses.append(out["loss"])
+        mem.fill_(rss_mb())
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        tps = tokens_per_step / step_times[-1]
+        if bar is not None:
+            bar.set_postfix(loss=f"{out['loss']:.4f}", tok_s=f"{tps:,.0f}", max_rss=f"{mem.item():.0f}MB")
+            bar.update(1)
+        elif rank == 0:
+            print(f"step {step + 1}/{args.steps}  loss {out['loss']:.5f}  tokens/s {tps:,.0f}  "
+                  f"max RSS/rank {mem.item():.0f} MB", flush=True)
+    if bar is not None:
+        bar.close()
+    os.makedirs(args.out, exist_ok=True)
+    png = model.timeline_png(os.path.join(args.out, "timeline.png"))
+    bubble = model.bubble_fraction() if rank == 0 else None
+    per_rank = [None] * dist.get_world_size()
+    info = {"rank": rank, "rss_mb": round(rss_mb(), 1),
+            "coord": {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank}}
+    if device is not None and device.type == "cuda":
+        info["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    dist.all_gather_object(per_rank, info)
+    if rank != 0:
+        return None
+    timed = step_times[1:] or step_times                # the first step includes warm-up
+    return {"losses": losses, "tokens_per_s": tokens_per_step * len(timed) / sum(timed),
+            "step_time_s": sum(timed) / len(timed), "per_rank": per_rank, "timeline_png": png,
+            "bubble_fraction": bubble}
+
+
+def _worker(rank: int, world: int, args, port: int) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        corpus = load_corpus(args.corpus_bytes)
+        res = train_parallel(args, corpus, None)
+        if res is not None:
+            with open(os.path.join(args.out, "_parallel.json"), "w") as f:
+                json.dump(res, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- the reference
+def train_reference(args, corpus: torch.Tensor) -> List[float]:
+    from .models.gpt import GPT
+    torch.manual_seed(args.seed)
+    model = GPT(model_config(args))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=args.weight_decay, foreach=False)
+    losses = []
+    for step in range(args.steps):
+        x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
+        _, loss = model(x, y)
+        loss.backward()
+        if args.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def summarize(args, par: dict, ref: Optional[List[float]], corpus_bytes: int, launcher: str) -> dict:
+    tol = FP32_RTOL if args.precision == "fp32" else BF16_RTOL
+    summary = {"config": {k: getattr(args, k) for k in vars(args)}, "launcher": launcher,
+               "corpus": {"source": "Python standard library .py sources", "bytes": corpus_bytes,
+                          "vocab": 256},
+               "losses": {"parallel": par["losses"], "single_process": ref},
+               "tokens_per_s": par["tokens_per_s"], "step_time_s": par["step_time_s"],
+               "memory_rss_mb": [r["rss_mb"] for r in par["per_rank"]], "per_rank": par["per_rank"],
+               "bubble_fraction": par["bubble_fraction"], "tolerance_rel_per_step": tol}
+    print(f"\n3D run: dp={args.dp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
+          f"{args.microbatches} microbatches, {args.precision}: {par['tokens_per_s']:,.0f} tokens/s, "
+          f"loss {par['losses'][0]:.4f} -> {par['losses'][-1]:.4f}")
+    print("memory RSS per rank (MB): " + ", ".join(f"{m:.0f}" for m in summary["memory_rss_mb"]))
+    if par["bubble_fraction"] is not None:
+        print(f"pipeline bubble (last step, measured): {par['bubble_fraction']:.1%}")
+    if ref is None:
+        summary["agree"], summary["max_rel_diff"] = None, None
+        print("single-process comparison skipped (--no-reference)")
+    else:
+        diffs = [abs(a - b) / abs(b) for a, b in zip(par["losses"], ref)]
+        worst = max(diffs)
+        agree = worst <= tol
+        summary["agree"], summary["max_rel_diff"] = agree, worst
+        summary["rel_diff_per_step"] = diffs
+        print(f"{'step':>5} {'3D loss':>12} {'1-process':>12} {'rel diff':>10}")
+        for i, (a, b, d) in enumerate(zip(par["losses"], ref, diffs)):
+            print(f"{i + 1:>5} {a:>12.6f} {b:>12.6f} {d:>10.2e}")
+        if agree:
+            print(f"losses agree with the single-process run: max relative difference {worst:.2e} per step "
+                  f"<= tolerance {tol:g} ({args.precision})")
+        else:
+            print(f"losses DISAGREE with the single-process run: max relative difference {worst:.2e} per step "
+                  f"> tolerance {tol:g} ({args.precision})")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"wrote {os.path.join(args.out, 'summary.json')} and {os.path.join(args.out, 'timeline.png')}")
+    return summary
+
+
+# ---------------------------------------------------------------------- entry points
+def _run_torchrun(args) -> int:
+    import torch.distributed as dist
+    use_cuda = torch.cuda.is_available()
+    device = None
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
+    world = dist.get_world_size()
+    if world != args.dp * args.tp * args.pp:
+        raise SystemExit(f"demo: WORLD_SIZE={world} but dp x tp x pp = {args.dp * args.tp * args.pp}")
+    try:
+        corpus = load_corpus(args.corpus_bytes)
+        par = train_parallel(args, corpus, device)
+        code = 0
+        if par is not None:
+            ref = None if args.no_reference else train_reference(args, corpus)
+            summary = summarize(args, par, ref, corpus.numel(), "torchrun")
+            code = 0 if summary["agree"] in (True, None) else 1
+        flag = torch.tensor([code], device=device)
+        dist.broadcast(flag, 0)
+        return int(flag.item())
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _run_torchrun(args)
+    import torch.multiprocessing as mp
+    world = args.dp * args.tp * args.pp
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"demo: spawning {world} processes (dp={args.dp} x tp={args.tp} x pp={args.pp}) over gloo on CPU, "
+          f"one thread each", flush=True)
+    t0 = time.perf_counter()
+    mp.spawn(_worker, args=(world, args, _free_port()), nprocs=world, join=True)
+    wall = time.perf_counter() - t0
+    part = os.path.join(args.out, "_parallel.json")
+    with open(part) as f:
+        par = json.load(f)
+    os.remove(part)
+    corpus = load_corpus(args.corpus_bytes)
+    ref = None
+    if not args.no_reference:
+        print("single-process reference run ...", flush=True)
+        ref = train_reference(args, corpus)
+    summary = summarize(args, par, ref, corpus.numel(), f"torch.multiprocessing.spawn ({wall:.1f}s)")
+    return 0 if summary["agree"] in (True, None) else 1
+
+
+__all__ = ["main", "load_corpus", "get_batch", "train_reference", "build_parser"]
