@@ -26,6 +26,7 @@ SECTIONS = [("kernels.csv", "Fused kernels", "make bench"),
             ("dp.csv", "Data parallel", "python -m benchmarks.dp"),
             ("zero.csv", "ZeRO", "python -m benchmarks.zero; python -m benchmarks.zero3"),
             ("pipeline.csv", "Pipeline", "python -m benchmarks.pipeline"),
+            ("demo.csv", "Demo layouts, 8 processes on 2 cores (ours ms = step time)", "python -m benchmarks.demo_layouts"),
             ("matmul.csv", "Fused matmul epilogue (GPU)", "python -m benchmarks.matmul")]
 
 
