@@ -49,23 +49,6 @@ TARGETS = {"cpu_mem": 0.5, "cuda_speedup": 1.5}
 
 
 # ---------------------------------------------------------------------------------------------- memory
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def peak_extra_mb(step: Callable[[], object], device: torch.device) -> float:
     """Peak memory one call of ``step`` adds beyond what exists before it (its result kept until the end)."""
     gc.collect()
@@ -78,14 +61,14 @@ def peak_extra_mb(step: Callable[[], object], device: torch.device) -> float:
         peak = torch.cuda.max_memory_allocated(device)
         del out
         return (peak - before) / 2**20
-    if not _reset_peak_rss():
+    if not harness.reset_peak_rss():
         raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs not writable): no honest CPU "
                            "peak-memory figure on this machine")
-    before = _status_mb("VmRSS")
-    if abs(_status_mb("VmHWM") - before) > 1.0:
+    before = harness.status_mb("VmRSS")
+    if abs(harness.status_mb("VmHWM") - before) > 1.0:
         raise RuntimeError("writing 5 to /proc/self/clear_refs did not reset VmHWM on this kernel")
     out = step()
-    peak = _status_mb("VmHWM")
+    peak = harness.status_mb("VmHWM")
     del out
     return peak - before
 

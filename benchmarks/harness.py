@@ -167,3 +167,23 @@ def read_csv(path: str) -> List[Dict[str, str]]:
         return []
     with open(path, newline="") as fh:
         return list(csv.DictReader(fh))
+
+
+def status_mb(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in MB: how CPU peak memory is read."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux clear_refs=5); False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+

@@ -47,19 +47,6 @@ LR = 1e-4
 MEM_METHOD = "VmHWM - RSS before build, clear_refs=5, MALLOC_MMAP_THRESHOLD_=65536, max over ranks"
 
 
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
-
-
 def _build(name: str, size: dict, group, device_mesh):
     """A step function for ``name`` ('ours' or 'fsdp2') on a freshly built GPT (same seed for both)."""
     from parallel_layers.models import GPT, GPTConfig
@@ -121,7 +108,7 @@ def _rank(rank: int, port: int, mode: str, queue) -> None:
         # ---- peak memory: one method at a time
         for name in ("ours", "fsdp2"):
             gc.collect()
-            base = _status_mb("VmRSS")
+            base = harness.status_mb("VmRSS")
             model, opt = _build(name, size, group, device_mesh)
             step, losses = _step_fn(model, opt, x, y)
             for _ in range(2):
@@ -129,9 +116,10 @@ def _rank(rank: int, port: int, mode: str, queue) -> None:
             peaks = []
             for _ in range(reps):
                 gc.collect()
-                _reset_peak()
+                if not harness.reset_peak_rss():
+                    raise RuntimeError("cannot reset the peak RSS: /proc/self/clear_refs is not writable")
                 step()
-                peaks.append(_status_mb("VmHWM") - base)
+                peaks.append(harness.status_mb("VmHWM") - base)
             peak = torch.tensor([statistics.median(peaks)], dtype=torch.float64)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             out[name + "_peak_mb"] = peak.item()

@@ -47,15 +47,27 @@ from . import memory as M
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _scalar(name: str, value, device) -> torch.Tensor:
+def _scalar(owner: str, name: str, value, device) -> torch.Tensor:
+    """A number or 1-element tensor as a 1-element fp32 device tensor (no host sync)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"ZeroOptimizer.step: {name} must be a 1-element tensor, got shape {tuple(value.shape)}")
+            raise ValueError(f"{owner}.step: {name} must be a 1-element tensor, got shape {tuple(value.shape)}")
         return value.to(device=device, dtype=torch.float32).reshape(1)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"ZeroOptimizer.step: {name} must be a number or a 1-element tensor, "
+        raise TypeError(f"{owner}.step: {name} must be a number or a 1-element tensor, "
                         f"got {type(value).__name__}")
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def step_multipliers(owner: str, device, grad_scale, clip_coef, found_inf):
+    """``(gradient multiplier, found_inf)`` for the fused step, both on ``device``: the multiplier is
+    ``clip_coef / grad_scale`` (``grad_scale`` is the loss scale the gradients carry)."""
+    scale = (torch.ones(1, device=device) if grad_scale is None
+             else torch.reciprocal(_scalar(owner, "grad_scale", grad_scale, device)))
+    if clip_coef is not None:
+        scale = scale * _scalar(owner, "clip_coef", clip_coef, device)
+    inf = torch.zeros(1, device=device) if found_inf is None else _scalar(owner, "found_inf", found_inf, device)
+    return scale, inf
 
 
 class ZeroOptimizer:
@@ -269,11 +281,7 @@ class ZeroOptimizer:
                 loss = closure()
         self._check_layout()
         dev, g = self.device, self.param_groups[0]
-        scale = torch.ones(1, device=dev) if grad_scale is None else \
-            torch.reciprocal(_scalar("grad_scale", grad_scale, dev))
-        if clip_coef is not None:
-            scale = scale * _scalar("clip_coef", clip_coef, dev)
-        inf = torch.zeros(1, device=dev) if found_inf is None else _scalar("found_inf", found_inf, dev)
+        scale, inf = step_multipliers("ZeroOptimizer", dev, grad_scale, clip_coef, found_inf)
         keep = (inf == 0).to(torch.float32)
         self._step.add_(keep)   # counts only the steps taken; the kernel reads it on the device
         lr, wd = g["lr"], g["weight_decay"]

@@ -21,21 +21,10 @@ import torch
 
 from ..ops.optimizer_step import adamw_step
 from . import memory as M
+from .optimizer import step_multipliers
 from .stage3 import ZeroStage3
 
 _STATES = ("master", "exp_avg", "exp_avg_sq")
-
-
-def _scalar(name: str, value, device) -> torch.Tensor:
-    """A number or 1-element tensor as a 1-element fp32 device tensor (no host sync)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"ZeroStage3Optimizer.step: {name} must be a 1-element tensor, got {tuple(value.shape)}")
-        return value.to(device=device, dtype=torch.float32).reshape(1)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"ZeroStage3Optimizer.step: {name} must be a number or a 1-element tensor, "
-                        f"got {type(value).__name__}")
-    return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
 class ZeroStage3Optimizer:
@@ -96,11 +85,7 @@ class ZeroStage3Optimizer:
         if not self.z.has_grads():     # no backward since zero_grad(): torch.optim skips such params too
             return loss
         dev, g = self.device, self.param_groups[0]
-        scale = (torch.ones(1, device=dev) if grad_scale is None
-                 else torch.reciprocal(_scalar("grad_scale", grad_scale, dev)))
-        if clip_coef is not None:
-            scale = scale * _scalar("clip_coef", clip_coef, dev)
-        inf = torch.zeros(1, device=dev) if found_inf is None else _scalar("found_inf", found_inf, dev)
+        scale, inf = step_multipliers("ZeroStage3Optimizer", dev, grad_scale, clip_coef, found_inf)
         keep = (inf == 0).to(torch.float32)
         self._step.add_(keep)          # counts the steps taken; read on the device by the kernel
         lr, wd = g["lr"], g["weight_decay"]
