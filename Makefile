@@ -1,5 +1,5 @@
 # Quick start:  make test   (sets everything up in .venv, builds the extension, runs the suite)
-#               make bench  (same set-up, runs the kernel microbenchmarks)
+#               make bench  (same set-up, runs the whole benchmark suite; make bench-quick: < 5 min)
 PYTHON_SYS    ?= python3
 VENV          ?= .venv
 TORCH_VERSION ?= 2.13.0
@@ -9,8 +9,9 @@ DEPS_STAMP    := $(VENV)/.deps-torch-$(TORCH_VERSION)
 EXT_STAMP     := $(VENV)/.ext-built
 CSRC          := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh') setup.py parallel_layers/_extension.py
 PYTEST_ARGS   ?=
+BENCH_ARGS    ?=
 
-.PHONY: setup test bench demo clean
+.PHONY: setup test bench bench-quick demo clean
 
 $(PY):
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -32,7 +33,10 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 bench: setup
-	$(PY) -m benchmarks.kernels
+	$(PY) -m parallel_layers bench --readme $(BENCH_ARGS)
+
+bench-quick: setup
+	$(PY) -m parallel_layers bench --quick --readme $(BENCH_ARGS)
 
 demo: setup
 	$(PY) -m parallel_layers demo

@@ -289,3 +289,27 @@ def comparison_row(common: Dict[str, object], case: str, ours_ms: Sequence[float
     return dict(common, case=case, ours_median_ms=so.median_ms, ours_p20_ms=so.p20_ms, ours_p80_ms=so.p80_ms,
                 base_median_ms=sb.median_ms, base_p20_ms=sb.p20_ms, base_p80_ms=sb.p80_ms,
                 speedup=sb.median_ms / so.median_ms, **extra)
+
+
+def latest_rows(rows: Sequence[Dict[str, str]], modes: Sequence[str] = ("full", "quick"),
+                key_fields: Sequence[str] = ("case", "sizes", "dtype", "backend")) -> Dict[str, List[Dict[str, str]]]:
+    """What the README and the plots show: per device, the rows of the most complete mode measured on it
+    (the first of ``modes`` present; smoke runs never count by default), and of those the newest row for
+    each (case, sizes, dtype, backend). Devices in sorted order; rows in first-seen order."""
+    by_device: Dict[str, List[Dict[str, str]]] = {}
+    for r in rows:
+        if r.get("mode") in modes:
+            by_device.setdefault(r.get("device", "?"), []).append(r)
+    out: Dict[str, List[Dict[str, str]]] = {}
+    for device in sorted(by_device):
+        device_rows = by_device[device]
+        best = min(modes.index(r["mode"]) for r in device_rows)
+        newest: Dict[tuple, Dict[str, str]] = {}
+        for r in device_rows:
+            if modes.index(r["mode"]) != best:
+                continue
+            key = tuple(r.get(k, "") for k in key_fields)
+            if key not in newest or r.get("run_id", "") >= newest[key].get("run_id", ""):
+                newest[key] = r
+        out[device] = list(newest.values())
+    return out

@@ -1,8 +1,10 @@
-"""PNG plots of benchmarks/results/kernels.csv.
+"""PNG plots drawn from the CSVs under benchmarks/results/.
 
-    python -m benchmarks.plots [--csv PATH] [--out DIR]
+    python -m benchmarks.plots [--results DIR] [--out DIR]
 
 Draws, with one panel per device:
+  ratios.png              every case of every group: baseline time / ours, coloured by target met/missed;
+  scaling_*.png           the scaling curves (benchmarks/scaling_plots.py);
   speedup.png             ours / baseline time per case and backend (log scale), the target as a red bar;
   bandwidth_fraction.png  achieved GB/s as a fraction of that run's copy bandwidth, per case, for each
                           backend and for the torch baseline; the GPU target (85%) as a dashed line.
@@ -140,15 +142,81 @@ def draw(csv_path: Optional[str] = None, rows: Optional[List[dict]] = None,
     return paths
 
 
+# Every CSV whose rows carry a time ratio, with the group name the suite gives it.
+RATIO_CSVS = [("kernels.csv", "kernels"), ("matmul.csv", "kernels"), ("tp.csv", "tp"), ("dp.csv", "dp"),
+              ("zero.csv", "zero"), ("pipeline.csv", "pipeline")]
+MET_COLORS = {"yes": "tab:green", "true": "tab:green", "no": "tab:red", "false": "tab:red"}
+
+
+def draw_ratios(results_dir: str = harness.RESULTS_DIR, out_dir: str = harness.RESULTS_DIR) -> List[str]:
+    """ratios.png: one horizontal bar per measured case of every group (baseline time / ours, log scale;
+    right of 1 means ours is faster), green where its target is met, red where missed, gray without one.
+    The rows are those the README shows (per device: the most complete mode, the newest row per case)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_device: "OrderedDict[str, list]" = OrderedDict()
+    for name, group in RATIO_CSVS:
+        for device, rows in harness.latest_rows(harness.read_csv(os.path.join(results_dir, name))).items():
+            for r in rows:
+                try:
+                    ratio = float(r.get("speedup", ""))
+                except ValueError:
+                    continue
+                sizes = r.get("sizes", "")
+                label = f"{group}: {r['case']} [{sizes[:22]}{'~' if len(sizes) > 22 else ''}, {r.get('backend', '')}]"
+                per_device.setdefault(device, []).append((label, ratio, (r.get("met") or "").lower(), r["mode"]))
+    if not per_device:
+        return []
+    heights = [max(2.5, 0.22 * len(v) + 1.2) for v in per_device.values()]
+    fig, axes = plt.subplots(len(per_device), 1, figsize=(11, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (device, bars) in zip(axes[:, 0], per_device.items()):
+        ys = list(range(len(bars)))[::-1]
+        ax.barh(ys, [b[1] for b in bars], color=[MET_COLORS.get(b[2], "lightgray") for b in bars])
+        for y, b in zip(ys, bars):
+            ax.text(b[1], y, f" {b[1]:.2f}x", va="center", fontsize=6)
+        ax.set_yticks(ys, [b[0] for b in bars], fontsize=6)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        modes = "/".join(sorted({b[3] for b in bars}))
+        ax.set_title(f"{device} ({modes} sizes): green = target met, red = missed, gray = no target", fontsize=9)
+        ax.set_xlabel("baseline time / our time (right of 1: ours faster)")
+    fig.suptitle("parallel_layers: every benchmarked case against what a user would otherwise use")
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "ratios.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def draw_all(results_dir: str = harness.RESULTS_DIR, out_dir: str = harness.RESULTS_DIR) -> List[str]:
+    """Every PNG the README shows, from the CSVs: kernel speedups and bandwidth fractions, the ratio bars
+    of all groups, and the scaling curves."""
+    paths = []
+    kernels_csv = os.path.join(results_dir, "kernels.csv")
+    if os.path.exists(kernels_csv):
+        paths += draw(kernels_csv, out_dir=out_dir)
+    paths += draw_ratios(results_dir, out_dir)
+    scaling_csv = os.path.join(results_dir, "scaling.csv")
+    if os.path.exists(scaling_csv):
+        from . import scaling_plots
+        paths += scaling_plots.draw(scaling_csv, out_dir=out_dir)
+    return paths
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.plots", description=__doc__.split("\n")[0])
-    ap.add_argument("--csv", default=os.path.join(harness.RESULTS_DIR, "kernels.csv"))
+    ap.add_argument("--results", default=harness.RESULTS_DIR, help="folder of the CSVs")
     ap.add_argument("--out", default=harness.RESULTS_DIR)
     args = ap.parse_args(argv)
-    if not os.path.exists(args.csv):
-        print(f"no results at {args.csv}; run python -m benchmarks.kernels first")
+    paths = draw_all(args.results, args.out)
+    if not paths:
+        print(f"no results under {args.results}; run python -m parallel_layers bench first")
         return 1
-    for p in draw(args.csv, out_dir=args.out):
+    for p in paths:
         print(f"wrote {os.path.relpath(p)}")
     return 0
 

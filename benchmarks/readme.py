@@ -1,6 +1,7 @@
-"""Regenerate the README's benchmark section from the CSVs under benchmarks/results/.
+"""Regenerate the README's benchmark section (and the PNGs it shows) from the CSVs under benchmarks/results/.
 
-    python -m benchmarks.readme          # rewrites the text between the BENCHMARKS markers
+    python -m benchmarks.readme          # redraws the plots, rewrites the text between the BENCHMARKS markers
+    python -m parallel_layers bench --quick --readme     # measure first, then the same
 
 Nothing in that section is typed by hand: for each CSV and device, the newest row of every case from the most complete mode
 (full, else quick) is turned into a table, with the machine, versions, date and the command that
@@ -10,46 +11,30 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import defaultdict
 from typing import Dict, List
 
-from .harness import read_csv
+from .harness import latest_rows, read_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
-MODE_RANK = {"full": 0, "quick": 1}
 
 
-SECTIONS = [("kernels.csv", "Fused kernels", "make bench"),
-            ("tp.csv", "Tensor parallel (2 ranks)", "python -m benchmarks.tp; python -m benchmarks.cross_entropy"),
-            ("dp.csv", "Data parallel", "python -m benchmarks.dp"),
-            ("zero.csv", "ZeRO", "python -m benchmarks.zero; python -m benchmarks.zero3"),
-            ("pipeline.csv", "Pipeline", "python -m benchmarks.pipeline"),
-            ("demo.csv", "Demo layouts, 8 processes on 2 cores (ours ms = step time)", "python -m benchmarks.demo_layouts"),
-            ("matmul.csv", "Fused matmul epilogue (GPU)", "python -m benchmarks.matmul")]
-
-
-def latest_rows(rows: List[Dict[str, str]]) -> Dict[str, List[Dict[str, str]]]:
-    """Per device: the newest row of each (case, sizes, dtype, backend), from the best mode measured
-    (full, else quick; smoke runs never count). For kernels.csv that is the latest full run."""
-    by_device = defaultdict(list)
-    for r in rows:
-        if r.get("mode") in MODE_RANK:
-            by_device[r["device"]].append(r)
-    out = {}
-    for device in sorted(by_device):
-        device_rows = by_device[device]
-        best = min(MODE_RANK[r["mode"]] for r in device_rows)
-        newest: Dict[tuple, Dict[str, str]] = {}
-        for r in device_rows:
-            if MODE_RANK[r["mode"]] != best:
-                continue
-            key = (r["case"], r["sizes"], r["dtype"], r["backend"])
-            if key not in newest or r["run_id"] >= newest[key]["run_id"]:
-                newest[key] = r
-        out[device] = list(newest.values())
-    return out
+BENCH = "python -m parallel_layers bench"
+SECTIONS = [("kernels.csv", "Fused kernels", f"{BENCH} --only kernels"),
+            ("tp.csv", "Tensor parallel (2 ranks)", f"{BENCH} --only tp"),
+            ("dp.csv", "Data parallel", f"{BENCH} --only dp"),
+            ("zero.csv", "ZeRO", f"{BENCH} --only zero"),
+            ("pipeline.csv", "Pipeline", f"{BENCH} --only pipeline"),
+            ("demo.csv", "Demo layouts, 8 processes on 2 cores (ours ms = step time)", f"{BENCH} --only demo"),
+            ("matmul.csv", "Fused matmul epilogue (GPU)", f"{BENCH} --only kernels")]
+SCALING = ("scaling.csv", "Scaling curves", f"{BENCH} --only scaling")
+PLOTS = [("ratios.png", "every case against its baseline"),
+         ("speedup.png", "kernel speedup per backend"),
+         ("bandwidth_fraction.png", "kernel bandwidth as a fraction of the copy bandwidth"),
+         ("scaling_world.png", "step time and per-rank memory against world size"),
+         ("scaling_model.png", "step time and per-rank memory against model size"),
+         ("scaling_elements.png", "kernel time against element count")]
 
 
 def met_text(value: str) -> str:
@@ -64,19 +49,25 @@ def fmt(value: str, digits: int = 3) -> str:
         return value or "-"
 
 
+def _header(title: str, command: str, device: str, run: List[Dict[str, str]]) -> List[str]:
+    r0 = run[0]
+    dates = sorted({r["date"][:16].replace("T", " ") for r in run})
+    copy = {r.get("copy_gbps") for r in run if r.get("copy_gbps")}
+    return [f"#### {title}: {device}", "",
+            f"torch {r0['torch']}, triton {r0['triton']}, {r0['threads']} thread(s) per process, "
+            f"{r0['mode']} sizes, measured {', '.join(dates)} UTC by `{command}`."
+            + (f" Copy bandwidth measured in the same run: {', '.join(fmt(c) for c in sorted(copy))} GB/s."
+               if copy else ""), ""]
+
+
+def missed_in(run: List[Dict[str, str]]) -> List[str]:
+    return [f"{r['case']} {r['sizes']} ({r['backend']})" for r in run if met_text(r.get("met")) == "no"]
+
+
 def render_section(title: str, command: str, per_device: Dict[str, List[Dict[str, str]]]) -> List[str]:
     out = []
     for device, run in per_device.items():
-        r0 = run[0]
-        dates = sorted({r["date"][:16].replace("T", " ") for r in run})
-        copy = {r.get("copy_gbps") for r in run if r.get("copy_gbps")}
-        out.append(f"#### {title}: {device}")
-        out.append("")
-        out.append(f"torch {r0['torch']}, triton {r0['triton']}, {r0['threads']} thread(s) per process, "
-                   f"{r0['mode']} sizes, measured {', '.join(dates)} UTC by `{command}`."
-                   + (f" Copy bandwidth measured in the same run: {', '.join(fmt(c) for c in sorted(copy))} GB/s."
-                      if copy else ""))
-        out.append("")
+        out += _header(title, command, device, run)
         out.append("| case | sizes | dtype | backend | ours ms | baseline | baseline ms | speedup | GB/s | "
                    "of copy BW | target | met |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -85,42 +76,84 @@ def render_section(title: str, command: str, per_device: Dict[str, List[Dict[str
                        f"| {r['baseline']} | {fmt(r['base_median_ms'])} | {fmt(r['speedup'])}x "
                        f"| {fmt(r.get('gbps', ''))} | {fmt(r.get('bw_fraction', ''), 2)} | {r['target'] or '-'} "
                        f"| {met_text(r['met'])} |")
-        missed = [f"{r['case']} {r['sizes']} ({r['backend']})" for r in run if met_text(r.get("met")) == "no"]
+        missed = missed_in(run)
         out.append("")
         out.append("Targets missed: " + (", ".join(missed) if missed else "none") + ".")
         out.append("")
     return out
 
 
-def render() -> str:
-    out = ["Speedup = baseline time / our time (median of the timed repetitions, ours and the baseline "
-           "back to back in one run). Bandwidth as a fraction of the copy bandwidth measured in the same run.",
-           ""]
-    found = False
+def render_scaling(title: str, command: str, per_device: Dict[str, List[Dict[str, str]]]) -> List[str]:
+    """Scaling rows have no target: the curve is the result. x is the swept quantity (world size,
+    parameter count, element count); memory is per rank."""
+    out = []
+    for device, run in per_device.items():
+        out += _header(title, command, device, run)
+        out.append("| case | x | sizes | ours ms (p20-p80) | MB per rank | baseline | baseline ms | speedup "
+                   "| of copy BW |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(run, key=lambda r: (r["case"], float(r.get("x") or 0))):
+            out.append(f"| {r['case']} | {fmt(r.get('x', ''))} | {r['sizes']} | {fmt(r['ours_median_ms'])} "
+                       f"({fmt(r['ours_p20_ms'])}-{fmt(r['ours_p80_ms'])}) | {fmt(r.get('mem_mb', ''))} "
+                       f"| {r['baseline'] or '-'} | {fmt(r['base_median_ms'])} "
+                       f"| {fmt(r['speedup']) + 'x' if r.get('speedup') else '-'} "
+                       f"| {fmt(r.get('bw_fraction', ''), 2)} |")
+        out.append("")
+    return out
+
+
+def render(results: str = os.path.join(ROOT, "benchmarks", "results")) -> str:
+    body, machines, all_missed = [], set(), []
     for name, title, command in SECTIONS:
-        per_device = latest_rows(read_csv(os.path.join(ROOT, "benchmarks", "results", name)))
-        if per_device:
-            found = True
-            out += render_section(title, command, per_device)
-    if not found:
+        per_device = latest_rows(read_csv(os.path.join(results, name)))
+        for device, run in per_device.items():
+            machines.add(device)
+            all_missed += [f"{title} on {device}: {m}" for m in missed_in(run)]
+        body += render_section(title, command, per_device)
+    scaling = latest_rows(read_csv(os.path.join(results, SCALING[0])))
+    machines.update(scaling)
+    body += render_scaling(SCALING[1], SCALING[2], scaling)
+    if not body:
         return "(no results yet: run `make bench`, then `python -m benchmarks.readme`)"
-    if os.path.exists(os.path.join(ROOT, "benchmarks", "results", "speedup.png")):
-        out.append("![speedup per case](benchmarks/results/speedup.png)")
-        out.append("![fraction of copy bandwidth](benchmarks/results/bandwidth_fraction.png)")
+    gpu = any(any(k in m for k in ("NVIDIA", "H100", "H200", "A100", "AMD Instinct")) for m in machines)
+    out = [f"Machines measured: {'; '.join(sorted(machines))}."
+           + ("" if gpu else " No GPU results under benchmarks/results/ yet: the CUDA and Triton GPU "
+                             "backends are compile-checked and tested, not timed."),
+           "",
+           "Speedup = baseline time / our time (median of the timed repetitions, ours and the baseline "
+           "back to back in one run; above 1 means ours is faster). Bandwidth as a fraction of the copy "
+           "bandwidth measured in the same run.",
+           "",
+           f"**Targets missed ({len(all_missed)}):**" if all_missed else "**Targets missed: none.**", ""]
+    out += [f"- {m}" for m in all_missed] + ([""] if all_missed else [])
+    out += body
+    for png, caption in PLOTS:
+        if os.path.exists(os.path.join(results, png)):
+            out.append(f"![{caption}](benchmarks/results/{png})")
     return "\n".join(out).rstrip()
 
 
 def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.readme", description=__doc__.split("\n")[0])
+    ap.add_argument("--no-plots", action="store_true", help="do not redraw the PNGs first")
+    ap.add_argument("--quiet", action="store_true", help="do not print the section")
+    args = ap.parse_args(argv)
     text = open(README).read()
     if BEGIN not in text or END not in text:
         print(f"README.md has no {BEGIN} ... {END} section", file=sys.stderr)
         return 1
+    if not args.no_plots:
+        from . import plots
+        plots.draw_all()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     section = render()
     with open(README, "w") as fh:
         fh.write(head + BEGIN + "\n" + section + "\n" + END + tail)
-    print(section)
+    if not args.quiet:
+        print(section)
     return 0
 
 

@@ -1,14 +1,37 @@
-"""``python -m parallel_layers demo [flags]``: see :mod:`parallel_layers.demo`."""
+"""``python -m parallel_layers demo|bench [flags]``: see :mod:`parallel_layers.demo` and ``benchmarks/suite.py``."""
+import os
 import sys
+
+USAGE = ("usage: python -m parallel_layers demo [--dp 2 --tp 2 --pp 2 --zero 0|1|2 "
+         "--schedule gpipe|1f1b|interleaved --microbatches 4 --precision fp32|bf16 --steps N ...]\n"
+         "       python -m parallel_layers bench [--only kernels|tp|dp|zero|pipeline|demo|scaling] "
+         "[--quick|--smoke] [--readme]\n"
+         "       python -m parallel_layers demo --help | bench --help   (all flags)")
+
+
+def _bench_main(argv) -> int:
+    """The benchmarks live in the source checkout's top-level ``benchmarks/`` folder (they are not part of
+    the installed package): import them from the checkout this package was installed from."""
+    try:
+        from benchmarks import suite
+    except ImportError:
+        checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        if not os.path.isfile(os.path.join(checkout, "benchmarks", "suite.py")):
+            print("python -m parallel_layers bench needs the source checkout (its benchmarks/ folder); "
+                  f"none next to {checkout}. Clone the repository and run it there.", file=sys.stderr)
+            return 2
+        sys.path.insert(0, checkout)
+        from benchmarks import suite
+    return suite.main(argv)
 
 
 def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] != "demo":
-        print("usage: python -m parallel_layers demo [--dp 2 --tp 2 --pp 2 --zero 0|1|2 "
-              "--schedule gpipe|1f1b|interleaved --microbatches 4 --precision fp32|bf16 --steps N ...]\n"
-              "       python -m parallel_layers demo --help   (all flags)")
+    if not argv or argv[0] not in ("demo", "bench"):
+        print(USAGE)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "bench":
+        return _bench_main(argv[1:])
     from .demo import main
     return main(argv[1:])
 

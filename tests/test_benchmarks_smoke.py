@@ -38,3 +38,57 @@ def test_kernels_smoke_prints_a_row_per_case():
             # ours ms, baseline ms, speedup: positive numbers
             assert float(r[4]) > 0 and float(r[5]) > 0 and re.fullmatch(r"[0-9.]+x", r[6]), r
     print(f"benchmarks.kernels --smoke took {elapsed:.1f} s")
+
+
+# ------------------------------------------------------------------ the suite: python -m parallel_layers bench
+def _row(**kw):
+    from benchmarks import harness
+
+    base = dict(run_id="2026-01-01T00:00:00", date="2026-01-01T00:00:00", mode="full", sizes="n=1", dtype="fp32",
+                backend="cpp", device="Test CPU", torch="2.x", triton="3.x", threads=1, baseline="torch",
+                ours_median_ms=1.0, ours_p20_ms=0.9, ours_p80_ms=1.1, base_median_ms=2.0, base_p20_ms=1.9,
+                base_p80_ms=2.1, speedup=2.0, target="speedup>=1.0", met="yes")
+    base.update(kw)
+    return {k: base.get(k, "") for k in harness.CSV_FIELDS}
+
+
+def test_readme_names_the_machine_lists_misses_and_prefers_full_runs(tmp_path):
+    from benchmarks import harness, readme
+
+    harness.append_csv(str(tmp_path / "kernels.csv"), [
+        _row(case="adamw_flat"),
+        _row(case="unscale_norm", speedup=0.8, met="no"),
+        # a newer quick run must not replace the full run in the README
+        _row(case="adamw_flat", mode="quick", run_id="2026-02-01T00:00:00", speedup=0.5, met="no"),
+        _row(case="adamw_flat", mode="smoke", run_id="2026-03-01T00:00:00", speedup=0.1, met="no"),
+    ])
+    text = readme.render(str(tmp_path))
+    assert "Machines measured: Test CPU." in text and "No GPU results" in text
+    assert "**Targets missed (1):**" in text and "unscale_norm n=1 (cpp)" in text
+    adamw = [line for line in text.splitlines() if line.startswith("| adamw_flat")]
+    assert len(adamw) == 1 and "| 2x |" in adamw[0], adamw
+    harness.append_csv(str(tmp_path / "kernels.csv"), [_row(case="adamw_flat", device="NVIDIA H200")])
+    text = readme.render(str(tmp_path))
+    assert "No GPU results" not in text and "#### Fused kernels: NVIDIA H200" in text
+
+
+def test_suite_table_and_misses():
+    from benchmarks import suite
+
+    rows = [dict(_row(case="a"), group="kernels"), dict(_row(case="b", speedup=0.5, met="no"), group="dp"),
+            dict(_row(case="bubble", ours_median_ms="", speedup="", target="<= 0.2", met="no"), group="pipeline")]
+    table = suite.format_table(rows).splitlines()
+    assert table[0].split()[:3] == ["group", "case", "sizes"] and len(table) == 2 + len(rows)
+    assert "2.00x" in table[2] and "0.50x" in table[3]
+    misses = suite.missed(rows)
+    assert len(misses) == 2 and misses[0].startswith("dp/b") and misses[1].startswith("pipeline/bubble")
+
+
+def test_bench_cli_rejects_unknown_group_and_lists_groups():
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bad = subprocess.run([sys.executable, "-m", "parallel_layers", "bench", "--only", "nope"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown group" in bad.stderr
+    ok = subprocess.run([sys.executable, "-m", "parallel_layers", "bench", "--list"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "scaling" in ok.stdout and "benchmarks.zero3" in ok.stdout
