@@ -89,6 +89,12 @@ def _availability(backend: str, device: torch.device):
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'")
 
 
+def requested_backend(backend: Optional[str] = None) -> str:
+    """The backend asked for, lower-case: the argument if given, else ``PARALLEL_LAYERS_BACKEND``, else "auto"."""
+    requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+    return requested.strip().lower() or "auto"
+
+
 def resolve(op: str, device: torch.device, backend: Optional[str] = None,
             backends: Sequence[str] = BACKENDS) -> str:
     """Return the backend name that will run ``op`` on ``device``.
@@ -96,8 +102,7 @@ def resolve(op: str, device: torch.device, backend: Optional[str] = None,
     ``backends``: the backends ``op`` implements (``torch`` is implied: every op has its reference).
     """
     from_arg = backend is not None
-    requested = backend if from_arg else os.environ.get(ENV_VAR, "auto")
-    requested = requested.strip().lower() or "auto"
+    requested = requested_backend(backend)
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"{op}: unknown backend {requested!r} (from "

@@ -52,13 +52,20 @@ def tensor_list(op: str, name: str, ts, *, dtypes=None, device=None) -> list:
 
 
 def scalar_tensor(op: str, name: str, value: Union[float, int, torch.Tensor, None], device: torch.device,
-                  default: Optional[float] = None) -> torch.Tensor:
-    """A 1-element float32 tensor on ``device`` from a Python number or a tensor (kept on device: no sync)."""
+                  default: Optional[float] = None, convert: bool = False) -> torch.Tensor:
+    """A 1-element float32 tensor on ``device`` from a Python number or a tensor (kept on device: no sync).
+
+    ``convert=False`` (the public ops): a tensor on another device or of another dtype is an error, because
+    moving it would hide a host sync from the caller. ``convert=True`` (optimizers, whose ``step`` takes
+    what ``GradScaler`` hands over): it is moved and cast, asynchronously.
+    """
     if value is None:
         value = default
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{op}: {name} must hold exactly one element, got shape {tuple(value.shape)}")
+        if convert:
+            return value.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
         if value.device != device:
             raise ValueError(f"{op}: {name} is on {value.device} but the data is on {device}; keep it on "
                              f"{device} so the kernel reads it without a host sync")

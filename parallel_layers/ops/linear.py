@@ -30,7 +30,6 @@ recompute is what activation checkpointing is for, one level up.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -59,40 +58,14 @@ def reference_linear_epilogue(x, weight, bias, activation, out_dtype):
 
 
 def _choose_backend(device: torch.device, dtype: torch.dtype, backend: Optional[str]) -> str:
-    """"triton" or "torch" for this call (see the module docstring)."""
-    from_arg = backend is not None
-    requested = (backend if from_arg else os.environ.get(_backend.ENV_VAR, "auto")).strip().lower() or "auto"
-    if requested not in _backend.BACKENDS + ("auto",):
-        raise ValueError(f"{OP}: unknown backend {requested!r} (from "
-                         f"{'argument backend=' if from_arg else _backend.ENV_VAR}); "
-                         f"choose one of {_backend.BACKENDS} or 'auto'")
-    if requested in ("cpp", "cuda"):
-        if from_arg:
-            raise ValueError(f"{OP}: backend={requested!r}, but {OP} has no {requested} kernel; "
-                             f"it has ('torch', 'triton')")
-        requested = "auto"  # the environment variable is set for whole runs; this op has no such kernel
-    if requested == "torch":
-        return "torch"
-    if requested == "triton":
-        if device.type == "cpu" and not _backend.triton_interpreting():
-            raise RuntimeError(f"{OP}: backend 'triton' was forced on CPU tensors, which needs "
-                               f"TRITON_INTERPRET=1 set before triton_kernels is imported")
-        if device.type not in ("cpu", "cuda"):
-            raise RuntimeError(f"{OP}: backend 'triton' does not support device {device}")
-        if dtype not in TRITON_DTYPES:
-            raise TypeError(f"{OP}: the triton kernel takes inputs of dtype {TRITON_DTYPES}, got {dtype}; "
-                            f"use backend='torch' for {dtype}")
-        mod, why = _backend._triton_module()
-        if mod is None:
-            raise RuntimeError(f"{OP}: backend 'triton' was forced but cannot run: {why}")
-        return "triton"
-    # auto
-    if device.type == "cuda" and dtype in TRITON_DTYPES:
-        mod, why = _backend._triton_module()
-        if mod is not None:
-            return "triton"
-        _backend._warn_once(f"fallback:{OP}:cuda",
-                            f"parallel_layers: {OP} uses the torch reference on CUDA (unfused, slower): {why}")
+    """"triton" or "torch" for this call (see the module docstring): ``_backend.resolve`` for an op whose
+    only kernel is Triton, plus the kernel's dtype rule (forced: an error; automatic: the reference)."""
+    name = _backend.resolve(OP, device, backend, backends=("triton",))
+    if name != "triton" or dtype in TRITON_DTYPES:
+        return name
+    if _backend.requested_backend(backend) == "triton":
+        raise TypeError(f"{OP}: the triton kernel takes inputs of dtype {TRITON_DTYPES}, got {dtype}; "
+                        f"use backend='torch' for {dtype}")
     return "torch"
 
 

@@ -34,6 +34,7 @@ import torch
 from .. import _extension
 from ..ops import BACKENDS, _backend, pack_bucket
 from ..ops.bucket import reference_pack_bucket
+from ..ops._checks import scalar_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _grad_of = operator.attrgetter("grad")
@@ -295,15 +296,8 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _prepare(self, group: dict, fb: FlatBuffer) -> None:
         """Hook run before a buffer's gradients are collected (lazy state allocation)."""
 
-    @staticmethod
-    def _scalar(name: str, value, device) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"{name} must be a 1-element tensor, got shape {tuple(value.shape)}")
-            return value.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number or a 1-element tensor, got {type(value).__name__}")
-        return torch.full((1,), float(value), dtype=torch.float32, device=device)
+    def _scalar(self, name: str, value, device) -> torch.Tensor:
+        return scalar_tensor(f"{type(self).__name__}.step", name, value, device, convert=True)
 
     def _amp(self, device, grad_scale, found_inf, cache: dict):
         """(gradient multiplier, found_inf, step increment) on ``device``, all without host syncs.

@@ -42,21 +42,14 @@ import torch.distributed as dist
 
 from ..distributed import collectives as C
 from ..ops.optimizer_step import adamw_step
+from ..ops._checks import scalar_tensor
 from . import memory as M
 
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _scalar(owner: str, name: str, value, device) -> torch.Tensor:
-    """A number or 1-element tensor as a 1-element fp32 device tensor (no host sync)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{owner}.step: {name} must be a 1-element tensor, got shape {tuple(value.shape)}")
-        return value.to(device=device, dtype=torch.float32).reshape(1)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}.step: {name} must be a number or a 1-element tensor, "
-                        f"got {type(value).__name__}")
-    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+    return scalar_tensor(f"{owner}.step", name, value, device, convert=True)
 
 
 def step_multipliers(owner: str, device, grad_scale, clip_coef, found_inf):
