@@ -260,49 +260,58 @@ std::vector<char*> bucket_slices(const char* op, const at::Tensor& bucket, const
   return starts;
 }
 
-void cuda_pack_bucket(std::vector<at::Tensor> srcs, at::Tensor bucket, std::vector<int64_t> offsets,
-                      at::Tensor scale, int64_t stream) {
-  const char* op = "cuda_pack_bucket";
+// What pack and unpack share: the checks on the bucket, the scale and the tensors, and the chunk table
+// whose rows copy between each tensor and its bucket slice (tensor -> slice when packing, back when not).
+struct BucketLaunch {
+  DeviceTable table;
+  int bucket_code = 0;
+  int list_code = 0;
+  const float* scale_p = nullptr;
+};
+
+BucketLaunch prepare_bucket(const char* op, const at::Tensor& bucket, const std::vector<at::Tensor>& ts,
+                            const std::vector<int64_t>& offsets, const at::Tensor& scale, const char* name,
+                            bool pack, int64_t stream) {
   TORCH_CHECK(bucket.is_cuda(), op, ": bucket must be a CUDA tensor, got one on ", bucket.device());
   const at::Device dev = bucket.device();
   check_cuda(op, "bucket", bucket, dev);
-  const int bucket_code = dtype_code(op, "bucket", bucket);
-  const float* scale_p = scalar_ptr(op, "scale", scale, dev);
-  if (srcs.empty()) return;
-  const int src_code = check_list(op, "srcs", srcs, dev);
-  const std::vector<char*> starts = bucket_slices(op, bucket, srcs, offsets, "srcs");
+  BucketLaunch launch;
+  launch.bucket_code = dtype_code(op, "bucket", bucket);
+  launch.scale_p = scalar_ptr(op, "scale", scale, dev);
+  if (ts.empty()) return launch;
+  launch.list_code = check_list(op, name, ts, dev);
+  const std::vector<char*> starts = bucket_slices(op, bucket, ts, offsets, name);
   std::vector<Row> rows;
-  rows.reserve(srcs.size());
-  for (size_t i = 0; i < srcs.size(); ++i) rows.push_back({srcs[i].data_ptr(), starts[i], srcs[i].numel()});
-  const c10::DeviceGuard guard(dev);
+  rows.reserve(ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    rows.push_back(pack ? Row{ts[i].data_ptr(), starts[i], ts[i].numel()}
+                        : Row{starts[i], ts[i].data_ptr(), ts[i].numel()});
+  }
   check_current_stream(op, dev, stream);
-  const DeviceTable table = build_table(rows, dev);
-  if (table.nchunks == 0) return;
-  check_launch(op, pl_cuda_pack_bucket(table.table.data_ptr<int64_t>(), table.ntensors, table.nchunks,
-                                       PL_CUDA_CHUNK_SIZE, src_code, bucket_code, scale_p, as_stream(stream)));
+  launch.table = build_table(rows, dev);
+  return launch;
+}
+
+void cuda_pack_bucket(std::vector<at::Tensor> srcs, at::Tensor bucket, std::vector<int64_t> offsets,
+                      at::Tensor scale, int64_t stream) {
+  const char* op = "cuda_pack_bucket";
+  const c10::DeviceGuard guard(bucket.device());
+  const BucketLaunch l = prepare_bucket(op, bucket, srcs, offsets, scale, "srcs", /*pack=*/true, stream);
+  if (l.table.nchunks == 0) return;
+  check_launch(op, pl_cuda_pack_bucket(l.table.table.data_ptr<int64_t>(), l.table.ntensors, l.table.nchunks,
+                                       PL_CUDA_CHUNK_SIZE, l.list_code, l.bucket_code, l.scale_p,
+                                       as_stream(stream)));
 }
 
 void cuda_unpack_bucket(at::Tensor bucket, std::vector<at::Tensor> dsts, std::vector<int64_t> offsets,
                         at::Tensor scale, bool accumulate, int64_t stream) {
   const char* op = "cuda_unpack_bucket";
-  TORCH_CHECK(bucket.is_cuda(), op, ": bucket must be a CUDA tensor, got one on ", bucket.device());
-  const at::Device dev = bucket.device();
-  check_cuda(op, "bucket", bucket, dev);
-  const int bucket_code = dtype_code(op, "bucket", bucket);
-  const float* scale_p = scalar_ptr(op, "scale", scale, dev);
-  if (dsts.empty()) return;
-  const int dst_code = check_list(op, "dsts", dsts, dev);
-  const std::vector<char*> starts = bucket_slices(op, bucket, dsts, offsets, "dsts");
-  std::vector<Row> rows;
-  rows.reserve(dsts.size());
-  for (size_t i = 0; i < dsts.size(); ++i) rows.push_back({starts[i], dsts[i].data_ptr(), dsts[i].numel()});
-  const c10::DeviceGuard guard(dev);
-  check_current_stream(op, dev, stream);
-  const DeviceTable table = build_table(rows, dev);
-  if (table.nchunks == 0) return;
-  check_launch(op, pl_cuda_unpack_bucket(table.table.data_ptr<int64_t>(), table.ntensors, table.nchunks,
-                                         PL_CUDA_CHUNK_SIZE, bucket_code, dst_code, scale_p, accumulate ? 1 : 0,
-                                         as_stream(stream)));
+  const c10::DeviceGuard guard(bucket.device());
+  const BucketLaunch l = prepare_bucket(op, bucket, dsts, offsets, scale, "dsts", /*pack=*/false, stream);
+  if (l.table.nchunks == 0) return;
+  check_launch(op, pl_cuda_unpack_bucket(l.table.table.data_ptr<int64_t>(), l.table.ntensors, l.table.nchunks,
+                                         PL_CUDA_CHUNK_SIZE, l.bucket_code, l.list_code, l.scale_p,
+                                         accumulate ? 1 : 0, as_stream(stream)));
 }
 
 }  // namespace
