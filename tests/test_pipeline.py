@@ -56,7 +56,7 @@ def body_parity(rank, world, schedule, m, v, tie, timeline_png):
             worst = max(worst, ((p.grad - r).norm() / r.norm().clamp_min(1e-30)).item())
             names.append(chunk.dense_name(n))
     out = {"loss_err": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "grad_err": worst,
-           "names": names}
+           "names": names, "prefetched": engine.prefetched_receives}
     if timeline_png:
         path = engine.draw_timeline(timeline_png)
         out["png"] = path
@@ -78,6 +78,11 @@ def test_pipeline_matches_unpipelined_gpt(dist_pools, tmp_path, world, schedule,
     cfg = _config(8)
     torch.manual_seed(0)
     assert covered == {n for n, _ in GPT(cfg).named_parameters()}    # every parameter lives on a stage
+    # receives are posted one communication step ahead (the gradients stage 0 waits for, the activations
+    # after the first on the last stage; the first activation of a link waits for its shape header)
+    assert sum(res["prefetched"] for res in out) > 0
+    if world == 2 and schedule == "1f1b":
+        assert [res["prefetched"] for res in out] == [m, m - 1]
     if png:
         assert os.path.getsize(out[0]["png"]) > 1000
         assert 0.0 <= out[0]["bubble"] < 1.0 and out[1]["events"] >= 2 * m

@@ -10,6 +10,13 @@ elsewhere).
 
 A chunk is any module ``chunk(x, targets=None)``: stage 0 receives the microbatch of ``inputs``; the
 last stage receives ``targets`` and returns a scalar loss; every other stage maps a tensor to a tensor.
+Every step records this rank's timeline (compute and message waits, a few ``perf_counter`` calls per
+instruction; :meth:`gather_timeline`, :meth:`bubble_fraction`, :meth:`draw_timeline`); no barrier is
+taken for it, so ``record_timeline`` changes nothing and is kept for compatibility.
+
+Receives are posted one communication step ahead of need where their shape is known (see
+:meth:`PipelineEngine._prefetch`), so a message's transfer overlaps the computation before it.
+
 Chunks with a ``finish_grads()`` method (``GPTStage``: tied embeddings, sequence-parallel grads) have it
 called once after the schedule.
 """
@@ -19,7 +26,6 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed import collectives as C
@@ -47,8 +53,12 @@ class PipelineEngine:
         self.record_timeline = record_timeline
         self.device = device
         self.p2p = P2P(pp_group, device) if self.p > 1 else None
+        # index of the communication step after each communication step (None after the last)
+        comm = [i for i, st in enumerate(self.steps) if not isinstance(st, Instr)]
+        self._next_comm: Dict[int, Optional[int]] = {a: b for a, b in zip(comm, comm[1:] + [None])}
         self.timeline = Timeline(self.rank)
         self.last_timelines: Optional[List[Timeline]] = None
+        self.prefetched_receives = 0
 
     # ------------------------------------------------------------------ helpers
     def stage(self, chunk: int) -> int:
@@ -87,11 +97,11 @@ class PipelineEngine:
         recv_shape: Dict[int, Tuple[tuple, torch.dtype]] = {}  # chunk -> activation shape this step
         header_sent: set = set()
         losses: List[torch.Tensor] = []
-        if self.record_timeline and self.p > 1:
-            dist.barrier(group=self.group)
+        prefetched: Dict[Instr, Tuple[object, torch.Tensor]] = {}  # receive -> (work, buffer), posted early
+        self.prefetched_receives = 0                                 # how many, this step (tests, tuning)
         self.timeline.start()
 
-        for step in self.steps:
+        for i, step in enumerate(self.steps):
             if isinstance(step, Instr):
                 mb, c = step.mb, step.chunk
                 s = self.stage(c)
@@ -120,7 +130,10 @@ class PipelineEngine:
                         else:
                             in_grads[(mb, c)] = x.grad
                 continue
-            self._communicate(step, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent)
+            self._communicate(step, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched)
+            nxt = self._next_comm[i]
+            if nxt is not None:
+                self._prefetch(self.steps[nxt], outputs, recv_shape, prefetched)
 
         if self.p2p is not None:
             self.p2p.drain()
@@ -140,16 +153,48 @@ class PipelineEngine:
     def _loss_dtype(self):
         return next(self.chunks[0].parameters()).dtype
 
-    def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent):
+    def _recv_buffer(self, ins, outputs, recv_shape) -> Optional[torch.Tensor]:
+        """The buffer a receive lands in, or None while its shape is unknown (activation: no header yet
+        this step; gradient: the forward whose output it belongs to has not run yet)."""
+        if ins.op == "RECV_ACT":
+            if ins.chunk not in recv_shape:
+                return None
+            shape, dtype = recv_shape[ins.chunk]
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        out = outputs.get((ins.mb, ins.chunk))
+        return None if out is None else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+    def _prefetch(self, batch, outputs, recv_shape, prefetched) -> None:
+        """Post the receives of the next communication step now, so their transfers run while this
+        rank computes (gloo moves a message only once both ends have posted it: a receive posted just
+        before it is needed leaves the whole hand-shake and copy on the critical path). Only a prefix of
+        the step's receives, in order, so that messages still match first-in-first-out per peer; at most
+        one step ahead, so at most one extra buffer per link is alive."""
+        ops, keys = [], []
+        for ins in batch:
+            if not ins.op.startswith("RECV"):
+                continue
+            buf = self._recv_buffer(ins, outputs, recv_shape)
+            if buf is None:
+                break
+            ops.append(("recv", buf, ins.peer, f"receive {ins}"))
+            keys.append((ins, buf))
+        if ops:
+            for (ins, buf), work in zip(keys, self.p2p.post(ops)):
+                prefetched[ins] = (work, buf)
+            self.prefetched_receives += len(ops)
+
+    def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched):
         """One batch of messages. Activation shapes first travel in a header round (first message of
-        a link in this step), then the data; only receives are waited for."""
+        a link in this step), then the data; only receives are waited for. Receives posted ahead by
+        :meth:`_prefetch` are not posted again."""
         t0 = time.perf_counter()
         headers, hdr_ops = {}, []
         for ins in batch:
             if ins.op == "SEND_ACT" and ins.chunk not in header_sent:
                 header_sent.add(ins.chunk)
                 hdr_ops.append(("send", encode_header(outputs[(ins.mb, ins.chunk)]), ins.peer, f"send header {ins}"))
-            elif ins.op == "RECV_ACT" and ins.chunk not in recv_shape:
+            elif ins.op == "RECV_ACT" and ins.chunk not in recv_shape and ins not in prefetched:
                 headers[ins.chunk] = torch.empty(HEADER_LEN, dtype=torch.int64)
                 hdr_ops.append(("recv", headers[ins.chunk], ins.peer, f"receive header {ins}"))
         if hdr_ops:
@@ -172,9 +217,14 @@ class PipelineEngine:
                 if self.tensor_shape is not None:
                     self._check_shape(shape, next(i for i in batch if i.op == "RECV_ACT" and i.chunk == chunk),
                                       sending=False)
-        ops, received = [], []
+        ops, received, waits = [], [], []
         for ins in batch:
             key = (ins.mb, ins.chunk)
+            if ins in prefetched:
+                work, buf = prefetched.pop(ins)
+                waits.append(work)
+                received.append((ins, buf))
+                continue
             if ins.op == "SEND_ACT":
                 out = outputs[key].detach()
                 if tuple(out.shape) != recv_shape.get(("sent", ins.chunk), tuple(out.shape)):
@@ -186,17 +236,11 @@ class PipelineEngine:
             elif ins.op == "SEND_GRAD":
                 g = in_grads.pop(key)
                 ops.append(("send", g.contiguous(), ins.peer, f"send {ins}"))
-            elif ins.op == "RECV_ACT":
-                shape, dtype = recv_shape[ins.chunk]
-                buf = torch.empty(shape, dtype=dtype, device=self.device)
+            else:  # RECV_ACT: shape from the header; RECV_GRAD: the shape of the activation this rank sent
+                buf = self._recv_buffer(ins, outputs, recv_shape)
                 ops.append(("recv", buf, ins.peer, f"receive {ins}"))
                 received.append((ins, buf))
-            else:  # RECV_GRAD: the shape of the activation this rank sent
-                out = outputs[key]
-                buf = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-                ops.append(("recv", buf, ins.peer, f"receive {ins}"))
-                received.append((ins, buf))
-        self.p2p.wait(self.p2p.post(ops))
+        self.p2p.wait(waits + self.p2p.post(ops))
         for ins, buf in received:
             key = (ins.mb, ins.chunk)
             if ins.op == "RECV_ACT":

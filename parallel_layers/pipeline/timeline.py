@@ -2,17 +2,21 @@
 
 Every rank records ``(op, microbatch, chunk, start, end)`` for each compute instruction it runs and
 for each wait on communication (op ``"W"``). Times are ``time.perf_counter()`` seconds relative to the
-step's start; the engine starts a recorded step at a barrier of the pipeline group, so the ranks'
-zeros agree to within the barrier's exit skew (microseconds on one host). ``perf_counter`` is
-CLOCK_MONOTONIC on Linux: one clock for every process of a host.
+rank's own entry into the step. ``perf_counter`` is CLOCK_MONOTONIC on Linux: one clock for every
+process of a host, so when all ranks of the pipeline run on one host the gathered timelines are put on
+a common origin (the earliest rank's entry) and a rank that entered later shows that delay as idle;
+across hosts (clocks not comparable) each rank's zero is its own entry. No barrier is needed inside
+the step: a caller that wants aligned starts (a benchmark) meets at one before calling ``step``.
 
-Bubble fraction of a rank = 1 - (compute time) / (step time), step time = the slowest rank's end;
-the pipeline's figure is the mean over ranks: the share of stage-time the pipeline left idle (waiting
-on neighbours or messages), which is what ``(p - 1) / (m + p - 1)`` predicts for 1F1B with equal
-stages.
+Bubble fraction of a rank = 1 - (compute time) / (step time), step time = from the first rank's entry
+to the last rank's end; the pipeline's figure is the mean over ranks: the share of stage-time the
+pipeline left idle (waiting on neighbours or messages, posting them, or engine overhead between
+instructions), which is what ``(p - 1) / (m + p - 1)`` predicts for 1F1B with equal stages. The same
+definition holds for interleaved schedules (compute of every chunk of the rank counts as busy).
 """
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -33,8 +37,8 @@ class Event:
 class Timeline:
     rank: int
     events: List[Event] = field(default_factory=list)
-    t0: float = 0.0
-    t_end: float = 0.0
+    t0: float = 0.0            # absolute perf_counter() of the rank's entry into the step
+    t_end: float = 0.0         # end, relative to t0
 
     def start(self) -> None:
         self.events.clear()
@@ -63,18 +67,23 @@ def bubble_fraction(timelines: Sequence[Timeline]) -> float:
 
 
 def gather_timelines(local: Timeline, group) -> Optional[List[Timeline]]:
-    """Every pipeline rank's timeline on the group's rank 0 (None elsewhere). A collective."""
+    """Every pipeline rank's timeline on the group's rank 0 (None elsewhere), on a common time origin
+    when the ranks share a host. A collective."""
     if group is None or dist.get_world_size(group) == 1:
         return [local]
     out = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    dist.gather_object((local.rank, local.to_rows(), local.t_end), out, group_dst=0, group=group)
+    dist.gather_object((local.rank, local.to_rows(), local.t_end, local.t0, socket.gethostname()), out,
+                       group_dst=0, group=group)
     if out is None:
         return None
+    one_host = len({host for *_, host in out}) == 1
+    origin = min(t0 for _, _, _, t0, _ in out) if one_host else 0.0
     result = []
-    for rank, rows, t_end in out:
+    for rank, rows, t_end, t0, _ in out:
+        shift = t0 - origin if one_host else 0.0     # onto the common origin (same clock on one host)
         tl = Timeline(rank)
-        tl.events = [Event(*r) for r in rows]
-        tl.t_end = t_end
+        tl.events = [Event(op, mb, c, a + shift, b + shift) for op, mb, c, a, b in rows]
+        tl.t0, tl.t_end = origin if one_host else t0, t_end + shift
         result.append(tl)
     return result
 
