@@ -1,8 +1,9 @@
 """Point-to-point transfer of activations (forward) and gradients (backward) over the ``pp_group``.
 
 One communication step of a schedule is a list of sends and receives posted together:
-``dist.batch_isend_irecv`` (coalesced on NCCL; on gloo torch issues the ops one by one), falling back to
-plain ``isend``/``irecv`` where batching is unavailable. The caller waits for the receives at once and
+``dist.batch_isend_irecv`` (coalesced on NCCL), plain ``isend``/``irecv`` on gloo (where torch issues a
+batch's ops one by one anyway, and the batching machinery only adds host time to every message) or
+where batching is unavailable. The caller waits for the receives at once and
 for the sends lazily (:meth:`P2P.drain`), so a rank never stalls on a send its neighbour will only
 match after a receive of its own (see ``schedules.simulate``).
 
@@ -52,7 +53,7 @@ class P2P:
         self.rank = dist.get_rank(group)
         self.device = device or torch.device("cpu")
         self._pending_sends: List[Tuple[object, torch.Tensor, str]] = []
-        self._batched = hasattr(dist, "batch_isend_irecv")
+        self._batched = hasattr(dist, "batch_isend_irecv") and dist.get_backend(group) != "gloo"
 
     def post(self, ops: Sequence[Tuple[str, torch.Tensor, int, str]], tag: int = 0) -> List[Tuple[object, str]]:
         """Post ``(kind, tensor, peer, what)`` ops (kind ``"send"``/``"recv"``); returns the receives'
