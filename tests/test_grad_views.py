@@ -230,3 +230,18 @@ def test_without_extension_same_results(monkeypatch):
         results.append([p.detach().clone() for p in m.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_checker_params_in_place():
+    ext = _ext()
+    params, views = _params_and_views()
+    homes = [p.detach() for p in params]                 # where each param's data lives now
+    ck = ext.GradViewChecker(params, views, homes)
+    assert ck.params_in_place()
+    with torch.no_grad():
+        params[2].data = params[2].data.clone()           # what a wrapper that re-lays out parameters does
+    assert not ck.params_in_place()
+    params[2].data = homes[2]
+    assert ck.params_in_place()
+    with pytest.raises(RuntimeError, match="without data views"):
+        ext.GradViewChecker(params, views).params_in_place()

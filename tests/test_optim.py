@@ -129,6 +129,43 @@ def test_params_and_grads_are_flat_views():
     assert all(p.grad is None for p in m.parameters())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checker", [True, False], ids=["cpp_check", "python_check"])
+def test_params_moved_by_a_wrapper_are_taken_back(backend, dtype, checker):
+    """A wrapper (DataParallel at its bucket rebuild) re-points some p.data to buffers of its own after the
+    optimizer was built: the step must still update the tensors the model reads, as torch's AdamW does."""
+    if checker and _extension.load()[0] is None:
+        pytest.skip("no extension: the C++ check is unavailable")
+    models = [make_model(0, dtype), make_model(0, dtype)]
+    master = [p.detach().float().clone().requires_grad_() for p in models[1].parameters()]
+    opts = [FusedAdamW(models[0].parameters(), lr=0.05, backend=backend), torch.optim.AdamW(master, lr=0.05)]
+    (fb,) = opts[0]._flats[0]
+    if not checker:
+        fb._checker, fb._checker_for = False, (fb.params, fb.grad_views, len(fb.params))
+    x = torch.randn(4, 6, dtype=dtype)
+    for step in range(3):
+        with torch.no_grad():
+            for i, p in enumerate(models[0].parameters()):
+                if (i + step) % 2 == 0:
+                    p.data = p.data.clone()          # moved out of the flat storage, same value
+        for o in opts:
+            o.zero_grad()
+        models[1].zero_grad()
+        models[0](x).float().pow(2).mean().backward()
+        with torch.no_grad():                          # the fp32-master reference: same low-precision forward
+            for p, m in zip(models[1].parameters(), master):
+                p.copy_(m)
+        models[1](x).float().pow(2).mean().backward()
+        for p, m in zip(models[1].parameters(), master):
+            m.grad = p.grad.float()
+        for o in opts:
+            o.step()
+        for (name, p), m in zip(models[0].named_parameters(), master):
+            assert p.untyped_storage().data_ptr() == fb.param_views[0].untyped_storage().data_ptr(), name
+            torch.testing.assert_close(p.float(), m.detach().to(dtype).float(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda msg: f"step {step} {name}: {msg}")
+
+
 def test_add_param_group_and_closure(backend):
     m1, m2 = make_model(), make_model()
     p1, p2 = list(m1.parameters()), list(m2.parameters())

@@ -20,10 +20,15 @@ namespace {
 
 class GradViewChecker {
  public:
-  GradViewChecker(std::vector<at::Tensor> params, std::vector<at::Tensor> views)
+  GradViewChecker(std::vector<at::Tensor> params, std::vector<at::Tensor> views,
+                  std::vector<at::Tensor> data_views)
       : params_(std::move(params)), views_(std::move(views)) {
     TORCH_CHECK(params_.size() == views_.size(), "GradViewChecker: ", params_.size(), " params but ",
                 views_.size(), " views");
+    TORCH_CHECK(data_views.empty() || data_views.size() == params_.size(), "GradViewChecker: ", params_.size(),
+                " params but ", data_views.size(), " data views");
+    data_ptrs_.reserve(data_views.size());
+    for (const at::Tensor& v : data_views) data_ptrs_.push_back(v.data_ptr());
     param_impls_.reserve(params_.size());
     expected_.reserve(views_.size());
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -49,6 +54,17 @@ class GradViewChecker {
     return true;
   }
 
+  // True iff every params[i]'s data still starts where data_views[i] did (nobody re-pointed ``p.data``,
+  // e.g. a wrapper that moved the parameters into buffers of its own). ``p.data = x`` keeps the param's
+  // TensorImpl and swaps its storage, so the stored impl pointer reads the current address.
+  bool params_in_place() const {
+    TORCH_CHECK(data_ptrs_.size() == param_impls_.size(), "GradViewChecker: built without data views");
+    for (size_t i = 0; i < data_ptrs_.size(); ++i) {
+      if (param_impls_[i]->data() != data_ptrs_[i]) return false;
+    }
+    return true;
+  }
+
   size_t size() const { return param_impls_.size(); }
 
  private:
@@ -56,6 +72,7 @@ class GradViewChecker {
   std::vector<at::Tensor> views_;
   std::vector<c10::TensorImpl*> param_impls_;
   std::vector<c10::TensorImpl*> expected_;
+  std::vector<const void*> data_ptrs_;
 };
 
 }  // namespace
@@ -65,7 +82,10 @@ void register_grad_views(pybind11::module_& m) {
   pybind11::class_<GradViewChecker>(m, "GradViewChecker",
                                     "Checks that every params[i].grad is exactly views[i] (FlatBuffer.collect's "
                                     "fast path)")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>>(), "params"_a, "views"_a)
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>(), "params"_a,
+           "views"_a, "data_views"_a = std::vector<at::Tensor>())
+      .def("params_in_place", &GradViewChecker::params_in_place,
+           "True iff every params[i] still points at the storage of data_views[i]")
       .def("all_views", &GradViewChecker::all_views,
            "True iff every params[i].grad is defined and is exactly views[i]")
       .def("__len__", &GradViewChecker::size);

@@ -66,7 +66,9 @@ class FlatBuffer:
             del srcs
             self.low = None if self.dtype == torch.float32 else data
             self.master = data if self.low is None else data.float()
-            for p, view in zip(params, self._views(data)):
+            # Kept to notice a wrapper re-pointing p.data later (see ensure_params_in_place).
+            self.param_views = self._views(data)
+            for p, view in zip(params, self.param_views):
                 p.data = view
         self.grad = torch.zeros(pos, dtype=self.dtype, device=self.device)
         self.grad_views = self._views(self.grad)
@@ -100,6 +102,29 @@ class FlatBuffer:
         """Element range of parameters ``i .. j-1``."""
         return slice(self.offsets[i], self.ends[j - 1])
 
+    # ------------------------------------------------------------------ parameters
+    def ensure_params_in_place(self) -> None:
+        """Take back parameters that something re-pointed out of the flat storage since the last step.
+
+        Wrappers that lay parameters out in buffers of their own do that: ``DataParallel`` when it is
+        applied after the optimizer was built, and at its one-time bucket rebuild after the first backward.
+        The step would otherwise update a copy the model no longer reads. The parameter's current value is
+        copied into its flat slot and ``p.data`` points there again (for bf16/fp16 params the fp32 master,
+        which the wrapper never saw, is kept). Cost per step when nothing moved: one pointer comparison per
+        parameter in C++ (a Python loop without the extension).
+        """
+        ck = self._checker_now()
+        if ck is not False and ck.params_in_place():
+            return
+        moved = [i for i, (p, v) in enumerate(zip(self.params, self.param_views)) if p.data_ptr() != v.data_ptr()]
+        if not moved:
+            return
+        with torch.no_grad():
+            for i in moved:
+                p, view = self.params[i], self.param_views[i]
+                view.copy_(p.data)
+                p.data = view
+
     # ------------------------------------------------------------------ gradients
     def collect(self, on_first: Callable[["FlatBuffer", int], None]) -> List[Tuple[int, int]]:
         """Point every present ``.grad`` at the flat gradient buffer; return runs ``(i, j)`` to step.
@@ -122,12 +147,15 @@ class FlatBuffer:
         """
         if _mode_enabled():
             return False
+        ck = self._checker_now()
+        return ck is not False and ck.all_views()
+
+    def _checker_now(self):
+        """The C++ checker for the current ``params`` / ``grad_views``; False if unavailable."""
         key, params = self._checker_for, self.params
         if key is None or key[0] is not params or key[1] is not self.grad_views or key[2] != len(params):
-            ck = self._build_checker()   # first use, or params / grad_views were replaced
-        else:
-            ck = self._checker
-        return ck is not False and ck.all_views()
+            return self._build_checker()   # first use, or params / grad_views were replaced
+        return self._checker
 
     def _build_checker(self):
         """(Re)build the C++ checker for the current ``params`` / ``grad_views``; False if unavailable."""
@@ -138,7 +166,7 @@ class FlatBuffer:
         if ext is not None and hasattr(ext, "GradViewChecker") and len(params) == len(views) \
                 and all(type(p) in _PLAIN_TYPES for p in params):
             try:
-                ck = ext.GradViewChecker(list(params), list(views))
+                ck = ext.GradViewChecker(list(params), list(views), list(self.param_views))
             except Exception:   # never let the fast path break a step
                 ck = False
         self._checker = ck
@@ -357,6 +385,7 @@ class FlatOptimizer(torch.optim.Optimizer):
             self._check_group(group)
             for fb in flats:
                 self._prepare(group, fb)
+                fb.ensure_params_in_place()
                 runs = fb.collect(self._on_first)
                 if not runs:
                     continue
