@@ -2,10 +2,11 @@
 torch's ``loss_parallel`` (DTensor sharded on the vocabulary dim, ``F.cross_entropy`` inside the context).
 
     python -m benchmarks.cross_entropy              # CPU: 2 gloo ranks, 4096 x 32000/2 fp32 per rank
+    python -m benchmarks.cross_entropy --quick      # 512 x 32000/2 per rank, 5 repetitions
     python -m benchmarks.cross_entropy --smoke      # tiny sizes, a few seconds
     python -m benchmarks.cross_entropy --device cuda   # one GPU: ours vs loss_parallel on a (8192, 32000/tp) shard
 
-CPU: two processes (torch.multiprocessing spawn, one thread each) joined by gloo, every rank holding
+CPU: two processes (``harness.run_ranks``: spawned, one thread each) joined by gloo, every rank holding
 its vocabulary shard of the same logits. One step = forward + backward (``torch.autograd.grad`` of the
 mean loss with respect to the logits shard, the same for both, so neither pays an accumulation into
 ``.grad``). The logits are cloned before every step, outside the timed region, because ours writes the
@@ -22,29 +23,35 @@ step.
 
 Times: median (p20-p80) of ``reps`` steps after warm-up, ours and theirs interleaved, both ranks
 released together by a barrier before each step; the figure is rank 0's wall time of the step.
-Rows are appended to benchmarks/results/tp.csv (harness.CSV_FIELDS, plus the memory columns).
+Rows are appended to benchmarks/results/tp.csv (``collect`` returns them for the suite): ``mem_mb`` is
+ours' peak extra MB per rank, and the ``baseline`` text carries both peaks and their ratio.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import harness
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "tp.csv")
-CSV_FIELDS = harness.CSV_FIELDS + ["ours_peak_mb", "base_peak_mb", "mem_ratio", "mem_target", "mem_met", "mem_method"]
+CSV_NAME = "tp.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
+QUICK_BUDGET_S = 12   # seconds --quick should take on the 2-core development machine (guideline)
 MEM_METHOD_CPU = "VmHWM-VmRSS, clear_refs=5, MALLOC_MMAP_THRESHOLD_=65536"
 MEM_METHOD_CUDA = "torch.cuda.max_memory_allocated"
+MEM_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}   # for the spawned CPU ranks (see the docstring)
 PROFILES = {"full": dict(rows=4096, vocab=32000, reps=7, warmup=2),
+            "quick": dict(rows=512, vocab=32000, reps=5, warmup=1),
             "smoke": dict(rows=64, vocab=512, reps=5, warmup=1)}
+CUDA_ROWS = 8192   # rows of the shard on a GPU (quick and full)
 TARGETS = {"cpu_mem": 0.5, "cuda_speedup": 1.5}
 
 
@@ -136,136 +143,141 @@ def measure(base: torch.Tensor, target: torch.Tensor, steps: Dict[str, Callable]
 
 
 # ---------------------------------------------------------------------------------------------- CPU ranks
-def _cpu_rank(rank: int, world: int, port: int, prof: dict, queue) -> None:
-    import datetime
-
+def _cpu_rank(rank: int, world: int, prof: dict):
+    """One rank (spawned by ``harness.run_ranks``, gloo group initialised, one thread); rank 0's results."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    mesh = init_device_mesh("cpu", (world,))
+    rows, vocab = prof["rows"], prof["vocab"]
+    g = torch.Generator().manual_seed(1234 + rank)             # each rank: its own vocabulary slice
+    base = torch.randn(rows, vocab // world, generator=g)
+    target = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(7))  # same on all
+    target[::17] = -100
+    steps = make_steps(mesh.get_group(), mesh, target)
+    res = measure(base, target, steps, prof["reps"], prof["warmup"], dist.barrier, torch.device("cpu"))
+    return res if rank == 0 else None
+
+
+@contextlib.contextmanager
+def _environ(values: Dict[str, str]):
+    """``values`` in os.environ (inherited by processes spawned meanwhile), restored afterwards so that
+    later benchmarks of the same suite run do not inherit them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        group = mesh.get_group()
-        rows, vocab = prof["rows"], prof["vocab"]
-        g = torch.Generator().manual_seed(1234 + rank)             # each rank: its own vocabulary slice
-        base = torch.randn(rows, vocab // world, generator=g)
-        target = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(7))  # same on all
-        target[::17] = -100
-        steps = make_steps(group, mesh, target)
-        res = measure(base, target, steps, prof["reps"], prof["warmup"], dist.barrier, torch.device("cpu"))
-        if rank == 0:
-            queue.put(res)
+        yield
     finally:
-        dist.destroy_process_group()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_cpu(prof: dict, world: int = 2):
-    import torch.multiprocessing as mp
-
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"   # inherited by the spawned ranks (see the docstring)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_cpu_rank, args=(world, harness_free_port(), prof, queue), nprocs=world,
-                       start_method="spawn", join=True)
-    return queue.get()
-
-
-def harness_free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with _environ(MEM_ENV):
+        return harness.run_ranks(_cpu_rank, world, (prof,), timeout_s=1800)[0]
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
 def run_cuda(prof: dict, tp: int):
     """One GPU, one rank: the per-rank work of a tp-way split (a (rows, vocab/tp) shard); with a group of
-    one, ours issues no collective, and loss_parallel runs on a 1-device mesh."""
+    one, ours issues no collective, and loss_parallel runs on a 1-device mesh. A process group this
+    creates is destroyed afterwards (the suite runs other benchmarks in the same process)."""
     import datetime
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device("cuda", torch.cuda.current_device())
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(harness_free_port()))
-        dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=300),
-                                device_id=device)
-    mesh = init_device_mesh("cuda", (1,))
-    rows, vocab = prof["rows"], prof["vocab"]
-    g = torch.Generator(device=device).manual_seed(1234)
-    base = torch.randn(rows, vocab // tp, generator=g, device=device)
-    target = torch.randint(0, vocab // tp, (rows,), device=device, generator=g)
-    steps = make_steps(mesh.get_group(), mesh, target)
-    return measure(base, target, steps, prof["reps"], prof["warmup"], lambda: None, device)
+    created = not dist.is_initialized()
+    if created:   # a tcp:// address rather than MASTER_ADDR/PORT: nothing left in os.environ afterwards
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{harness.free_port()}", rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=300), device_id=device)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        rows, vocab = prof["rows"], prof["vocab"]
+        g = torch.Generator(device=device).manual_seed(1234)
+        base = torch.randn(rows, vocab // tp, generator=g, device=device)
+        target = torch.randint(0, vocab // tp, (rows,), device=device, generator=g)
+        steps = make_steps(mesh.get_group(), mesh, target)
+        return measure(base, target, steps, prof["reps"], prof["warmup"], lambda: None, device)
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------- report
-def report(res, *, device: torch.device, mode: str, sizes: str, world: int, threads: int, write_csv: bool):
+# ---------------------------------------------------------------------------------------------- rows
+def make_rows(res, *, device: torch.device, mode: str, sizes: str, world: int, threads: int) -> List[dict]:
+    """CSV rows from ``measure``'s results: ours (in-place backward) and ours without it, each against
+    loss_parallel; the memory figures go in ``mem_mb`` (ours) and the ``baseline`` text (both)."""
     base_t, base_m, _ = res["loss_parallel"]
-    bs = harness.Stats.of(base_t)
     base_mem = statistics.median(base_m)
     method = MEM_METHOD_CUDA if device.type == "cuda" else MEM_METHOD_CPU
-    run_id, ver = harness.now_iso(), harness.versions()
-    print(f"device: {harness.device_name(device)}; torch {ver['torch']}, triton {ver['triton']}; "
-          f"{world} rank(s) x {threads} thread(s); logits shard {sizes} fp32 per rank")
-    print(f"peak extra memory: {method}")
-    head = (f"{'case':<16} {'ms median':>10} {'p20-p80':>16} {'vs base':>8} {'peak MB':>9} {'mem ratio':>10}")
-    print(head)
-    print("-" * len(head))
+    common = dict(harness.common_fields(mode, device, threads), sizes=sizes, dtype="fp32",
+                  backend="triton" if device.type == "cuda" else "torch")
+    mem_target = TARGETS["cpu_mem"]
+    time_target = TARGETS["cuda_speedup"] if device.type == "cuda" else None
     rows = []
-    for name in ("ours", "ours_copy", "loss_parallel"):
+    for name, case in (("ours", "vocab_ce"), ("ours_copy", "vocab_ce_no_inplace")):
         t, m, _ = res[name]
-        st, mem = harness.Stats.of(t), statistics.median(m)
-        speed, ratio = bs.median_ms / st.median_ms, mem / base_mem if base_mem > 0 else float("nan")
-        print(f"{name:<16} {st.median_ms:>10.2f} {f'{st.p20_ms:.2f}-{st.p80_ms:.2f}':>16} {speed:>7.2f}x "
-              f"{mem:>9.1f} {ratio:>9.2f}x")
-        if name == "loss_parallel":
-            continue
-        mem_target = TARGETS["cpu_mem"]
-        time_target = TARGETS["cuda_speedup"] if device.type == "cuda" else None
+        mem = statistics.median(m)
+        ratio = mem / base_mem if base_mem > 0 else float("nan")
+        row = harness.comparison_row(common, case, t, base_t)
         mem_ok = ratio <= mem_target
-        targets = [f"mem<={mem_target}x"] + ([f"time>={time_target}x"] if time_target else [])
-        met = mem_ok and (speed >= time_target if time_target else True)
-        rows.append(dict(
-            run_id=run_id, date=harness.now_iso(), mode=mode,
-            case="vocab_ce" + ("" if name == "ours" else "_no_inplace"), sizes=sizes, dtype="fp32",
-            backend="triton" if device.type == "cuda" else "torch", device=harness.device_name(device),
-            torch=ver["torch"], triton=ver["triton"], threads=threads,
-            ours_median_ms=st.median_ms, ours_p20_ms=st.p20_ms, ours_p80_ms=st.p80_ms,
-            base_median_ms=bs.median_ms, base_p20_ms=bs.p20_ms, base_p80_ms=bs.p80_ms, speedup=speed,
-            target=";".join(targets), met="yes" if met else "no",
-            # tp.csv is shared and has harness.CSV_FIELDS only: the memory figures also go in the text column
+        met = mem_ok and (row["speedup"] >= time_target if time_target else True)
+        row.update(
+            date=harness.now_iso(), mem_mb=mem,
+            target=";".join([f"mem<={mem_target}x"] + ([f"time>={time_target}x"] if time_target else [])),
+            met="yes" if met else "no",
             baseline=(f"loss_parallel (DTensor, {world} ranks); peak extra MB ours {mem:.1f} vs {base_mem:.1f} "
                       f"= {ratio:.3f}x ({method})"),
-            ours_peak_mb=mem, base_peak_mb=base_mem, mem_ratio=ratio, mem_target=f"<={mem_target}x",
-            mem_met="yes" if mem_ok else "no", mem_method=method))
-    print("(ours: inplace_backward=True, the gradient written over the logits; ours_copy: "
-          "inplace_backward=False, a new gradient buffer, counted)")
-    if write_csv and rows:
-        _append(rows)
+            ours_peak_mb=mem, base_peak_mb=base_mem, mem_ratio=ratio)   # the last three: for the CLI table
+        rows.append(row)
     return rows
 
 
-def _append(rows: List[dict]) -> None:
-    # harness.append_csv writes harness.CSV_FIELDS for a new file; tp.csv also has the memory columns.
-    import csv
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None, *,
+            rows: Optional[int] = None, vocab: Optional[int] = None, tp: int = 2,
+            reps: Optional[int] = None) -> List[dict]:
+    """Rows of ``mode`` (smoke | quick | full, see ``PROFILES``; ``rows``, ``vocab``, ``reps`` override
+    it; ``vocab`` is the full vocabulary, each rank holds vocab / tp columns). On CUDA one GPU runs one
+    rank's shard; on CPU ``tp`` gloo ranks. Writes no CSV, prints nothing."""
+    prof = dict(PROFILES[mode])
+    if device.type == "cuda" and mode != "smoke":
+        prof["rows"] = CUDA_ROWS
+    prof.update({k: v for k, v in dict(rows=rows, vocab=vocab, reps=reps).items() if v})
+    sizes = f"{prof['rows']}x{prof['vocab']}/{tp}"
+    if progress:
+        progress(f"logits {sizes} per rank")
+    if device.type == "cuda":
+        res = run_cuda(prof, tp)
+        return make_rows(res, device=device, mode=mode, sizes=sizes, world=1, threads=torch.get_num_threads())
+    res = run_cpu(prof, world=tp)
+    return make_rows(res, device=torch.device("cpu"), mode=mode, sizes=sizes, world=tp, threads=1)
 
-    new = not os.path.exists(CSV_PATH) or os.path.getsize(CSV_PATH) == 0
-    if new:
-        os.makedirs(os.path.dirname(CSV_PATH), exist_ok=True)
-        with open(CSV_PATH, "w", newline="") as fh:
-            csv.DictWriter(fh, fieldnames=CSV_FIELDS).writeheader()
-    harness.append_csv(CSV_PATH, rows)
+
+def print_table(rows: List[dict]) -> None:
+    r0 = rows[0]
+    lines = [(r["case"], r["ours_median_ms"], r["ours_p20_ms"], r["ours_p80_ms"], r["speedup"], r["ours_peak_mb"],
+              r["mem_ratio"]) for r in rows]
+    lines.append(("loss_parallel", r0["base_median_ms"], r0["base_p20_ms"], r0["base_p80_ms"], 1.0,
+                  r0["base_peak_mb"], 1.0))
+    head = f"{'case':<20} {'ms median':>10} {'p20-p80':>16} {'vs base':>8} {'peak MB':>9} {'mem ratio':>10}"
+    print(head)
+    print("-" * len(head))
+    for name, med, p20, p80, speed, mem, ratio in lines:
+        print(f"{name:<20} {med:>10.2f} {f'{p20:.2f}-{p80:.2f}':>16} {speed:>7.2f}x {mem:>9.1f} {ratio:>9.2f}x")
+    print("(vocab_ce: inplace_backward=True, the gradient written over the logits; vocab_ce_no_inplace: "
+          "inplace_backward=False, a new gradient buffer, counted)")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (a few seconds)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="tiny sizes (a few seconds)")
+    size.add_argument("--quick", action="store_true", help=f"fewer rows and reps (~{QUICK_BUDGET_S} s)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", type=int)
     ap.add_argument("--vocab", type=int, help="full vocabulary; each rank holds vocab / tp columns")
@@ -273,24 +285,20 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int)
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "full"
-    prof = dict(PROFILES[mode])
-    if args.device == "cuda" and not args.smoke:
-        prof["rows"] = 8192
-    for key in ("rows", "vocab", "reps"):
-        if getattr(args, key):
-            prof[key] = getattr(args, key)
-    if prof["reps"] < 5:
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if (args.reps or PROFILES[mode]["reps"]) < 5:
         print("note: fewer than 5 timed repetitions", file=sys.stderr)
-    sizes = f"{prof['rows']}x{prof['vocab']}/{args.tp}"
-    if args.device == "cuda":
-        res = run_cuda(prof, args.tp)
-        report(res, device=torch.device("cuda"), mode=mode, sizes=sizes, world=1, threads=torch.get_num_threads(),
-               write_csv=not args.no_csv)
-    else:
-        res = run_cpu(prof, world=args.tp)
-        report(res, device=torch.device("cpu"), mode=mode, sizes=sizes, world=args.tp, threads=1,
-               write_csv=not args.no_csv)
+    device = torch.device(args.device)
+    rows = collect(mode, device, rows=args.rows, vocab=args.vocab, tp=args.tp, reps=args.reps)
+    r0, ver = rows[0], harness.versions()
+    world = 1 if device.type == "cuda" else args.tp
+    print(f"device: {r0['device']}; torch {ver['torch']}, triton {ver['triton']}; {world} rank(s) x "
+          f"{r0['threads']} thread(s); logits shard {r0['sizes']} fp32 per rank")
+    print(f"peak extra memory: {MEM_METHOD_CUDA if device.type == 'cuda' else MEM_METHOD_CPU}")
+    print_table(rows)
+    if not args.no_csv:
+        harness.append_csv(CSV_PATH, rows)
+        print(f"appended {len(rows)} rows to {os.path.relpath(CSV_PATH)}")
     return 0
 
 

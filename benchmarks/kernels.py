@@ -1,13 +1,15 @@
 """Kernel microbenchmarks: each fused op against what a user would otherwise run.
 
     python -m benchmarks.kernels            # full sizes (the targets are defined at these)
-    python -m benchmarks.kernels --quick    # smaller sizes, a couple of minutes
+    python -m benchmarks.kernels --quick    # smaller sizes, under a minute on 2 cores
     python -m benchmarks.kernels --smoke --no-csv --only adamw --backend cpp --plot
 
 Every case times ours and the baseline back to back, interleaved, on the same data (see harness.py),
-prints one table row per (case, backend) and appends the same figures to benchmarks/results/kernels.csv.
-GB/s counts the bytes a kernel *must* move (each case states its formula); its fraction of the copy
-bandwidth measured at the start of the run says how close to the memory roofline the kernel is.
+on every fused backend of the device (CPU: the C++ extension; CUDA: Triton *and* the CUDA extension),
+prints one table row per (case, backend) and appends the same figures to benchmarks/results/kernels.csv
+(``collect`` returns the rows for the suite, ``python -m parallel_layers bench``). GB/s counts the bytes
+a kernel *must* move (each case states its formula); its fraction of the machine's copy bandwidth,
+measured in the same run, says how close to the memory roofline the kernel is.
 """
 from __future__ import annotations
 
@@ -25,15 +27,20 @@ from tqdm import tqdm
 from parallel_layers import ops
 from . import harness
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "kernels.csv")
+CSV_NAME = "kernels.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
+QUICK_BUDGET_S = 50   # seconds --quick should take on the 2-core development machine (guideline)
 
 # Sizes per mode. "many": (count, min elements, max elements) of a list of tensors, sizes drawn
 # uniformly with a fixed seed (the same draw for every case that uses it, so rows are comparable).
 PROFILES = {
     "full":  dict(flat=64 << 20, many=(2000, 10_000, 100_000), small=(5000, 100, 2000),
                   reps=15, warmup=3, copy_bytes=256 << 20),
-    "quick": dict(flat=8 << 20, many=(300, 10_000, 100_000), small=(1000, 100, 2000),
-                  reps=10, warmup=2, copy_bytes=256 << 20),
+    # quick: 1/8 of the flat elements, 1/20 and 1/10 of the tensor counts, 7 reps; the buffers are still
+    # tens of MB (well past the 2 MB per-core L2), and the copy bandwidth is still measured at 256 MB,
+    # so the fractions are relative to the same DRAM figure as in full runs
+    "quick": dict(flat=8 << 20, many=(100, 10_000, 100_000), small=(500, 100, 2000),
+                  reps=7, warmup=1, copy_bytes=256 << 20),
     "smoke": dict(flat=4096, many=(8, 100, 1000), small=(16, 100, 1000),
                   reps=10, warmup=1, copy_bytes=4 << 20),
 }
@@ -297,14 +304,17 @@ def _target_text(speedup_t, bw_t) -> str:
 # driver
 # ----------------------------------------------------------------------------------------------
 def default_backends(device: torch.device) -> List[str]:
-    wanted = ["triton", "cuda"] if device.type == "cuda" else ["cpp"]
-    ok = [b for b in wanted if backend_problem(b, device) is None]
-    if not ok:
-        why = "; ".join(f"{b}: {backend_problem(b, device)}" for b in wanted)
-        print(f"note: no fused backend available on {device.type} ({why}); measuring the torch "
-              f"reference backend instead, which says nothing about the kernels", file=sys.stderr)
-        ok = ["torch"]
-    return ok
+    """CUDA: both fused backends, Triton and the CUDA extension, always: one that cannot run here gives
+    error rows saying why instead of silently leaving the table. CPU: the C++ extension, or (when it
+    is missing) the torch reference backend with a note."""
+    if device.type == "cuda":
+        return ["triton", "cuda"]
+    problem = backend_problem("cpp", device)
+    if problem is None:
+        return ["cpp"]
+    print(f"note: no fused backend available on {device.type} (cpp: {problem}); measuring the torch "
+          f"reference backend instead, which says nothing about the kernels", file=sys.stderr)
+    return ["torch"]
 
 
 def backend_problem(backend: str, device: torch.device) -> Optional[str]:
@@ -348,12 +358,70 @@ def measure(case: str, ctx: Ctx) -> dict:
 
 def finish(row: dict, copy_gbps: float, device: torch.device) -> dict:
     sp_t, bw_t = target_for(row["case"], device)
+    row["target"] = _target_text(sp_t, bw_t)
+    if row.get("met") == "error":
+        return row
     row.update(copy_gbps=copy_gbps, bw_fraction=row["gbps"] / copy_gbps,
-               base_bw_fraction=row["base_gbps"] / copy_gbps, target=_target_text(sp_t, bw_t), met="-")
+               base_bw_fraction=row["base_gbps"] / copy_gbps, met="-")
     if sp_t or bw_t:
         ok = (not sp_t or row["speedup"] >= sp_t) and (not bw_t or row["bw_fraction"] >= bw_t)
         row["met"] = "yes" if ok else "no"
     return row
+
+
+def error_row(case: str, backend: str, exc: BaseException) -> dict:
+    """What a case that could not run leaves in the table and the CSV: met "error", the reason in
+    ``baseline`` (one line), no figures."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return dict(case=case, sizes="", dtype="", backend=backend, date=harness.now_iso(), met="error",
+                baseline=f"error: {text[:400]}")
+
+
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None, *,
+            cases: Optional[List[str]] = None, backends: Optional[List[str]] = None, reps: Optional[int] = None,
+            out=sys.stderr) -> List[dict]:
+    """Every case (or ``cases``) on every default backend (or ``backends``) in ``mode`` (smoke | quick |
+    full, see ``PROFILES``; ``reps`` overrides the profile's); returns the finished CSV rows. Writes no
+    CSV and prints no table: the run's header and the copy bandwidth go to ``out``.
+
+    The copy bandwidth is measured before the cases and again after them, and the better figure is
+    used: on a shared machine a busy moment during one measurement would otherwise inflate every
+    fraction of the run. A case that fails gives a row with met "error" (see ``error_row``) and the
+    others still run.
+    """
+    prof = dict(PROFILES[mode])
+    if reps:
+        prof["reps"] = reps
+    cases = list(cases or CASES)
+    backends = list(backends or default_backends(device))
+    problems = {b: backend_problem(b, device) for b in backends}
+    common = harness.common_fields(mode, device, torch.get_num_threads())
+
+    copy_gbps = harness.copy_bandwidth(device, prof["copy_bytes"])
+    inplace_gbps = harness.copy_bandwidth(device, prof["copy_bytes"], inplace=True)
+    print(f"device: {common['device']} ({device}) | threads: {common['threads']} | torch {common['torch']}"
+          f" | triton {common['triton']} | mode: {mode}, {prof['reps']} reps after {prof['warmup']} warm-up",
+          file=out)
+    print(f"copy bandwidth: {copy_gbps:.1f} GB/s (dst.copy_(src) of {prof['copy_bytes'] >> 20} MB, "
+          f"bytes read + written per second); in place (x.add_(1), same bytes): {inplace_gbps:.1f} GB/s",
+          file=out, flush=True)
+
+    rows = []
+    for case in cases:
+        for backend in backends:
+            if progress:
+                progress(f"{case} [{backend}]")
+            try:
+                if problems[backend]:
+                    raise RuntimeError(f"backend {backend!r} cannot run on {device}: {problems[backend]}")
+                rows.append(measure(case, Ctx(device, backend, prof)))
+            except Exception as exc:  # noqa: BLE001 - one broken case must not hide the others' figures
+                rows.append(error_row(case, backend, exc))
+                harness.free_memory(device)
+    copy_end = harness.copy_bandwidth(device, prof["copy_bytes"])
+    copy_gbps = max(copy_gbps, copy_end)
+    print(f"copy bandwidth at the end: {copy_end:.1f} GB/s; fractions below use {copy_gbps:.1f} GB/s", file=out)
+    return [finish(dict(common, inplace_gbps=inplace_gbps, **r), copy_gbps, device) for r in rows]
 
 
 def print_table(rows: List[dict], mode: str) -> None:
@@ -362,40 +430,42 @@ def print_table(rows: List[dict], mode: str) -> None:
             ("base ms", "base_median_ms", "{:.3f}"), ("speedup", "speedup", "{:.2f}x"),
             ("GB/s", "gbps", "{:.1f}"), ("of copy", "bw_fraction", "{:.0%}"),
             ("target", "target", "{}"), ("met", "met", "{}"), ("p20-p80 spread ours/base", "spread", "{}")]
-    for r in rows:   # how noisy the timings were: (p80 - p20) / median, for ours and the baseline
-        r["spread"] = (f"{(r['ours_p80_ms'] - r['ours_p20_ms']) / r['ours_median_ms']:.0%}/"
-                       f"{(r['base_p80_ms'] - r['base_p20_ms']) / r['base_median_ms']:.0%}")
-    # no spaces inside cells before "target": tests/test_benchmarks_smoke.py splits rows on whitespace
-    cells = [[fmt.format(r[key]) for _, key, fmt in cols] for r in rows]
+
+    def spread(r):  # how noisy the timings were: (p80 - p20) / median, for ours and the baseline
+        return (f"{(r['ours_p80_ms'] - r['ours_p20_ms']) / r['ours_median_ms']:.0%}/"
+                f"{(r['base_p80_ms'] - r['base_p20_ms']) / r['base_median_ms']:.0%}")
+
+    # no spaces inside cells before "target": tests/test_benchmarks_smoke.py splits rows on whitespace;
+    # a failed case shows "-" for its figures and "error" under met (its reason is printed by main)
+    cells = [[fmt.format(r[key]) if r.get("met") != "error" or key in ("case", "backend", "target", "met")
+              else "-" for _, key, fmt in cols[:-1]] + [spread(r) if r.get("met") != "error" else "-"]
+             for r in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _, _) in enumerate(cols)]
     print("  ".join(h.ljust(w) for (h, _, _), w in zip(cols, widths)))
     print("  ".join("-" * w for w in widths))
     for c in cells:
         print("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
-    if mode != "full" and any(r["met"] != "-" for r in rows):
+    if mode != "full" and any(r["met"] not in ("-", "error") for r in rows):
         print(f"(--{mode}: targets are defined at full sizes; 'met' here is only indicative)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="smaller sizes, fewer reps (a couple of minutes)")
+    size.add_argument("--quick", action="store_true", help=f"smaller sizes, fewer reps (~{QUICK_BUDGET_S} s)")
     size.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
     ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
     ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
     ap.add_argument("--only", action="append", default=[], metavar="SUBSTRING",
                     help="run only cases whose name contains this (repeatable)")
     ap.add_argument("--backend", help="one backend (torch, cpp, triton, cuda); default: every fused "
-                                      "backend available on the device")
+                                      "backend of the device")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, help="timed repetitions (default 15 full, 10 otherwise)")
+    ap.add_argument("--reps", type=int, help="timed repetitions (default: the mode's profile)")
     ap.add_argument("--plot", action="store_true", help="draw PNGs under benchmarks/results/ afterwards")
     args = ap.parse_args(argv)
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    prof = dict(PROFILES[mode])
-    if args.reps:
-        prof["reps"] = args.reps
     device = torch.device(args.device)
     cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
     if not cases:
@@ -406,44 +476,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         if problem:
             print(f"backend {args.backend!r} cannot run on {device}: {problem}", file=sys.stderr)
             return 2
-        backends = [args.backend]
-    else:
-        backends = default_backends(device)
+    backends = [args.backend] if args.backend else default_backends(device)
 
-    copy_gbps = harness.copy_bandwidth(device, prof["copy_bytes"])
-    inplace_gbps = harness.copy_bandwidth(device, prof["copy_bytes"], inplace=True)
-    common = dict(run_id=harness.now_iso(), date=harness.now_iso(), device=harness.device_name(device),
-                  threads=torch.get_num_threads(), **harness.versions())
-    print(f"device: {common['device']} ({device}) | threads: {common['threads']} | torch {common['torch']}"
-          f" | triton {common['triton']} | mode: {mode}, {prof['reps']} reps after {prof['warmup']} warm-up")
-    print(f"copy bandwidth: {copy_gbps:.1f} GB/s (dst.copy_(src) of {prof['copy_bytes'] >> 20} MB, "
-          f"bytes read + written per second); in place (x.add_(1), same bytes): {inplace_gbps:.1f} GB/s")
+    bars = []   # the progress bar starts with the first case, after collect's header lines
 
-    rows, failures = [], []
-    jobs = [(c, b) for c in cases for b in backends]
-    for case, backend in tqdm(jobs, desc="kernels", unit="case", file=sys.stderr, leave=False):
-        try:
-            rows.append(measure(case, Ctx(device, backend, prof)))
-        except Exception as exc:  # one broken case must not hide the others' figures
-            failures.append(f"{case} [{backend}]: {type(exc).__name__}: {exc}")
-            harness.free_memory(device)
-    # Re-measure the copy bandwidth at the end and keep the better figure: on a shared machine a busy
-    # moment during one measurement would otherwise inflate every fraction of this run.
-    copy_end = harness.copy_bandwidth(device, prof["copy_bytes"])
-    copy_gbps = max(copy_gbps, copy_end)
-    print(f"copy bandwidth at the end: {copy_end:.1f} GB/s; fractions below use {copy_gbps:.1f} GB/s\n")
-    rows = [finish(dict(common, mode=mode, inplace_gbps=inplace_gbps, **r), copy_gbps, device) for r in rows]
+    def progress(text: str) -> None:  # called before each case: the bar counts the ones started
+        if not bars:
+            bars.append(tqdm(total=len(cases) * len(backends), desc="kernels", unit="case", file=sys.stderr,
+                             leave=False))
+        bars[0].set_postfix_str(text, refresh=False)
+        bars[0].update(1)
+    try:
+        rows = collect(mode, device, progress, cases=cases, backends=backends, reps=args.reps, out=sys.stdout)
+    finally:
+        for bar in bars:
+            bar.close()
+    print()
     print_table(rows, mode)
     if not args.no_csv:
         harness.append_csv(args.csv, rows)
         print(f"\nappended {len(rows)} rows to {os.path.relpath(args.csv)}")
-    if args.plot and rows:
+    good = [r for r in rows if r["met"] != "error"]
+    if args.plot and good:
         from . import plots
         # with --no-csv, plot this run's rows; otherwise the whole CSV (latest row per case and device)
-        for path in (plots.draw(rows=rows) if args.no_csv else plots.draw(args.csv)):
+        for path in (plots.draw(rows=good) if args.no_csv else plots.draw(args.csv)):
             print(f"plot: {os.path.relpath(path)}")
-    for f in failures:
-        print(f"FAILED {f}", file=sys.stderr)
+    failures = [r for r in rows if r["met"] == "error"]
+    for r in failures:
+        print(f"FAILED {r['case']} [{r['backend']}]: {r['baseline']}", file=sys.stderr)
     return 1 if failures else 0
 
 

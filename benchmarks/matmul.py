@@ -1,8 +1,13 @@
 """Fused linear (Triton matmul + bias + GeLU epilogue) against what a user would otherwise run.
 
     python -m benchmarks.matmul                 # CUDA: full shapes, rows appended to results/matmul.csv
+    python -m benchmarks.matmul --quick         # CUDA: the same shapes, fewer repetitions
     python -m benchmarks.matmul --smoke         # tiny shapes, a few seconds
     python -m benchmarks.matmul --cpu-reference # no GPU: time the torch reference path on CPU (labelled so)
+
+Without a GPU there is nothing to measure (the fused kernel runs on CUDA tensors): ``collect`` returns
+no rows in quick and full mode on CPU; in smoke mode (and with ``--cpu-reference``) it times the torch
+reference path at a CPU shape, labelled ``torch(cpu-reference)``, so the code path is exercised.
 
 Shapes (bf16, nn.Linear layout, X [M, K] @ W[N, K]^T + b, then GeLU):
 - ``prefill``: M=8192 tokens (e.g. batch 4 x sequence 2048), N=K=4096: a transformer MLP/attention
@@ -19,30 +24,38 @@ interleaved repetitions timed with CUDA events, median and 20th/80th percentiles
   measured TFLOP/s.
 Forward only, under ``torch.no_grad()`` (inference: the kernel writes Y alone; in training it also
 stores the pre-activation for backward, as eager does).
-TFLOP/s counts 2*M*N*K flops per call (the epilogue's are not counted).
+TFLOP/s counts 2*M*N*K flops per call (the epilogue's are not counted); both figures are also written
+into the ``baseline`` text of the CSV row. The two comparisons of a shape are two cases,
+``linear_gelu_<shape>`` (vs eager) and ``linear_gelu_<shape>_vs_gemm`` (vs torch.matmul).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import harness
+from .kernels import error_row
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "matmul.csv")
-CSV_FIELDS = harness.CSV_FIELDS + ["tflops", "base_tflops", "matmul_fraction"]
+CSV_NAME = "matmul.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
+QUICK_BUDGET_S = 2   # on the 2-core CPU machine quick measures nothing (no GPU); on a GPU about a minute
 
+# (name, M, N, K)
 SHAPES = {
     "full": [("prefill", 8192, 4096, 4096), ("decode", 16, 4096, 4096)],
+    "quick": [("prefill", 8192, 4096, 4096), ("decode", 16, 4096, 4096)],
     "smoke": [("prefill", 512, 512, 256), ("decode", 16, 512, 256)],
 }
-CPU_SHAPES = {"full": [("prefill", 1024, 1024, 1024)], "smoke": [("prefill", 64, 128, 64)]}
-TARGETS = {"eager F.linear+F.gelu": 1.1, "torch.matmul": 0.9}
+CPU_SHAPES = {"full": [("prefill", 1024, 1024, 1024)], "quick": [("prefill", 1024, 1024, 1024)],
+              "smoke": [("prefill", 64, 128, 64)]}
+REPS = {"full": (20, 3), "quick": (10, 2), "smoke": (10, 1)}   # (timed reps, warm-up)
+# baseline -> (case suffix, target speedup on CUDA)
+BASELINES = {"eager F.linear+F.gelu": ("", 1.1), "torch.matmul": ("_vs_gemm", 0.9)}
 
 
 def _tflops(m, n, k, ms):
@@ -75,24 +88,59 @@ def _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup) -> List[Di
 
             best = getattr(tk._tuned_kernel, "best_config", None)
             cfg = f" | tuned config: {best}" if best is not None else ""
-        print(f"[{name}] M={m} N={n} K={k} {str(dtype).replace('torch.', '')}: max |ours - eager| = {err:.3g}{cfg}")
+        print(f"[{name}] M={m} N={n} K={k} {str(dtype).replace('torch.', '')}: max |ours - eager| = {err:.3g}{cfg}",
+              file=sys.stderr)
         del y, ref
         for base_name, base in baselines.items():
+            suffix, target = BASELINES[base_name]
+            target = target if device.type == "cuda" else None
             s_ours, s_base = harness.compare(ours, base, device, reps=reps, warmup=warmup)
             speedup = s_base.median_ms / s_ours.median_ms
-            target = TARGETS[base_name] if device.type == "cuda" else None
+            tflops, base_tflops = _tflops(m, n, k, s_ours.median_ms), _tflops(m, n, k, s_base.median_ms)
             rows.append(dict(
-                case=f"linear_gelu_{name}", sizes=f"M{m}xN{n}xK{k}", dtype=str(dtype).replace("torch.", ""),
-                backend=backend, baseline=base_name,
+                case=f"linear_gelu_{name}{suffix}", sizes=f"M{m}xN{n}xK{k}", dtype=str(dtype).replace("torch.", ""),
+                backend=backend, date=harness.now_iso(),
+                baseline=f"{base_name}; TFLOP/s ours {tflops:.4g} vs {base_tflops:.4g}",
                 ours_median_ms=s_ours.median_ms, ours_p20_ms=s_ours.p20_ms, ours_p80_ms=s_ours.p80_ms,
                 base_median_ms=s_base.median_ms, base_p20_ms=s_base.p20_ms, base_p80_ms=s_base.p80_ms,
-                speedup=speedup, tflops=_tflops(m, n, k, s_ours.median_ms),
-                base_tflops=_tflops(m, n, k, s_base.median_ms),
-                matmul_fraction=speedup if base_name == "torch.matmul" else "",
+                speedup=speedup, tflops=tflops, base_tflops=base_tflops,
                 target=f">={target}x" if target else "-",
                 met=("yes" if speedup >= target else "no") if target else "-"))
     del x, w, b
     harness.free_memory(device)
+    return rows
+
+
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None, *,
+            cpu_reference: bool = False, reps: Optional[int] = None, warmup: Optional[int] = None) -> List[dict]:
+    """The CSV rows of ``mode`` (smoke | quick | full) on ``device``: on CUDA the fused Triton kernel at
+    ``SHAPES[mode]``; on CPU nothing in quick/full unless ``cpu_reference`` (the torch reference path at
+    ``CPU_SHAPES[mode]``, labelled so), and that reference in smoke mode. A shape that fails gives
+    rows with met "error". Writes no CSV; detail lines go to stderr."""
+    if device.type == "cuda":
+        backend, label, dtype, shapes = "triton", "triton", torch.bfloat16, SHAPES[mode]
+    elif cpu_reference or mode == "smoke":
+        print("matmul: no CUDA device; timing the torch reference path on CPU (fp32, backend='torch': "
+              "F.linear + F.gelu inside fused_linear's autograd Function) -- NOT the fused kernel.",
+              file=sys.stderr)
+        backend, label, dtype, shapes = "torch", "torch(cpu-reference)", torch.float32, CPU_SHAPES[mode]
+    else:
+        print("matmul: the fused Triton kernel runs on CUDA tensors and there is no CUDA device here; "
+              "nothing measured.", file=sys.stderr)
+        return []
+    reps = max(10, reps or REPS[mode][0])
+    warmup = REPS[mode][1] if warmup is None else warmup
+    common = harness.common_fields(mode, device, torch.get_num_threads())
+    rows = []
+    for name, m, n, k in shapes:
+        if progress:
+            progress(f"{name} M{m}xN{n}xK{k}")
+        try:
+            shape_rows = _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup)
+        except Exception as exc:  # noqa: BLE001 - one failing shape must not hide the others
+            shape_rows = [error_row(f"linear_gelu_{name}{suffix}", backend, exc) for suffix, _ in BASELINES.values()]
+            harness.free_memory(device)
+        rows += [dict(common, **dict(r, backend=label)) for r in shape_rows]
     return rows
 
 
@@ -101,7 +149,7 @@ def _print_table(rows):
             ("ours_ms", "ours_median_ms", "{:.4f}"), ("base_ms", "base_median_ms", "{:.4f}"),
             ("speedup", "speedup", "{:.2f}x"), ("TFLOP/s", "tflops", "{:.4g}"),
             ("base_TFLOP/s", "base_tflops", "{:.4g}"), ("target", "target", "{}"), ("met", "met", "{}")]
-    cells = [[fmt.format(r[key]) for _, key, fmt in cols] for r in rows]
+    cells = [[fmt.format(r[key]) if key in r else "-" for _, key, fmt in cols] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
     print("  ".join(h.ljust(wd) for (h, _, _), wd in zip(cols, widths)))
     print("  ".join("-" * wd for wd in widths))
@@ -109,55 +157,39 @@ def _print_table(rows):
         print("  ".join(v.ljust(wd) for v, wd in zip(c, widths)))
 
 
-def _append(path, rows):
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", newline="") as fh:
-            csv.writer(fh).writerow(CSV_FIELDS)  # our header; append_csv keeps an existing header
-    harness.append_csv(path, rows)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.matmul", description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, for a quick end-to-end run")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="tiny shapes, for a quick end-to-end run")
+    size.add_argument("--quick", action="store_true", help="full shapes, fewer repetitions")
     ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
     ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 10 with --smoke)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions (at least 10; default 20 full, "
+                                                          "10 otherwise)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 3 full, fewer otherwise)")
     ap.add_argument("--cpu-reference", action="store_true",
                     help="without CUDA: time the torch reference path on CPU (fp32) for the record")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "full"
-    reps = max(10, args.reps or (10 if args.smoke else 20))
-
-    if torch.cuda.is_available():
-        device, backend, dtype, shapes = torch.device("cuda"), "triton", torch.bfloat16, SHAPES[mode]
-    else:
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.cpu_reference:
         print("The matmul benchmark needs a CUDA GPU (the fused Triton kernel runs on CUDA tensors; "
-              "no CUDA device here). Nothing measured.")
-        if not args.cpu_reference:
-            return 0
-        print("--cpu-reference: timing the torch reference path on CPU (fp32, backend='torch': "
-              "F.linear + F.gelu inside fused_linear's autograd Function) -- NOT the fused kernel.")
-        device, backend, dtype, shapes = torch.device("cpu"), "torch", torch.float32, CPU_SHAPES[mode]
-    label = backend if device.type == "cuda" else "torch(cpu-reference)"
-
-    common = dict(run_id=harness.now_iso(), mode=mode, device=harness.device_name(device),
-                  threads=torch.get_num_threads(), **harness.versions())
-    print(f"device: {common['device']} ({device}) | torch {common['torch']} | triton {common['triton']} "
-          f"| reps {reps}, warm-up {args.warmup}")
-    rows = []
-    for name, m, n, k in shapes:
-        for r in _bench_shape(name, m, n, k, dtype, device, backend, reps, args.warmup):
-            rows.append(dict(common, date=harness.now_iso(), **dict(r, backend=label)))
+              "no CUDA device here). Nothing measured; --cpu-reference times the torch path on CPU.")
+        return 0
+    print(f"device: {harness.device_name(device)} ({device}) | torch {torch.__version__} | "
+          f"triton {harness.versions()['triton']}")
+    rows = collect(mode, device, cpu_reference=args.cpu_reference, reps=args.reps, warmup=args.warmup)
     print()
     _print_table(rows)
     if mode != "full" and device.type == "cuda":
-        print("(--smoke: targets are defined at the full shapes; 'met' here is only indicative)")
+        print(f"(--{mode}: targets are defined at the full shapes and repetitions; 'met' here is only indicative)")
     if not args.no_csv:
-        _append(args.csv, rows)
+        harness.append_csv(args.csv, rows)
         print(f"appended {len(rows)} rows to {os.path.relpath(args.csv)}")
-    return 0
+    failed = [r for r in rows if r.get("met") == "error"]
+    for r in failed:
+        print(f"FAILED {r['case']} [{r['backend']}]: {r['baseline']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Tensor-parallel GPT block: our layers against DTensor's ``parallelize_module``, 2 gloo ranks on CPU.
 
     python -m benchmarks.tp            # full sizes
+    python -m benchmarks.tp --quick    # the two smaller sizes, fewer repetitions (~10 s)
     python -m benchmarks.tp --smoke    # tiny sizes, seconds
 
 Two processes (one thread each) form a TP group of 2. On every rank, from one seed:
@@ -17,38 +18,34 @@ A step is forward + backward of ``[b, s, d]`` fp32 activations (input requires g
 fixed), gradients reset to None first. Both run back to back, interleaved (harness.compare), median of
 the timed reps after warm-up, on both ranks; the table shows rank 0's figures and the slower rank's
 median. Target: ours at most 1.0x the baseline's time (speedup >= 1.0). Rows go to
-``benchmarks/results/tp.csv`` (shared with the vocab-parallel cross-entropy benchmark).
+``benchmarks/results/tp.csv`` (shared with the vocab-parallel cross-entropy benchmark); ``collect``
+returns them for the suite (``python -m parallel_layers bench --only tp``). The ranks are gloo
+processes on CPU whatever device the suite names.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
-import socket
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
-import torch.multiprocessing as mp
 
 from . import harness
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "tp.csv")
+CSV_NAME = "tp.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
+QUICK_BUDGET_S = 12   # seconds --quick should take on the 2-core development machine (guideline)
 # (batch, seq, d_model, n_head); d_ff = 4 d_model
 SIZES = {
     "full": [(4, 128, 256, 4), (4, 256, 512, 8), (2, 512, 1024, 16)],
+    "quick": [(4, 128, 256, 4), (4, 256, 512, 8)],
     "smoke": [(2, 16, 64, 4)],
 }
-REPS = {"full": (15, 3), "smoke": (10, 1)}
+REPS = {"full": (15, 3), "quick": (7, 2), "smoke": (10, 1)}   # (timed reps, warm-up)
 TARGET = 1.0
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _measure(mesh, b, s, d, h, reps, warmup):
@@ -81,54 +78,29 @@ def _measure(mesh, b, s, d, h, reps, warmup):
     return t_ours, t_base, diff
 
 
-def _worker(rank: int, port: int, mode: str, sizes, reps_warmup, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    import torch.distributed as dist
-
+def _bench_rank(rank: int, world: int, sizes, reps: int, warmup: int):
+    """One TP rank (spawned by ``harness.run_ranks``, gloo group initialised, one thread): every size."""
     from parallel_layers.mesh import ParallelMesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
-    try:
-        mesh = ParallelMesh(tp=WORLD)
-        reps, warmup = reps_warmup
-        results = []
-        for b, s, d, h in sizes:
-            t_ours, t_base, diff = _measure(mesh, b, s, d, h, reps, warmup)
-            results.append(((b, s, d, h), t_ours, t_base, diff))
-        queue.put((rank, results, None))
-    except Exception as exc:  # noqa: BLE001 - report, do not hang the parent
-        import traceback
-        queue.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
+    mesh = ParallelMesh(tp=world)
+    return [_measure(mesh, *shape, reps, warmup) for shape in sizes]
 
 
-def run(mode: str, sizes, reps_warmup) -> List[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, mode, sizes, reps_warmup, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    answers = {}
-    for _ in range(WORLD):
-        rank, results, err = queue.get()
-        if err:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{err}")
-        answers[rank] = results
-    for p in procs:
-        p.join()
-    common = dict(run_id=harness.now_iso(), date=harness.now_iso(), mode=mode, dtype="float32",
-                  backend=f"gloo x{WORLD}", device=harness.device_name(torch.device("cpu")), threads=1,
-                  **harness.versions())
+def collect(mode: str, device: Optional[torch.device] = None, progress: Optional[Callable[[str], None]] = None, *,
+            sizes=None, reps: Optional[int] = None) -> List[dict]:
+    """Rows of ``mode`` (smoke | quick | full; ``sizes`` [(b, s, d, h), ...] and ``reps`` override the
+    profile). ``device`` is ignored: the ranks are gloo processes on CPU. Writes no CSV."""
+    reps_, warmup = REPS[mode]
+    reps = reps or reps_
+    sizes = [tuple(t) for t in (sizes or SIZES[mode])]
+    if progress:
+        progress(f"{len(sizes)} size(s) on {WORLD} ranks")
+    answers = harness.run_ranks(_bench_rank, WORLD, (sizes, reps, warmup), timeout_s=1800)
+    common = dict(harness.common_fields(mode, torch.device("cpu"), 1), dtype="float32", backend=f"gloo x{WORLD}")
     rows = []
-    for i, (shape, t_ours, t_base, diff) in enumerate(answers[0]):
-        b, s, d, h = shape
-        slow_ours = max(answers[r][i][1].median_ms for r in answers)
-        slow_base = max(answers[r][i][2].median_ms for r in answers)
+    for i, (b, s, d, h) in enumerate(sizes):
+        t_ours, t_base, diff = answers[0][i]
+        slow_ours, slow_base = (max(a[i][k].median_ms for a in answers) for k in (0, 1))
         speedup = t_base.median_ms / t_ours.median_ms
         rows.append(dict(common, case="gpt_block_fwd_bwd_tp2", sizes=f"b{b}xs{s}xd{d}xh{h}",
                          ours_median_ms=t_ours.median_ms, ours_p20_ms=t_ours.p20_ms, ours_p80_ms=t_ours.p80_ms,
@@ -154,14 +126,16 @@ def print_table(rows: List[dict]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
+    size.add_argument("--quick", action="store_true", help=f"smaller sizes, fewer reps (~{QUICK_BUDGET_S} s)")
     ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
     ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
     ap.add_argument("--sizes", action="append", metavar="BxSxDxH",
                     help="batch x seq x d_model x n_head (repeatable); default: the mode's sizes")
     ap.add_argument("--reps", type=int, help="timed repetitions")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "full"
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     reps, warmup = REPS[mode]
     reps = args.reps or reps
     sizes = [tuple(int(v) for v in t.split("x")) for t in args.sizes] if args.sizes else SIZES[mode]
@@ -169,7 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("--sizes takes BxSxDxH, e.g. 4x256x512x8")
     print(f"device: {harness.device_name(torch.device('cpu'))} | {WORLD} gloo ranks, 1 thread each | torch "
           f"{torch.__version__} | mode: {mode}, {reps} reps after {warmup} warm-up (forward + backward, fp32)")
-    rows = run(mode, sizes, (reps, warmup))
+    rows = collect(mode, sizes=sizes, reps=reps)
     print_table(rows)
     if not args.no_csv:
         harness.append_csv(args.csv, rows)
