@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU gloo ranks (1 thread each): bubble, activation memory, step time vs torch.
 
-    python -m benchmarks.pipeline            # full: p = 2 and 4, m = 4 and 8 (see PROFILES)
-    python -m benchmarks.pipeline --quick    # p = 2, small model, few reps (~30 s)
+    python -m benchmarks.pipeline            # full: p = 2 and 4, m = 4 and 8, GPT d 256 seq 128 (+ d 128 at p = 2)
+    python -m benchmarks.pipeline --quick    # p = 2, GPT d 256 seq 64, few reps (~30 s)
     python -m benchmarks.pipeline --smoke    # tiny, seconds; never writes CSV
 
 For each (p, m), in the same processes on the same data, timed steps interleaved variant by variant:
@@ -16,6 +16,16 @@ For each (p, m), in the same processes on the same data, timed steps interleaved
   with ``broadcast_loss=False``: torch's schedules leave the loss on the last stage only, too.
 A step's time is the slowest rank's (all-reduce MAX outside the timed region), median of the reps.
 p = 4 runs 4 processes on this 2-core machine: its idle times are distorted by oversubscription.
+
+Bubble: from the engine's recorded timeline (ranks on one host share the perf_counter clock): per rank
+1 - (forward + backward compute) / (first entry to last end), mean over ranks; waiting for messages,
+posting them and engine overhead all count as idle. Same definition for every schedule. The ideal
+assumes equal stages, so each bubble row also reports each rank's compute time (the last stage holds
+LM head + loss, the first the embedding; with V=256 they cost a few % of a stage).
+
+Models: "representative" (d 256, seq 128: ~20 ms forward and ~40 ms backward per microbatch and stage
+on one core) carries the targets; "small" (d 128, seq 64, ~1-3 ms per stage op, the earlier benchmark
+model) is reported too at p = 2: there message latency and Python overhead are a large share of a step.
 """
 from __future__ import annotations
 
@@ -34,14 +44,25 @@ CSV_NAME = "pipeline.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 QUICK_BUDGET_S = 30
 SCHEDS = ("gpipe", "1f1b", "interleaved")
-MODELS = {"default": dict(vocab=256, n_layer=8, n_head=4, d_model=128, seq=64, mbs=2),
-          "smoke": dict(vocab=64, n_layer=4, n_head=2, d_model=32, seq=16, mbs=1)}
-# mode -> what runs: model, pipeline sizes, microbatch counts, timed reps, warm-up steps, timeline PNGs
-PROFILES = {
-    "smoke": dict(model="smoke", pps=[2], ms=[4], reps=1, warmup=1, png=False),
-    "quick": dict(model="default", pps=[2], ms=[4, 8], reps=3, warmup=1, png=False),
-    "full": dict(model="default", pps=[2, 4], ms=[4, 8], reps=7, warmup=2, png=True),
+MODELS = {
+    # per-stage compute of real training (tens of ms per microbatch and stage on one core): the targets
+    "representative": dict(vocab=256, n_layer=8, n_head=4, d_model=256, seq=128, mbs=2),
+    # the earlier benchmark model: ~1-3 ms per stage op, so message latency and Python overhead dominate
+    "small": dict(vocab=256, n_layer=8, n_head=4, d_model=128, seq=64, mbs=2),
+    "quick": dict(vocab=256, n_layer=8, n_head=4, d_model=256, seq=64, mbs=2),
+    "smoke": dict(vocab=64, n_layer=4, n_head=2, d_model=32, seq=16, mbs=1),
 }
+# mode -> what runs: (model, pipeline sizes) pairs, microbatch counts, timed reps, warm-up steps, PNGs
+PROFILES = {
+    "smoke": dict(runs=[("smoke", [2])], ms=[4], reps=1, warmup=1, png=False),
+    "quick": dict(runs=[("quick", [2])], ms=[4, 8], reps=3, warmup=1, png=False),
+    "full": dict(runs=[("representative", [2, 4]), ("small", [2])], ms=[4, 8], reps=7, warmup=2, png=True),
+}
+
+
+def _sizes(p: int, m: int, cfgd: dict) -> str:
+    return (f"p={p} m={m} d={cfgd['d_model']} seq={cfgd['seq']} mbs={cfgd['mbs']} L={cfgd['n_layer']} "
+            f"V={cfgd['vocab']} h={cfgd['n_head']}")
 
 
 class SavedBytes:
@@ -147,6 +168,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
 
         times = {n: [] for n in variants}
         bubbles = {n: [] for n in variants if n.startswith("ours")}
+        busy = {n: [] for n in bubbles}          # per rep: each rank's compute (F + B) time, ms
         for i in range(warmup + reps):
             names = list(variants) if i % 2 == 0 else list(reversed(variants))
             for n in names:
@@ -158,9 +180,10 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                 if i >= warmup:
                     times[n].append(t.item() * 1e3)
                     if n in bubbles:
-                        variants[n][0].gather_timeline()
+                        tls = variants[n][0].gather_timeline()
                         if rank == 0:
                             bubbles[n].append(variants[n][0].bubble_fraction())
+                            busy[n].append([tl.busy * 1e3 for tl in tls])
         # activation memory of one step, GPipe vs 1F1B, this rank's stage
         mem = {}
         for n in ("ours_gpipe", "ours_1f1b"):
@@ -178,7 +201,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                 path = png_base.replace(".png", f"_{n[5:]}_p{world}_m{m}.png")
                 out = variants[n][0].draw_timeline(path)
                 png = png or out
-        results[m] = {"times": times, "bubbles": bubbles, "mem": mems, "png": png}
+        results[m] = {"times": times, "bubbles": bubbles, "busy": busy, "mem": mems, "png": png}
     return results if rank == 0 else None
 
 
@@ -189,49 +212,65 @@ def _note(text: str) -> None:
 def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None,
             **overrides) -> List[dict]:
     """Run the benchmark (``mode``: smoke | quick | full, see ``PROFILES``; ``overrides`` replace profile
-    entries: pps, ms, reps, warmup, model, png) and return the CSV rows. Writes no CSV; prints a few
-    detail lines to stderr. ``device`` only names the machine: the ranks are gloo processes on CPU."""
+    entries: ms, reps, warmup, png, and ``model``/``pps`` together replace ``runs``) and return the CSV
+    rows. Writes no CSV; prints a few detail lines to stderr. ``device`` only names the machine: the
+    ranks are gloo processes on CPU."""
     prof = dict(PROFILES[mode])
-    prof.update({k: v for k, v in overrides.items() if v is not None})
-    cfgd = MODELS[prof["model"]]
-    png_base = os.path.join(harness.RESULTS_DIR, "pipeline_timeline.png") if prof["png"] else None
+    if overrides.get("model") or overrides.get("pps"):
+        model = overrides.get("model") or prof["runs"][0][0]
+        pps = overrides.get("pps") or sorted({p for _, ps in prof["runs"] for p in ps})
+        prof["runs"] = [(model, pps)]
+    prof.update({k: v for k, v in overrides.items() if v is not None and k in ("ms", "reps", "warmup", "png")})
     common = dict(harness.common_fields(mode, torch.device("cpu"), 1), dtype="float32", backend="gloo")
-    model_s = " ".join(f"{k}={v}" for k, v in cfgd.items())
     rows: List[dict] = []
-    for p in prof["pps"]:
-        if progress:
-            progress(f"p={p} m={','.join(map(str, prof['ms']))}")
-        res = harness.run_ranks(_bench_rank, p, (cfgd, prof["ms"], prof["reps"], prof["warmup"], png_base),
-                                timeout_s=1800)[0]
-        for m in prof["ms"]:
-            r = res[m]
-            ideal = (p - 1) / (m + p - 1)
-            sizes = f"p={p} m={m} {model_s}"
-            bub = {s: statistics.median(r["bubbles"][f"ours_{s}"]) for s in SCHEDS}
-            for sched in SCHEDS:
-                ours, base = r["times"][f"ours_{sched}"], r["times"][f"torch_{sched}"]
-                ok = statistics.median(ours) <= statistics.median(base)
-                rows.append(harness.comparison_row(
-                    common, f"step_{sched}", ours, base, sizes=sizes, target="speedup>=1.0",
-                    met="yes" if ok else "no",
-                    baseline=f"torch.distributed.pipelining {sched}; our bubble {bub[sched]:.3f}"))
-            rel = abs(bub["1f1b"] - ideal) / ideal
-            rows.append(dict(common, case="bubble_1f1b", sizes=sizes, target=f"within 15% of {ideal:.4f}",
-                             met="yes" if rel <= 0.15 else "no",
-                             baseline=f"measured {bub['1f1b']:.4f}, rel diff {rel:.3f}"))
-            rows.append(dict(common, case="bubble_interleaved_vs_1f1b", sizes=sizes, target="below 1F1B",
-                             met="yes" if bub["interleaved"] < bub["1f1b"] else "no",
-                             baseline=f"interleaved {bub['interleaved']:.4f} vs 1f1b {bub['1f1b']:.4f}"))
-            ratios = [mm["ours_1f1b"] / mm["ours_gpipe"] for mm in r["mem"]]
-            rows.append(dict(common, case="act_memory_1f1b_over_gpipe", sizes=sizes,
-                             target=f"<= p/m = {p / m:.3f}", met="yes" if max(ratios) <= p / m + 1e-9 else "no",
-                             baseline="per stage " + " ".join(f"{x:.3f}" for x in ratios),
-                             mem_mb=max(mm["ours_1f1b"] for mm in r["mem"]) / 2**20))
-            _note(f"pipeline p={p} m={m}: bubble " + ", ".join(f"{s} {bub[s]:.1%}" for s in SCHEDS) +
-                  f" (1F1B ideal {ideal:.1%}); act 1F1B/GPipe per stage " +
-                  " ".join(f"{x:.3f}" for x in ratios))
-        if res[max(prof["ms"])].get("png"):
-            _note(f"pipeline timeline: {res[max(prof['ms'])]['png']}")
+    for run_i, (model, pps) in enumerate(prof["runs"]):
+        cfgd = MODELS[model]
+        png_base = (os.path.join(harness.RESULTS_DIR, "pipeline_timeline.png")
+                    if prof["png"] and run_i == 0 else None)
+        for p in pps:
+            if progress:
+                progress(f"{model} p={p} m={','.join(map(str, prof['ms']))}")
+            res = harness.run_ranks(_bench_rank, p, (cfgd, prof["ms"], prof["reps"], prof["warmup"], png_base),
+                                    timeout_s=1800)[0]
+            for m in prof["ms"]:
+                rows += _rows(common, res[m], p, m, cfgd)
+            if res[max(prof["ms"])].get("png"):
+                _note(f"pipeline timeline: {res[max(prof['ms'])]['png']}")
+    return rows
+
+
+def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict) -> List[dict]:
+    """The CSV rows of one (p, m): step time of each schedule against torch, 1F1B's bubble against
+    (p-1)/(m+p-1), interleaved's bubble against 1F1B's, activation memory 1F1B / GPipe."""
+    rows = []
+    ideal = (p - 1) / (m + p - 1)
+    sizes = _sizes(p, m, cfgd)
+    bub = {s: statistics.median(r["bubbles"][f"ours_{s}"]) for s in SCHEDS}
+    for sched in SCHEDS:
+        ours, base = r["times"][f"ours_{sched}"], r["times"][f"torch_{sched}"]
+        ok = statistics.median(ours) <= statistics.median(base)
+        rows.append(harness.comparison_row(
+            common, f"step_{sched}", ours, base, sizes=sizes, target="speedup>=1.0", met="yes" if ok else "no",
+            baseline=f"torch.distributed.pipelining {sched}; our bubble {bub[sched]:.3f}"))
+    # compute per rank (median over reps): the ideal bubble assumes equal stages
+    stage_ms = [statistics.median(b[k] for b in r["busy"]["ours_1f1b"]) for k in range(p)]
+    imbalance = max(stage_ms) / min(stage_ms) - 1
+    rel = abs(bub["1f1b"] - ideal) / ideal
+    rows.append(dict(common, case="bubble_1f1b", sizes=sizes, target=f"within 15% of {ideal:.4f}",
+                     met="yes" if rel <= 0.15 else "no",
+                     baseline=f"measured {bub['1f1b']:.4f}, rel diff {rel:.3f}; compute per rank ms "
+                              + "/".join(f"{x:.0f}" for x in stage_ms) + f" (imbalance {imbalance:.1%})"))
+    rows.append(dict(common, case="bubble_interleaved_vs_1f1b", sizes=sizes, target="below 1F1B",
+                     met="yes" if bub["interleaved"] < bub["1f1b"] else "no",
+                     baseline=f"interleaved {bub['interleaved']:.4f} vs 1f1b {bub['1f1b']:.4f}"))
+    ratios = [mm["ours_1f1b"] / mm["ours_gpipe"] for mm in r["mem"]]
+    rows.append(dict(common, case="act_memory_1f1b_over_gpipe", sizes=sizes,
+                     target=f"<= p/m = {p / m:.3f}", met="yes" if max(ratios) <= p / m + 1e-9 else "no",
+                     baseline="per stage " + " ".join(f"{x:.3f}" for x in ratios),
+                     mem_mb=max(mm["ours_1f1b"] for mm in r["mem"]) / 2**20))
+    _note(f"pipeline {sizes}: bubble " + ", ".join(f"{s} {bub[s]:.1%}" for s in SCHEDS) +
+          f" (1F1B ideal {ideal:.1%}); 1F1B compute per rank ms " + "/".join(f"{x:.0f}" for x in stage_ms) +
+          "; act 1F1B/GPipe per stage " + " ".join(f"{x:.3f}" for x in ratios))
     return rows
 
 
@@ -253,11 +292,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), pps=ints(args.pp), ms=ints(args.microbatches), reps=args.reps,
                    warmup=args.warmup, model=args.model)
-    print(f"{'case':<28} {'sizes':<16} {'ours ms':>9} {'torch ms':>9} {'ratio':>6}  {'target':<24} {'met':<4} detail")
+    print(f"{'case':<28} {'sizes':<24} {'ours ms':>9} {'torch ms':>9} {'ratio':>6}  {'target':<24} {'met':<4} detail")
     for r in rows:
         timing = (f"{r['ours_median_ms']:>9.1f} {r['base_median_ms']:>9.1f} {r['speedup']:>5.2f}x"
                   if "ours_median_ms" in r else f"{'-':>9} {'-':>9} {'-':>6}")
-        print(f"{r['case']:<28} {' '.join(r['sizes'].split()[:2]):<16} {timing}  {r['target']:<24} {r['met']:<4} "
+        print(f"{r['case']:<28} {' '.join(r['sizes'].split()[:4]):<24} {timing}  {r['target']:<24} {r['met']:<4} "
               f"{r['baseline']}")
     print(f"({time.time() - t0:.1f} s)")
     csv_path = None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH)
