@@ -1,8 +1,9 @@
 """Data parallel: our overlapped bucketed all-reduce against torch DDP, gloo ranks on CPU (1 thread each).
 
-    python -m benchmarks.dp                    # GPT of ~51M parameters (d 512, 8 layers, vocab 50304, tied)
-    python -m benchmarks.dp --model small      # ~7M parameters (d 256, 4 layers, vocab 16384)
-    python -m benchmarks.dp --smoke            # tiny, seconds; no CSV unless --csv is given
+    python -m benchmarks.dp                    # full: GPT of ~51M parameters (d 512, 8 layers, vocab 50304, tied)
+    python -m benchmarks.dp --quick            # ~7M parameters (d 256, 4 layers, vocab 16384), few reps (~25 s)
+    python -m benchmarks.dp --model small      # full reps on the ~7M model
+    python -m benchmarks.dp --smoke            # tiny, seconds; never writes CSV
 
 A step is ``zero_grad`` + forward + backward (gradient sync included) of a GPT on ``[1, seq]`` tokens per
 rank; the optimizer step is left out (identical for every variant; it only dilutes the ratios). Before every
@@ -20,175 +21,165 @@ On a 2-core machine 4 ranks oversubscribe the cores: (b) then measures overheads
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import statistics
+import sys
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
-import torch.multiprocessing as mp
 
 from . import harness
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "dp.csv")
+CSV_NAME = "dp.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
+QUICK_BUDGET_S = 25
 MODELS = {  # name: (vocab, n_layer, n_head, d_model, seq)
     "50m": (50304, 8, 8, 512, 128),
     "small": (16384, 4, 4, 256, 128),
     "smoke": (512, 2, 2, 64, 16),
 }
+# mode -> model, timed reps, warm-up steps, parts ("a": 2 ranks, "b": 4 ranks)
+PROFILES = {
+    "smoke": dict(model="smoke", reps=2, warmup=1, parts="ab"),
+    "quick": dict(model="small", reps=5, warmup=1, parts="ab"),
+    "full": dict(model="50m", reps=10, warmup=2, parts="ab"),
+}
+BUCKET_MB = 25
+PART_WORLD = {"a": 2, "b": 4}   # part -> ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, model_name, part, reps, warmup, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _bench_rank(rank: int, world: int, model_name: str, part: str, reps: int, warmup: int):
+    """One rank of part ``part``: the variants' step times (ms, slowest rank's), parameter count and the
+    last overlapped step's sync timeline report."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from parallel_layers.data_parallel import DataParallel
+    from parallel_layers.data_parallel import DataParallel, overlap_report
     from parallel_layers.models import GPT, GPTConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        V, L, H, D, S = MODELS[model_name]
-        cfg = GPTConfig(vocab_size=V, n_layer=L, n_head=H, d_model=D, max_seq_len=S, dropout=0.0)
+    V, L, H, D, S = MODELS[model_name]
+    cfg = GPTConfig(vocab_size=V, n_layer=L, n_head=H, d_model=D, max_seq_len=S, dropout=0.0)
 
-        def build():
-            torch.manual_seed(0)
-            return GPT(cfg)
+    def build():
+        torch.manual_seed(0)
+        return GPT(cfg)
 
-        gen = torch.Generator().manual_seed(rank)
-        idx = torch.randint(0, V, (1, S), generator=gen)
-        tgt = torch.randint(0, V, (1, S), generator=gen)
-        variants = {}
-        if part == "a":
-            on = DataParallel(build(), dist.group.WORLD, bucket_cap_mb=25)
-            off = DataParallel(build(), dist.group.WORLD, bucket_cap_mb=25, overlap=False)
-            ddp, ddp_flat = DDP(build(), bucket_cap_mb=25), DDP(build(), bucket_cap_mb=25)
-            variants = {"ours_overlap": on, "ours_no_overlap": off, "ddp": ddp, "ddp_flat": ddp_flat}
-        else:
-            variants = {"ours_overlap": DataParallel(build(), dist.group.WORLD, bucket_cap_mb=25),
-                        "ddp": DDP(build(), bucket_cap_mb=25)}
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.randint(0, V, (1, S), generator=gen)
+    tgt = torch.randint(0, V, (1, S), generator=gen)
+    variants = {"ours_overlap": DataParallel(build(), dist.group.WORLD, bucket_cap_mb=BUCKET_MB)}
+    if part == "a":
+        variants["ours_no_overlap"] = DataParallel(build(), dist.group.WORLD, bucket_cap_mb=BUCKET_MB, overlap=False)
+        variants["ddp"] = DDP(build(), bucket_cap_mb=BUCKET_MB)
+        variants["ddp_flat"] = DDP(build(), bucket_cap_mb=BUCKET_MB)
+    else:
+        variants["ddp"] = DDP(build(), bucket_cap_mb=BUCKET_MB)
 
-        def step(name, m):
-            m.zero_grad(set_to_none=False) if name.startswith("ours") else m.zero_grad(set_to_none=True)
-            if name == "ddp_flat":
-                with m.no_sync():
-                    m(idx, tgt)[1].backward()
-                grads = [p.grad for p in m.parameters()]
-                flat = torch._utils._flatten_dense_tensors(grads).div_(world)
-                dist.all_reduce(flat)
-                for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                    g.copy_(f)
-            else:
+    def step(name, m):
+        m.zero_grad(set_to_none=False) if name.startswith("ours") else m.zero_grad(set_to_none=True)
+        if name == "ddp_flat":
+            with m.no_sync():
                 m(idx, tgt)[1].backward()
+            grads = [p.grad for p in m.parameters()]
+            flat = torch._utils._flatten_dense_tensors(grads).div_(world)
+            dist.all_reduce(flat)
+            for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(f)
+        else:
+            m(idx, tgt)[1].backward()
 
-        times = {n: [] for n in variants}
-        for i in range(warmup + reps):
-            names = list(variants) if i % 2 == 0 else list(reversed(variants))   # alternate who goes first
-            for n in names:
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(n, variants[n])
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                if i >= warmup:
-                    times[n].append(t.item() * 1e3)
-        overlap = None
-        if "ours_overlap" in variants:
-            from parallel_layers.data_parallel import overlap_report
-            overlap = overlap_report(variants["ours_overlap"].last_sync_timeline)
-        n_params = sum(p.numel() for p in build().parameters())
-        queue.put((rank, (times, n_params, overlap), None))
-    except Exception as exc:  # noqa: BLE001 - report, do not hang the parent
-        import traceback
-        queue.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(world, model_name, part, reps, warmup):
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, model_name, part, reps, warmup, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    answers = {}
-    for _ in range(world):
-        rank, res, err = queue.get()
-        if err:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{err}")
-        answers[rank] = res
-    for p in procs:
-        p.join()
-    return answers[0]
+    times = {n: [] for n in variants}
+    for i in range(warmup + reps):
+        names = list(variants) if i % 2 == 0 else list(reversed(variants))   # alternate who goes first
+        for n in names:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(n, variants[n])
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                times[n].append(t.item() * 1e3)
+    overlap = overlap_report(variants["ours_overlap"].last_sync_timeline)
+    n_params = sum(p.numel() for p in variants["ddp"].module.parameters())
+    return times, n_params, overlap
 
 
-def _row(common, case, ours, base, target, baseline, met):
-    so, sb = harness.Stats.of(ours), harness.Stats.of(base)
-    return dict(common, case=case, ours_median_ms=so.median_ms, ours_p20_ms=so.p20_ms, ours_p80_ms=so.p80_ms,
-                base_median_ms=sb.median_ms, base_p20_ms=sb.p20_ms, base_p80_ms=sb.p80_ms,
-                speedup=sb.median_ms / so.median_ms, target=target, met="yes" if met else "no", baseline=baseline)
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None,
+            **overrides) -> List[dict]:
+    """Run the benchmark (``mode``: smoke | quick | full, see ``PROFILES``; ``overrides`` replace profile
+    entries: model, reps, warmup, parts) and return the CSV rows. Writes no CSV; prints per-variant
+    medians to stderr. ``device`` only names the run: the ranks are gloo processes on CPU."""
+    prof = dict(PROFILES[mode])
+    prof.update({k: v for k, v in overrides.items() if v is not None})
+    model, reps, warmup = prof["model"], prof["reps"], prof["warmup"]
+    common = dict(harness.common_fields(mode, torch.device("cpu"), 1), dtype="float32")
+    med = statistics.median
+    rows: List[dict] = []
+    for part in "ab":
+        if part not in prof["parts"]:
+            continue
+        world = PART_WORLD[part]
+        if progress:
+            progress(f"({part}) {world} ranks, {model}")
+        times, n_params, overlap = harness.run_ranks(_bench_rank, world, (model, part, reps, warmup),
+                                                     timeout_s=1800)[0]
+        c = dict(common, backend=f"gloo x{world}", sizes=f"{model}:{n_params / 1e6:.1f}M params")
+        _note(f"dp ({part}) {world} ranks, {c['sizes']}; last overlapped step: "
+              f"{overlap['launched_before_backward_end']} of {overlap['buckets']} buckets launched before "
+              f"backward ended")
+        for n, t in times.items():
+            _note(f"    {n:16s} median {med(t):9.1f} ms   (reps {len(t)})")
+        if part == "a":
+            ours_ratio = med(times["ours_overlap"]) / med(times["ours_no_overlap"])
+            ddp_ratio = med(times["ddp"]) / med(times["ddp_flat"])
+            _note(f"    ours overlap/no-overlap = {ours_ratio:.3f}x (target <= 0.9); "
+                  f"DDP normal/flat = {ddp_ratio:.3f}x; ours gain >= DDP's: {ours_ratio <= ddp_ratio}")
+            rows.append(harness.comparison_row(
+                c, "dp_overlap_on_vs_off", times["ours_overlap"], times["ours_no_overlap"],
+                target="time ratio<=0.9", met="yes" if ours_ratio <= 0.9 else "no", baseline="ours overlap=False"))
+            rows.append(harness.comparison_row(
+                c, "ddp_normal_vs_flat_allreduce", times["ddp"], times["ddp_flat"],
+                target=f"ours ratio {ours_ratio:.3f} <= this", met="yes" if ours_ratio <= ddp_ratio else "no",
+                baseline="DDP no_sync + one flat all-reduce"))
+        else:
+            ratio = med(times["ours_overlap"]) / med(times["ddp"])
+            _note(f"    ours stage0 / torch DDP = {ratio:.3f}x (target <= 1.0)")
+            rows.append(harness.comparison_row(
+                c, "dp_stage0_vs_torch_ddp", times["ours_overlap"], times["ddp"], target="time ratio<=1.0",
+                met="yes" if ratio <= 1.0 else "no",
+                baseline=f"torch DistributedDataParallel bucket_cap_mb={BUCKET_MB}"))
+    return rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 reps: checks the program runs")
-    ap.add_argument("--model", choices=sorted(MODELS), default="50m")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--parts", default="ab", help="a: overlap gain at 2 ranks; b: vs DDP at 4 ranks")
-    ap.add_argument("--csv", default=None, help=f"CSV to append to (default {os.path.relpath(CSV_PATH)}; "
-                                                f"none with --smoke)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="tiny model, 2 reps: checks the program runs; "
+                                                                     "never writes CSV")
+    size.add_argument("--quick", action="store_true", help=f"~7M-parameter model, few reps (~{QUICK_BUDGET_S} s)")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None, help="default: the mode's profile")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--parts", default=None, help="a: overlap gain at 2 ranks; b: vs DDP at 4 ranks (default ab)")
+    ap.add_argument("--csv", default=None, help=f"CSV to append to (default {os.path.relpath(CSV_PATH)})")
     ap.add_argument("--no-csv", action="store_true")
     args = ap.parse_args(argv)
-    model = "smoke" if args.smoke else args.model
-    reps, warmup = (2, 1) if args.smoke else (args.reps, args.warmup)
-    mode = "smoke" if args.smoke else "full"
-    common = dict(run_id=harness.now_iso(), date=harness.now_iso(), mode=mode, dtype="float32",
-                  device=harness.device_name(torch.device("cpu")), threads=1, **harness.versions())
-    rows = []
-    med = statistics.median
-    if "a" in args.parts:
-        times, n_params, overlap = _run(2, model, "a", reps, warmup)
-        sizes = f"{model}:{n_params / 1e6:.1f}M params"
-        ours_ratio = med(times["ours_overlap"]) / med(times["ours_no_overlap"])
-        ddp_ratio = med(times["ddp"]) / med(times["ddp_flat"])
-        print(f"(a) 2 ranks, {sizes}; last overlapped step: {overlap['launched_before_backward_end']} of "
-              f"{overlap['buckets']} buckets launched before backward ended")
-        for n, t in times.items():
-            print(f"    {n:16s} median {med(t):9.1f} ms   (reps {len(t)})")
-        print(f"    ours overlap/no-overlap = {ours_ratio:.3f}x (target <= 0.9); "
-              f"DDP normal/flat = {ddp_ratio:.3f}x; ours gain >= DDP's: {ours_ratio <= ddp_ratio}")
-        rows.append(_row(dict(common, backend="gloo x2", sizes=sizes), "dp_overlap_on_vs_off", times["ours_overlap"],
-                         times["ours_no_overlap"], "time ratio<=0.9", "ours overlap=False", ours_ratio <= 0.9))
-        rows.append(_row(dict(common, backend="gloo x2", sizes=sizes), "ddp_normal_vs_flat_allreduce", times["ddp"],
-                         times["ddp_flat"], f"ours ratio {ours_ratio:.3f} <= this", "DDP no_sync + one flat all-reduce",
-                         ours_ratio <= ddp_ratio))
-    if "b" in args.parts:
-        times, n_params, _ = _run(4, model, "b", reps, warmup)
-        sizes = f"{model}:{n_params / 1e6:.1f}M params"
-        ratio = med(times["ours_overlap"]) / med(times["ddp"])
-        print(f"(b) 4 ranks, {sizes}")
-        for n, t in times.items():
-            print(f"    {n:16s} median {med(t):9.1f} ms   (reps {len(t)})")
-        print(f"    ours stage0 / torch DDP = {ratio:.3f}x (target <= 1.0)")
-        rows.append(_row(dict(common, backend="gloo x4", sizes=sizes), "dp_stage0_vs_torch_ddp", times["ours_overlap"],
-                         times["ddp"], "time ratio<=1.0", "torch DistributedDataParallel bucket_cap_mb=25",
-                         ratio <= 1.0))
-    path = args.csv or (None if args.smoke or args.no_csv else CSV_PATH)
-    if path and not args.no_csv:
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    t0 = time.time()
+    rows = collect(mode, torch.device("cpu"), model=args.model, reps=args.reps, warmup=args.warmup, parts=args.parts)
+    print(f"{'case':<30} {'sizes':<22} {'backend':<8} {'ours ms':>9} {'base ms':>9} {'speedup':>7}  "
+          f"{'target':<28} {'met':<4} baseline")
+    for r in rows:
+        print(f"{r['case']:<30} {r['sizes']:<22} {r['backend']:<8} {r['ours_median_ms']:>9.1f} "
+              f"{r['base_median_ms']:>9.1f} {r['speedup']:>6.3f}x  {r['target']:<28} {r['met']:<4} {r['baseline']}")
+    print(f"({time.time() - t0:.1f} s)")
+    path = None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH)
+    if path:
         harness.append_csv(path, rows)
         print(f"appended {len(rows)} rows to {os.path.relpath(path)}")
     return 0

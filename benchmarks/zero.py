@@ -1,7 +1,8 @@
 """ZeRO stage 1 against ``torch.distributed.optim.ZeroRedundancyOptimizer``, and bytes per parameter per stage.
 
-    python -m benchmarks.zero            # a ~10M-parameter GPT, 2 gloo ranks on CPU
-    python -m benchmarks.zero --smoke    # tiny sizes, seconds
+    python -m benchmarks.zero            # full: a ~10M-parameter GPT, 2 gloo ranks on CPU
+    python -m benchmarks.zero --quick    # a ~3M-parameter GPT, few reps (see PROFILES)
+    python -m benchmarks.zero --smoke    # tiny sizes, seconds; never writes CSV
 
 Two processes (one thread each) form a data-parallel group of 2. On every rank, from one seed, the same
 GPT is trained two ways, back to back and interleaved (``harness.compare``), one full step each call
@@ -18,40 +19,52 @@ GPT is trained two ways, back to back and interleaved (``harness.compare``), one
 Target: ours at most 1.0x the baseline's step time (speedup >= 1.0). Then the memory table: for stages 1
 and 2, fp32 and bf16 parameters, the bytes per parameter a rank holds (measured by ``memory_report()``)
 beside the ZeRO paper's 2 + 2 + 12 divided as each stage divides them. Rows go to
-``benchmarks/results/zero.csv``.
+``benchmarks/results/zero.csv`` (stage 3 against FSDP2: ``benchmarks/zero3.py``, same CSV).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import sys
-from typing import List, Optional
+import time
+from typing import Callable, List, Optional
 
 import torch
-import torch.multiprocessing as mp
 
 from . import harness
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "zero.csv")
+CSV_NAME = "zero.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
+QUICK_BUDGET_S = 15          # with benchmarks/zero3.py (same CSV, same suite group): ~30 s together
 WORLD = 2
-# GPT config (vocab, n_layer, d_model, n_head, seq) and the global batch
-SIZES = {"full": dict(vocab_size=8192, n_layer=4, d_model=384, n_head=6, max_seq_len=64, batch=4),
-         "smoke": dict(vocab_size=128, n_layer=1, d_model=32, n_head=2, max_seq_len=16, batch=4)}
-REPS = {"full": (9, 2), "smoke": (3, 1)}
+# mode -> GPT config (vocab, n_layer, d_model, n_head, seq), the global batch, timed reps and warm-up steps
+PROFILES = {
+    "full": dict(size=dict(vocab_size=8192, n_layer=4, d_model=384, n_head=6, max_seq_len=64, batch=4),
+                 reps=9, warmup=2),
+    "quick": dict(size=dict(vocab_size=8192, n_layer=2, d_model=256, n_head=4, max_seq_len=64, batch=4),
+                  reps=5, warmup=1),
+    "smoke": dict(size=dict(vocab_size=128, n_layer=1, d_model=32, n_head=2, max_seq_len=16, batch=4),
+                  reps=3, warmup=1),
+}
 BUCKET_MB = 25.0
 TARGET = 1.0
 LR = 1e-4
+BASELINE = "DDP + ZeroRedundancyOptimizer(AdamW)"
 # Stage 1 either reduce-scatters (half the traffic on NCCL) or all-reduces and slices (faster on gloo,
 # whose reduce-scatter is an emulation): both are measured.
 REDUCE_OPS = ("reduce_scatter", "all_reduce")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def stats_row(common: dict, case: str, ours: harness.Stats, base: harness.Stats, **extra) -> dict:
+    """``harness.comparison_row`` for timings already reduced to ``harness.Stats`` (what
+    ``harness.compare`` returns inside a rank): median, p20, p80 of both, speedup = base / ours."""
+    return dict(common, case=case, ours_median_ms=ours.median_ms, ours_p20_ms=ours.p20_ms, ours_p80_ms=ours.p80_ms,
+                base_median_ms=base.median_ms, base_p20_ms=base.p20_ms, base_p80_ms=base.p80_ms,
+                speedup=base.median_ms / ours.median_ms, **extra)
+
+
+def size_text(size: dict) -> str:
+    return f"V{size['vocab_size']}xL{size['n_layer']}xd{size['d_model']}xs{size['max_seq_len']}xb{size['batch']}"
 
 
 def _gpt(size: dict, dtype=None):
@@ -98,7 +111,7 @@ def _measure_speed(group, rank: int, size: dict, reps: int, warmup: int, reduce_
     return n_params, t_ours, t_base, diff
 
 
-def _memory_rows(group, size: dict) -> List[dict]:
+def _memory_reports(group, size: dict) -> List[dict]:
     from parallel_layers.data_parallel.ddp import DataParallel
     from parallel_layers.zero import ZeroOptimizer
 
@@ -114,56 +127,35 @@ def _memory_rows(group, size: dict) -> List[dict]:
     return reports
 
 
-def _worker(rank: int, port: int, size: dict, reps_warmup, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+def _bench_rank(rank: int, world: int, size: dict, reps: int, warmup: int):
+    """One rank: (n_params, Stats ours, Stats baseline, max loss diff) per reduce op, and the memory reports."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=300))
-    try:
-        group = dist.group.WORLD
-        speed = [_measure_speed(group, rank, size, *reps_warmup, op) for op in REDUCE_OPS]
-        mem = _memory_rows(group, size)
-        queue.put((rank, (speed, mem), None))
-    except Exception as exc:  # noqa: BLE001 - report, do not hang the parent
-        import traceback
-        queue.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
+    group = dist.group.WORLD
+    speed = [_measure_speed(group, rank, size, reps, warmup, op) for op in REDUCE_OPS]
+    return speed, _memory_reports(group, size)
 
 
-def run(mode: str, size: dict, reps_warmup):
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, size, reps_warmup, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    answers = {}
-    for _ in range(WORLD):
-        rank, result, err = queue.get()
-        if err:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{err}")
-        answers[rank] = result
-    for p in procs:
-        p.join()
-    common = dict(run_id=harness.now_iso(), date=harness.now_iso(), mode=mode, backend=f"gloo x{WORLD}",
-                  device=harness.device_name(torch.device("cpu")), threads=1, **harness.versions())
+def _run(mode: str, progress: Optional[Callable[[str], None]] = None, reps: Optional[int] = None):
+    """Both ranks' measurements -> (speed rows, per speed row (slowest rank ours ms, theirs ms, loss diff),
+    memory reports, memory rows)."""
+    prof = PROFILES[mode]
+    size, reps, warmup = prof["size"], reps or prof["reps"], prof["warmup"]
+    if progress:
+        progress(f"ZeRO-1 vs ZeroRedundancyOptimizer, {size_text(size)}")
+    answers = harness.run_ranks(_bench_rank, WORLD, (size, reps, warmup), timeout_s=1800)
+    common = dict(harness.common_fields(mode, torch.device("cpu"), 1), backend=f"gloo x{WORLD}")
     speeds, mem = answers[0]
-    dims = f"V{size['vocab_size']}xL{size['n_layer']}xd{size['d_model']}xs{size['max_seq_len']}xb{size['batch']}"
+    dims = size_text(size)
     speed_rows, extra = [], []
     for i, (op, (n_params, t_ours, t_base, diff)) in enumerate(zip(REDUCE_OPS, speeds)):
-        slow_ours = max(answers[r][0][i][1].median_ms for r in answers)
-        slow_base = max(answers[r][0][i][2].median_ms for r in answers)
+        slow_ours = max(a[0][i][1].median_ms for a in answers)
+        slow_base = max(a[0][i][2].median_ms for a in answers)
         speedup = t_base.median_ms / t_ours.median_ms
-        speed_rows.append(dict(common, case=f"zero1_{op}_train_step_dp2", sizes=f"{dims} ({n_params} params)",
-                               dtype="float32", ours_median_ms=t_ours.median_ms, ours_p20_ms=t_ours.p20_ms,
-                               ours_p80_ms=t_ours.p80_ms, base_median_ms=t_base.median_ms,
-                               base_p20_ms=t_base.p20_ms, base_p80_ms=t_base.p80_ms, speedup=speedup,
-                               target=f"speedup>={TARGET}", met="yes" if speedup >= TARGET else "no",
-                               baseline="DDP + ZeroRedundancyOptimizer(AdamW)"))
+        speed_rows.append(stats_row(common, f"zero1_{op}_train_step_dp{WORLD}", t_ours, t_base,
+                                    sizes=f"{dims} ({n_params} params)", dtype="float32",
+                                    target=f"speedup>={TARGET}", met="yes" if speedup >= TARGET else "no",
+                                    baseline=BASELINE))
         extra.append((slow_ours, slow_base, diff))
     mem_rows = []
     for rep in mem:
@@ -171,34 +163,50 @@ def run(mode: str, size: dict, reps_warmup):
         mem_rows.append(dict(common, case=f"zero{rep['stage']}_bytes_per_param_dp{rep['dp_size']}",
                              sizes=f"{dims} ({rep['num_params']} params)", dtype=rep["dtype"],
                              target=f"paper {p['params']:.2f}+{p['grads']:.2f}+{p['optimizer']:.2f}="
-                                    f"{p['total']:.2f} B/param",
+                                    f"{p['total']:.2f} B/param", met="-",
                              baseline=f"ours params {b['params']:.3f} grads {b['grads']:.3f} comm {b['comm']:.3f} "
                                       f"optimizer {b['optimizer']:.3f} staging {b['staging']:.3f} "
-                                      f"total {b['total']:.3f} B/param"))
+                                      f"total {b['total']:.3f} B/param",
+                             mem_mb=b["total"] * rep["num_params"] / 2**20))
     return speed_rows, extra, mem, mem_rows
+
+
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None,
+            reps: Optional[int] = None) -> List[dict]:
+    """Run the benchmark (``mode``: smoke | quick | full, see ``PROFILES``; ``reps`` overrides the
+    profile's timed repetitions) and return the CSV rows: the two ZeRO-1 step-time comparisons, then
+    the bytes-per-parameter rows. Writes no CSV; one detail line per comparison goes to stderr.
+    ``device`` only names the run: the ranks are gloo processes on CPU."""
+    speeds, extra, _, mem_rows = _run(mode, progress, reps)
+    for r, (slow_ours, slow_base, diff) in zip(speeds, extra):
+        print(f"zero {r['case']}: ours {r['ours_median_ms']:.1f} ms vs {BASELINE} {r['base_median_ms']:.1f} ms "
+              f"(speedup {r['speedup']:.2f}x); slowest rank {slow_ours:.1f}/{slow_base:.1f} ms; "
+              f"max |loss diff| {diff:.1e}", file=sys.stderr, flush=True)
+    return speeds + mem_rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     from parallel_layers.zero import format_report
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.zero", description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test; never writes CSV")
+    size.add_argument("--quick", action="store_true", help="small GPT, few reps (see PROFILES)")
     ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
     ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
     ap.add_argument("--reps", type=int, help="timed repetitions")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "full"
-    reps, warmup = REPS[mode]
-    reps = args.reps or reps
-    size = SIZES[mode]
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    reps, warmup = args.reps or PROFILES[mode]["reps"], PROFILES[mode]["warmup"]
+    t0 = time.time()
     print(f"device: {harness.device_name(torch.device('cpu'))} | {WORLD} gloo ranks, 1 thread each | torch "
           f"{torch.__version__} | mode: {mode}, {reps} reps after {warmup} warm-up (full training step, fp32)")
-    speeds, extra, mem, mem_rows = run(mode, size, (reps, warmup))
+    speeds, extra, mem, mem_rows = _run(mode, reps=args.reps)
     for speed, (slow_ours, slow_base, diff) in zip(speeds, extra):
         print(f"\n{speed['case']}  {speed['sizes']}")
         print(f"  ours (DataParallel + ZeroOptimizer stage 1): {speed['ours_median_ms']:.1f} ms "
               f"(p20 {speed['ours_p20_ms']:.1f}, p80 {speed['ours_p80_ms']:.1f})")
-        print(f"  DDP + ZeroRedundancyOptimizer(AdamW):         {speed['base_median_ms']:.1f} ms "
+        print(f"  {BASELINE + ':':<44} {speed['base_median_ms']:.1f} ms "
               f"(p20 {speed['base_p20_ms']:.1f}, p80 {speed['base_p80_ms']:.1f})")
         print(f"  speedup {speed['speedup']:.2f}x (target >= {TARGET}: {speed['met']}); slowest rank ours/theirs "
               f"{slow_ours:.1f}/{slow_base:.1f} ms; max |loss diff| {diff:.1e}")
@@ -207,10 +215,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     for dtype in ("bfloat16", "float32"):
         print(f"\nparameters in {dtype} (gradients accumulate in fp32 main grads):")
         print(format_report([r for r in mem if r["dtype"] == dtype]))
-    if not args.no_csv:
+    print(f"\n({time.time() - t0:.1f} s)")
+    if not (args.no_csv or args.smoke):
         rows = speeds + mem_rows
         harness.append_csv(args.csv, rows)
-        print(f"\nappended {len(rows)} rows to {os.path.relpath(args.csv)}")
+        print(f"appended {len(rows)} rows to {os.path.relpath(args.csv)}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """ZeRO stage 3 (``ZeroStage3`` + ``ZeroStage3Optimizer``) against FSDP2 (``fully_shard``) on CPU gloo.
 
-    python -m benchmarks.zero3            # GPT V8192 L6 d512 (~23.3M parameters), 2 gloo ranks x 1 thread
-    python -m benchmarks.zero3 --smoke    # tiny sizes, seconds (no CSV with --no-csv)
+    python -m benchmarks.zero3            # full: GPT V8192 L6 d512 (~23.1M parameters), 2 gloo ranks x 1 thread
+    python -m benchmarks.zero3 --quick    # GPT V8192 L2 d256 (~3.7M parameters), few reps (see PROFILES)
+    python -m benchmarks.zero3 --smoke    # tiny sizes, seconds; never writes CSV
 
 Two processes (one thread each) form a data-parallel group of 2; each trains the same GPT (one seed) on
 its half of the batch, one full step per call (forward, backward, optimizer step, zero grad):
@@ -26,24 +27,33 @@ ranks, median over ``reps`` measured steps. Target: at most 1.0x FSDP2's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
-import socket
 import statistics
 import sys
 import time
+from typing import Callable, List, Optional
 
 import torch
 
 from . import harness
+from .zero import size_text, stats_row
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "zero.csv")
+CSV_NAME = "zero.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
+QUICK_BUDGET_S = 15          # with benchmarks/zero.py (same CSV, same suite group): ~30 s together
 WORLD = 2
-SIZES = {"full": dict(vocab_size=8192, n_layer=6, d_model=512, n_head=8, max_seq_len=64, batch=8),
-         "smoke": dict(vocab_size=128, n_layer=2, d_model=32, n_head=2, max_seq_len=16, batch=4)}
-REPS = {"full": (7, 2), "smoke": (5, 1)}
+# mode -> GPT config and global batch, timed reps (step time and memory) and warm-up steps (step time)
+PROFILES = {
+    "full": dict(size=dict(vocab_size=8192, n_layer=6, d_model=512, n_head=8, max_seq_len=64, batch=8),
+                 reps=7, warmup=2),
+    "quick": dict(size=dict(vocab_size=8192, n_layer=2, d_model=256, n_head=4, max_seq_len=64, batch=8),
+                  reps=3, warmup=1),
+    "smoke": dict(size=dict(vocab_size=128, n_layer=2, d_model=32, n_head=2, max_seq_len=16, batch=4),
+                  reps=5, warmup=1),
+}
 LR = 1e-4
+BASELINE = "FSDP2 fully_shard per block + root"
 MEM_METHOD = "VmHWM - RSS before build, clear_refs=5, MALLOC_MMAP_THRESHOLD_=65536, max over ranks"
 
 
@@ -84,90 +94,109 @@ def _step_fn(model, opt, x, y):
     return step, losses
 
 
-def _rank(rank: int, port: int, mode: str, queue) -> None:
+def _bench_rank(rank: int, world: int, size: dict, reps: int, warmup: int):
+    """One rank: peak memory of each method alone (max over ranks), then both step times interleaved.
+    Rank 0 returns the figures; the others None."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600))
-    try:
-        device_mesh = init_device_mesh("cpu", (WORLD,))
-        group = device_mesh.get_group()
-        size = SIZES[mode]
-        reps, warmup = REPS[mode]
-        gen = torch.Generator().manual_seed(1)
-        x = torch.randint(0, size["vocab_size"], (size["batch"], size["max_seq_len"]), generator=gen)
-        y = torch.roll(x, -1, dims=1)
-        x, y = x.chunk(WORLD)[rank].contiguous(), y.chunk(WORLD)[rank].contiguous()
-        out = {}
-        # ---- warm the process: lazy imports, dispatch caches and gloo buffers are not a method's memory
-        for name in ("ours", "fsdp2"):
-            _step_fn(*_build(name, size, group, device_mesh), x, y)[0]()
+    device_mesh = init_device_mesh("cpu", (world,))
+    group = device_mesh.get_group()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, size["vocab_size"], (size["batch"], size["max_seq_len"]), generator=gen)
+    y = torch.roll(x, -1, dims=1)
+    x, y = x.chunk(world)[rank].contiguous(), y.chunk(world)[rank].contiguous()
+    out = {}
+    # ---- warm the process: lazy imports, dispatch caches and gloo buffers are not a method's memory
+    for name in ("ours", "fsdp2"):
+        _step_fn(*_build(name, size, group, device_mesh), x, y)[0]()
+        gc.collect()
+    # ---- peak memory: one method at a time
+    for name in ("ours", "fsdp2"):
+        gc.collect()
+        base = harness.status_mb("VmRSS")
+        model, opt = _build(name, size, group, device_mesh)
+        step, losses = _step_fn(model, opt, x, y)
+        for _ in range(2):
+            step()
+        peaks = []
+        for _ in range(reps):
             gc.collect()
-        # ---- peak memory: one method at a time
-        for name in ("ours", "fsdp2"):
-            gc.collect()
-            base = harness.status_mb("VmRSS")
-            model, opt = _build(name, size, group, device_mesh)
-            step, losses = _step_fn(model, opt, x, y)
-            for _ in range(2):
-                step()
-            peaks = []
-            for _ in range(reps):
-                gc.collect()
-                if not harness.reset_peak_rss():
-                    raise RuntimeError("cannot reset the peak RSS: /proc/self/clear_refs is not writable")
-                step()
-                peaks.append(harness.status_mb("VmHWM") - base)
-            peak = torch.tensor([statistics.median(peaks)], dtype=torch.float64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            out[name + "_peak_mb"] = peak.item()
-            out[name + "_first_loss"] = losses[0]
-            del model, opt, step
-            gc.collect()
-        # ---- step time: both alive, interleaved
-        ours_step, _ = _step_fn(*_build("ours", size, group, device_mesh), x, y)
-        base_step, _ = _step_fn(*_build("fsdp2", size, group, device_mesh), x, y)
-        out["ours"], out["fsdp2"] = harness.compare(ours_step, base_step, torch.device("cpu"), reps, warmup)
-        if rank == 0:
-            queue.put(out)
-    finally:
-        dist.destroy_process_group()
+            if not harness.reset_peak_rss():
+                raise RuntimeError("cannot reset the peak RSS: /proc/self/clear_refs is not writable")
+            step()
+            peaks.append(harness.status_mb("VmHWM") - base)
+        peak = torch.tensor([statistics.median(peaks)], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out[name + "_peak_mb"] = peak.item()
+        out[name + "_first_loss"] = losses[0]
+        del model, opt, step
+        gc.collect()
+    # ---- step time: both alive, interleaved
+    ours_step, _ = _step_fn(*_build("ours", size, group, device_mesh), x, y)
+    base_step, _ = _step_fn(*_build("fsdp2", size, group, device_mesh), x, y)
+    out["ours"], out["fsdp2"] = harness.compare(ours_step, base_step, torch.device("cpu"), reps, warmup)
+    return out if rank == 0 else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main(argv=None) -> int:
-    import torch.multiprocessing as mp
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
-    ap.add_argument("--no-csv", action="store_true")
-    args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "full"
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"   # inherited by the spawned ranks (see the docstring)
-    t0 = time.time()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(_free_port(), mode, queue), nprocs=WORLD, start_method="spawn", join=True)
-    res = queue.get()
+def _run(mode: str, progress: Optional[Callable[[str], None]] = None):
+    """-> (rows, rank 0's figures, the sizes text)."""
+    prof = PROFILES[mode]
+    size = prof["size"]
     from parallel_layers.models import GPT, GPTConfig
 
-    size = SIZES[mode]
     n_params = sum(p.numel() for p in GPT(GPTConfig(**{k: v for k, v in size.items() if k != "batch"})).parameters())
-    sizes = (f"V{size['vocab_size']}xL{size['n_layer']}xd{size['d_model']}xs{size['max_seq_len']}xb{size['batch']} "
-             f"({n_params} params)")
+    sizes = f"{size_text(size)} ({n_params} params)"
+    if progress:
+        progress(f"ZeRO-3 vs FSDP2, {size_text(size)}")
+    # Inherited by the spawned ranks only (glibc reads it at start-up): see the docstring.
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        res = harness.run_ranks(_bench_rank, WORLD, (size, prof["reps"], prof["warmup"]), timeout_s=1800)[0]
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     ours, base = res["ours"], res["fsdp2"]
     speedup = base.median_ms / ours.median_ms
     mem_ratio = res["ours_peak_mb"] / res["fsdp2_peak_mb"]
-    ver = harness.versions()
-    device = harness.device_name(torch.device("cpu"))
-    print(f"device: {device}; torch {ver['torch']}; {WORLD} gloo ranks x 1 thread; GPT {sizes}, fp32")
+    common = dict(harness.common_fields(mode, torch.device("cpu"), 1), sizes=sizes, dtype="float32",
+                  backend=f"gloo x{WORLD}")
+    rows = [stats_row(common, f"zero3_train_step_dp{WORLD}", ours, base, target="speedup>=1.0",
+                      met="yes" if speedup >= 1.0 else "no", baseline=f"{BASELINE}, AdamW(foreach)"),
+            dict(common, case=f"zero3_peak_memory_dp{WORLD}", target="mem_ratio<=1.0",
+                 met="yes" if mem_ratio <= 1.0 else "no", mem_mb=res["ours_peak_mb"],
+                 baseline=(f"{BASELINE}; peak MB ours {res['ours_peak_mb']:.1f} vs "
+                           f"{res['fsdp2_peak_mb']:.1f} = {mem_ratio:.3f}x ({MEM_METHOD})"))]
+    return rows, res, sizes
+
+
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None) -> List[dict]:
+    """Run the benchmark (``mode``: smoke | quick | full, see ``PROFILES``) and return the CSV rows (step
+    time, peak memory). Writes no CSV; one detail line to stderr. ``device`` only names the run: the
+    ranks are gloo processes on CPU."""
+    rows, res, _ = _run(mode, progress)
+    print(f"zero3: step ours {rows[0]['ours_median_ms']:.1f} ms vs FSDP2 {rows[0]['base_median_ms']:.1f} ms; "
+          f"peak MB ours {res['ours_peak_mb']:.1f} vs FSDP2 {res['fsdp2_peak_mb']:.1f}", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--smoke", action="store_true", help="tiny sizes (seconds); never writes CSV")
+    size.add_argument("--quick", action="store_true", help="small GPT, few reps (see PROFILES)")
+    ap.add_argument("--no-csv", action="store_true")
+    args = ap.parse_args(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    t0 = time.time()
+    rows, res, sizes = _run(mode)
+    ours, base = res["ours"], res["fsdp2"]
+    speedup = rows[0]["speedup"]
+    mem_ratio = res["ours_peak_mb"] / res["fsdp2_peak_mb"]
+    print(f"device: {rows[0]['device']}; torch {rows[0]['torch']}; {WORLD} gloo ranks x 1 thread; GPT {sizes}, fp32")
     print(f"{'method':<28} {'step ms':>9} {'p20-p80':>17} {'peak MB':>9}")
     print(f"{'ours ZeroStage3':<28} {ours.median_ms:>9.1f} {f'{ours.p20_ms:.1f}-{ours.p80_ms:.1f}':>17} "
           f"{res['ours_peak_mb']:>9.1f}")
@@ -177,19 +206,9 @@ def main(argv=None) -> int:
           f"peak memory ours/FSDP2 {mem_ratio:.3f}x (target <= 1.0x)")
     print(f"first-step loss ours {res['ours_first_loss']:.6f} FSDP2 {res['fsdp2_first_loss']:.6f}; "
           f"memory: {MEM_METHOD}; {time.time() - t0:.0f} s")
-    if not args.no_csv:
-        run_id = harness.now_iso()
-        common = dict(run_id=run_id, date=run_id, mode=mode, sizes=sizes, dtype="float32", backend=f"gloo x{WORLD}",
-                      device=device, torch=ver["torch"], triton=ver["triton"], threads=1)
-        harness.append_csv(CSV_PATH, [
-            dict(common, case=f"zero3_train_step_dp{WORLD}", ours_median_ms=ours.median_ms, ours_p20_ms=ours.p20_ms,
-                 ours_p80_ms=ours.p80_ms, base_median_ms=base.median_ms, base_p20_ms=base.p20_ms,
-                 base_p80_ms=base.p80_ms, speedup=speedup, target="speedup>=1.0",
-                 met="yes" if speedup >= 1.0 else "no", baseline="FSDP2 fully_shard per block + root, AdamW(foreach)"),
-            dict(common, case=f"zero3_peak_memory_dp{WORLD}", target="mem_ratio<=1.0",
-                 met="yes" if mem_ratio <= 1.0 else "no",
-                 baseline=(f"FSDP2 fully_shard per block + root; peak MB ours {res['ours_peak_mb']:.1f} vs "
-                           f"{res['fsdp2_peak_mb']:.1f} = {mem_ratio:.3f}x ({MEM_METHOD})"))])
+    if not (args.no_csv or args.smoke):
+        harness.append_csv(CSV_PATH, rows)
+        print(f"appended {len(rows)} rows to {os.path.relpath(CSV_PATH)}")
     return 0
 
 

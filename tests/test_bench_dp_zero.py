@@ -1,0 +1,75 @@
+"""The dp, ZeRO and demo benchmarks' ``collect("smoke")`` returns complete rows for every case.
+
+Nothing here asserts a speed (benchmarks print figures, tests check behaviour): each row has every CSV
+column, a positive timing ratio where it compares two timings, and the cases the module promises.
+The 2- and 4-rank bodies run in the session's worker pools (``harness.run_ranks`` redirected to them:
+starting processes and importing torch is most of a benchmark's smoke time); the demo's 8 ranks are
+spawned by ``harness.run_ranks`` itself.
+"""
+import importlib
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # benchmarks/ is a top-level folder of the repo, not part of the installed package
+
+from benchmarks import demo_layouts, dp, harness, zero, zero3  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def body_bench(rank, world, module, fn_name, *args):
+    """In a pool worker: the benchmark module's rank body (the worker may lack the repo on its path)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    return getattr(importlib.import_module(f"benchmarks.{module}"), fn_name)(rank, world, *args)
+
+
+def _in_pools(monkeypatch, dist_pools):
+    def run_ranks(fn, world, args=(), timeout_s=900, threads=1):
+        return dist_pools(world).run(body_bench, fn.__module__.rsplit(".", 1)[-1], fn.__name__, *args,
+                                     timeout=min(timeout_s, 300))
+    monkeypatch.setattr(harness, "run_ranks", run_ranks)
+
+
+def _check(rows, cases, mode="smoke"):
+    assert sorted(r["case"] for r in rows) == sorted(cases)
+    for r in rows:
+        assert set(r) <= set(harness.CSV_FIELDS), set(r) - set(harness.CSV_FIELDS)
+        for key in ("run_id", "date", "device", "torch", "triton", "sizes", "dtype", "backend", "baseline"):
+            assert r.get(key), (key, r)
+        assert r["mode"] == mode and r["threads"] == 1
+        if r.get("ours_median_ms", "") != "":
+            assert r["ours_median_ms"] > 0
+        if r.get("speedup", "") != "":
+            assert r["base_median_ms"] > 0 and r["speedup"] > 0
+            assert r["ours_p20_ms"] <= r["ours_median_ms"] <= r["ours_p80_ms"]
+        if r.get("target"):
+            assert r["met"] in ("yes", "no", "-")
+
+
+def test_dp_and_zero_smoke_rows(monkeypatch, dist_pools):
+    _in_pools(monkeypatch, dist_pools)
+    seen = []
+    rows = dp.collect("smoke", CPU, progress=seen.append)
+    _check(rows, ["dp_overlap_on_vs_off", "ddp_normal_vs_flat_allreduce", "dp_stage0_vs_torch_ddp"])
+    assert all(r["speedup"] > 0 for r in rows) and len(seen) == 2
+    rows = zero.collect("smoke", CPU)
+    _check(rows, [f"zero1_{op}_train_step_dp2" for op in zero.REDUCE_OPS]
+           + [f"zero{s}_bytes_per_param_dp2" for s in (1, 2) for _ in ("bf16", "fp32")])
+    assert all(r["mem_mb"] > 0 for r in rows if "bytes_per_param" in r["case"])
+    rows = zero3.collect("smoke", CPU)
+    _check(rows, ["zero3_train_step_dp2", "zero3_peak_memory_dp2"])
+    assert rows[0]["speedup"] > 0 and rows[1]["mem_mb"] > 0
+
+
+def test_demo_layouts_smoke_rows():
+    rows = demo_layouts.collect("smoke", CPU)
+    _check(rows, ["demo_tokens_per_s"] * len(demo_layouts.PROFILES["smoke"]["layouts"]))
+    names = [r["sizes"] for r in rows]
+    assert names[0].startswith("1D") and names[-1].startswith("3D"), names
+    for r in rows:
+        assert r["ours_median_ms"] > 0 and r["mem_mb"] > 0
+        assert float(r["baseline"].split(";")[0].split()[1]) > 0, r["baseline"]   # "tokens/s N; ..."
