@@ -281,11 +281,12 @@ def common_fields(mode: str, device: torch.device, threads: int) -> Dict[str, ob
     return dict(run_id=stamp, date=stamp, mode=mode, device=device_name(device), threads=threads, **versions())
 
 
-def comparison_row(common: Dict[str, object], case: str, ours_ms: Sequence[float], base_ms: Sequence[float],
-                   **extra) -> Dict[str, object]:
-    """A CSV row from raw timings of ours and the baseline: median, p20, p80 of each and
+def comparison_row(common: Dict[str, object], case: str, ours_ms, base_ms, **extra) -> Dict[str, object]:
+    """A CSV row from the timings of ours and the baseline (raw samples in ms, or ``Stats`` already
+    reduced, as ``compare`` returns them): median, p20, p80 of each and
     speedup = baseline median / our median (above 1: ours is faster)."""
-    so, sb = Stats.of(ours_ms), Stats.of(base_ms)
+    so = ours_ms if isinstance(ours_ms, Stats) else Stats.of(ours_ms)
+    sb = base_ms if isinstance(base_ms, Stats) else Stats.of(base_ms)
     return dict(common, case=case, ours_median_ms=so.median_ms, ours_p20_ms=so.p20_ms, ours_p80_ms=so.p80_ms,
                 base_median_ms=sb.median_ms, base_p20_ms=sb.p20_ms, base_p80_ms=sb.p80_ms,
                 speedup=sb.median_ms / so.median_ms, **extra)

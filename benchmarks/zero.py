@@ -55,14 +55,6 @@ BASELINE = "DDP + ZeroRedundancyOptimizer(AdamW)"
 REDUCE_OPS = ("reduce_scatter", "all_reduce")
 
 
-def stats_row(common: dict, case: str, ours: harness.Stats, base: harness.Stats, **extra) -> dict:
-    """``harness.comparison_row`` for timings already reduced to ``harness.Stats`` (what
-    ``harness.compare`` returns inside a rank): median, p20, p80 of both, speedup = base / ours."""
-    return dict(common, case=case, ours_median_ms=ours.median_ms, ours_p20_ms=ours.p20_ms, ours_p80_ms=ours.p80_ms,
-                base_median_ms=base.median_ms, base_p20_ms=base.p20_ms, base_p80_ms=base.p80_ms,
-                speedup=base.median_ms / ours.median_ms, **extra)
-
-
 def size_text(size: dict) -> str:
     return f"V{size['vocab_size']}xL{size['n_layer']}xd{size['d_model']}xs{size['max_seq_len']}xb{size['batch']}"
 
@@ -152,7 +144,7 @@ def _run(mode: str, progress: Optional[Callable[[str], None]] = None, reps: Opti
         slow_ours = max(a[0][i][1].median_ms for a in answers)
         slow_base = max(a[0][i][2].median_ms for a in answers)
         speedup = t_base.median_ms / t_ours.median_ms
-        speed_rows.append(stats_row(common, f"zero1_{op}_train_step_dp{WORLD}", t_ours, t_base,
+        speed_rows.append(harness.comparison_row(common, f"zero1_{op}_train_step_dp{WORLD}", t_ours, t_base,
                                     sizes=f"{dims} ({n_params} params)", dtype="float32",
                                     target=f"speedup>={TARGET}", met="yes" if speedup >= TARGET else "no",
                                     baseline=BASELINE))

@@ -37,7 +37,7 @@ from typing import Callable, List, Optional
 import torch
 
 from . import harness
-from .zero import size_text, stats_row
+from .zero import size_text
 
 CSV_NAME = "zero.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
@@ -164,7 +164,7 @@ def _run(mode: str, progress: Optional[Callable[[str], None]] = None):
     mem_ratio = res["ours_peak_mb"] / res["fsdp2_peak_mb"]
     common = dict(harness.common_fields(mode, torch.device("cpu"), 1), sizes=sizes, dtype="float32",
                   backend=f"gloo x{WORLD}")
-    rows = [stats_row(common, f"zero3_train_step_dp{WORLD}", ours, base, target="speedup>=1.0",
+    rows = [harness.comparison_row(common, f"zero3_train_step_dp{WORLD}", ours, base, target="speedup>=1.0",
                       met="yes" if speedup >= 1.0 else "no", baseline=f"{BASELINE}, AdamW(foreach)"),
             dict(common, case=f"zero3_peak_memory_dp{WORLD}", target="mem_ratio<=1.0",
                  met="yes" if mem_ratio <= 1.0 else "no", mem_mb=res["ours_peak_mb"],

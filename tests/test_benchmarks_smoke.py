@@ -92,3 +92,21 @@ def test_bench_cli_rejects_unknown_group_and_lists_groups():
     ok = subprocess.run([sys.executable, "-m", "parallel_layers", "bench", "--list"], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "scaling" in ok.stdout and "benchmarks.zero3" in ok.stdout
+
+
+def test_bench_suite_smoke_runs_a_group_end_to_end():
+    """The suite as a user runs it: one group at smoke sizes, its rows in the one table, exit status 0.
+    (Every group's collect() is exercised at smoke sizes by its own test file.)"""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PARALLEL_LAYERS_NO_JIT="1")
+    for var in ("PARALLEL_LAYERS_BACKEND", "TRITON_INTERPRET"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "parallel_layers", "bench", "--smoke", "--only", "dp"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("group "))
+    rows = [line.split() for line in lines[header + 2:] if line.startswith("dp ")]
+    assert {r[1] for r in rows} >= {"dp_overlap_on_vs_off", "dp_stage0_vs_torch_ddp"}, proc.stdout
+    assert any(line.startswith("seconds per module: dp/dp") for line in lines), proc.stdout
+    assert "targets missed:" in proc.stdout
