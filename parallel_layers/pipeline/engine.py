@@ -54,6 +54,14 @@ class PipelineEngine:
         self.device = device
         self.p2p = P2P(pp_group, device) if self.p > 1 else None
         # index of the communication step after each communication step (None after the last)
+        # the first activation receive of each chunk (its link needs a shape header), in schedule order
+        self._header_links: Dict[int, Instr] = {}
+        for st in self.steps:
+            if not isinstance(st, Instr):
+                for ins in st:
+                    if ins.op == "RECV_ACT" and ins.chunk not in self._header_links:
+                        self._header_links[ins.chunk] = ins
+        self._hdr_in: Dict[int, Tuple[object, torch.Tensor, Instr]] = {}
         comm = [i for i, st in enumerate(self.steps) if not isinstance(st, Instr)]
         self._next_comm: Dict[int, Optional[int]] = {a: b for a, b in zip(comm, comm[1:] + [None])}
         self.timeline = Timeline(self.rank)
@@ -100,6 +108,15 @@ class PipelineEngine:
         prefetched: Dict[Instr, Tuple[object, torch.Tensor]] = {}  # receive -> (work, buffer), posted early
         self.prefetched_receives = 0                                 # how many, this step (tests, tuning)
         self.timeline.start()
+        if self._header_links:
+            # Every shape header this rank will receive, posted now (own tag, first-in-first-out per peer
+            # in the order the schedule first needs each link, which is the order the peer sends them):
+            # a header then lands as soon as it is sent, and the first activation of a link can be
+            # prefetched like the others once its header is in.
+            ops = [("recv", torch.empty(HEADER_LEN, dtype=torch.int64), ins.peer, f"receive header {ins}")
+                   for ins in self._header_links.values()]
+            works = self.p2p.post(ops, tag=HEADER_TAG)
+            self._hdr_in = {c: (w, op[1], ins) for (c, ins), op, w in zip(self._header_links.items(), ops, works)}
 
         for i, step in enumerate(self.steps):
             if isinstance(step, Instr):
@@ -157,12 +174,27 @@ class PipelineEngine:
         """The buffer a receive lands in, or None while its shape is unknown (activation: no header yet
         this step; gradient: the forward whose output it belongs to has not run yet)."""
         if ins.op == "RECV_ACT":
-            if ins.chunk not in recv_shape:
+            if self._take_header(ins.chunk, recv_shape, block=False) is None:
                 return None
             shape, dtype = recv_shape[ins.chunk]
             return torch.empty(shape, dtype=dtype, device=self.device)
         out = outputs.get((ins.mb, ins.chunk))
         return None if out is None else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+    def _take_header(self, chunk, recv_shape, block: bool):
+        """The (shape, dtype) of ``chunk``'s incoming activations this step, from its header (waited for
+        when ``block``, else None while it has not arrived); checked against ``tensor_shape``."""
+        if chunk in recv_shape:
+            return recv_shape[chunk]
+        work, h, ins = self._hdr_in[chunk]
+        if not block and not work[0].is_completed():
+            return None
+        self.p2p.wait([work])
+        del self._hdr_in[chunk]
+        recv_shape[chunk] = decode_header(h)
+        if self.tensor_shape is not None:
+            self._check_shape(recv_shape[chunk][0], ins, sending=False)
+        return recv_shape[chunk]
 
     def _prefetch(self, batch, outputs, recv_shape, prefetched) -> None:
         """Post the receives of the next communication step now, so their transfers run while this
@@ -185,20 +217,18 @@ class PipelineEngine:
             self.prefetched_receives += len(ops)
 
     def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched):
-        """One batch of messages. Activation shapes first travel in a header round (first message of
-        a link in this step), then the data; only receives are waited for. Receives posted ahead by
-        :meth:`_prefetch` are not posted again."""
+        """One batch of messages. Activation shapes travel in a header (first message of a link in
+        this step, on its own tag; the receives for them are posted at the start of the step), then the
+        data; only receives are waited for. Receives posted ahead by :meth:`_prefetch` are not posted
+        again."""
         t0 = time.perf_counter()
-        headers, hdr_ops = {}, []
+        hdr_ops = []
         for ins in batch:
             if ins.op == "SEND_ACT" and ins.chunk not in header_sent:
                 header_sent.add(ins.chunk)
                 hdr_ops.append(("send", encode_header(outputs[(ins.mb, ins.chunk)]), ins.peer, f"send header {ins}"))
-            elif ins.op == "RECV_ACT" and ins.chunk not in recv_shape and ins not in prefetched:
-                headers[ins.chunk] = torch.empty(HEADER_LEN, dtype=torch.int64)
-                hdr_ops.append(("recv", headers[ins.chunk], ins.peer, f"receive header {ins}"))
         if hdr_ops:
-            self.p2p.wait(self.p2p.post(hdr_ops, tag=HEADER_TAG))
+            self.p2p.post(hdr_ops, tag=HEADER_TAG)
             for ins in batch:                       # both ends check what the user declared
                 if ins.op == "SEND_ACT" and self.tensor_shape is not None:
                     try:
@@ -211,12 +241,9 @@ class PipelineEngine:
                         except RuntimeError:
                             pass
                         raise
-            for chunk, h in headers.items():
-                shape, dtype = decode_header(h)
-                recv_shape[chunk] = (shape, dtype)
-                if self.tensor_shape is not None:
-                    self._check_shape(shape, next(i for i in batch if i.op == "RECV_ACT" and i.chunk == chunk),
-                                      sending=False)
+        for ins in batch:
+            if ins.op == "RECV_ACT" and ins not in prefetched:
+                self._take_header(ins.chunk, recv_shape, block=True)
         ops, received, waits = [], [], []
         for ins in batch:
             key = (ins.mb, ins.chunk)
