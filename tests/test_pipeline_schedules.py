@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from parallel_layers.pipeline.schedules import (Instr, ScheduleError, build_all, build_schedule, format_schedule,
-                                                simulate)
+                                                simulate, simulate_timing)
 from parallel_layers.pipeline.stage import partition_layers
 
 CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in (4, 5, 8) if s == "gpipe" or m >= p]
@@ -83,6 +83,25 @@ def test_interleaved_order_matches_megatron():
     ops = [f"{i.op}{i.mb}.{i.chunk}" for i in computes(build_schedule("interleaved", 2, 4, rank=0, num_chunks=2))]
     assert ops[:4] == ["F0.0", "F1.0", "F0.1", "F1.1"]
     assert ops[4:8] == ["F2.0", "B0.1", "F3.0", "B1.1"]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 4), (4, 8), (3, 9)])
+def test_compute_orders_reach_the_ideal_bubble_in_the_timing_model(p, m):
+    # equal stages, free messages: GPipe and 1F1B leave (p-1)/(m+p-1) idle, interleaved (v chunks)
+    # (p-1)/v of a stage's microbatch time, i.e. (p-1)/(v m + p-1) of the step
+    ideal = (p - 1) / (m + p - 1)
+    for schedule in ("gpipe", "1f1b"):
+        out = simulate_timing(build_all(schedule, p, m), forward=1.0, backward=2.0)
+        assert out["bubble"] == pytest.approx(ideal), schedule
+        assert out["step"] == pytest.approx(3.0 * (m + p - 1))
+    if m % p == 0:
+        for v in (2, 4):
+            out = simulate_timing(build_all("interleaved", p, m, v), v, forward=1.0, backward=2.0)
+            assert out["bubble"] == pytest.approx((p - 1) / (v * m + p - 1)), v
+    # a latency or a heavier last stage only adds idle time
+    slow = simulate_timing(build_all("1f1b", p, m), latency=0.05)["bubble"]
+    heavy = simulate_timing(build_all("1f1b", p, m), last_stage_extra=0.1)["bubble"]
+    assert slow > ideal and heavy > ideal
 
 
 def test_bad_arguments_are_clear_errors():

@@ -285,5 +285,51 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1) -> Dict[str
             "backwards": [len(d) for d in done_b]}
 
 
+def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, forward: float = 1.0,
+                    backward: float = 2.0, latency: float = 0.0, last_stage_extra: float = 0.0) -> Dict[str, object]:
+    """The time the instruction streams take when every stage's forward costs ``forward`` and backward
+    ``backward`` (a chunk of ``v`` chunks per rank: ``1 / v`` of that; the last stage ``1 +
+    last_stage_extra`` times it: LM head and loss), a message arrives ``latency`` after its send is
+    posted, sends never block and a communication step waits for its receives (the engine's rules).
+    Returns ``{"step": ..., "bubble": ..., "busy": [...]}`` with the bubble defined as the engine's
+    timeline measures it (mean over ranks of 1 - busy / step): the reference a measured bubble is
+    compared with. With equal stages and no latency GPipe and 1F1B give ``(p-1)/(m+p-1)``."""
+    p, v = len(streams), num_chunks
+    S = p * v
+    now, pos, busy = [0.0] * p, [0] * p, [0.0] * p
+    arrival: Dict[Tuple[str, int, int], float] = {}     # (kind, mb, receiving stage) -> time
+    while any(pos[r] < len(streams[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(streams[r]):
+                step = streams[r][pos[r]]
+                if isinstance(step, Instr):
+                    cost = (forward if step.op == "F" else backward) / v
+                    if step.chunk * p + r == S - 1:
+                        cost *= 1.0 + last_stage_extra
+                    now[r] += cost
+                    busy[r] += cost
+                else:
+                    needs = []
+                    for ins in step:
+                        s = ins.chunk * p + r
+                        if ins.op == "SEND_ACT":
+                            arrival[("A", ins.mb, s + 1)] = now[r] + latency
+                        elif ins.op == "SEND_GRAD":
+                            arrival[("G", ins.mb, s - 1)] = now[r] + latency
+                        else:
+                            needs.append(("A" if ins.op == "RECV_ACT" else "G", ins.mb, s))
+                    if not all(k in arrival for k in needs):
+                        break                  # its messages are not sent yet: let the others run
+                    now[r] = max([now[r]] + [arrival[k] for k in needs])
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("simulate_timing: deadlock (run simulate() for the details)")
+    step_time = max(now)
+    return {"step": step_time, "busy": busy,
+            "bubble": sum(1.0 - b / step_time for b in busy) / p if step_time > 0 else 0.0}
+
+
 __all__ = ["Instr", "Forward", "Backward", "SCHEDULES", "build_schedule", "build_all", "format_schedule",
-           "simulate", "ScheduleError", "check_schedule_args", "add_communication"]
+           "simulate", "simulate_timing", "ScheduleError", "check_schedule_args", "add_communication"]
