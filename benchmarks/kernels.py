@@ -346,12 +346,11 @@ def measure(case: str, ctx: Ctx) -> dict:
         bench = CASES[case](ctx)
         t_ours, t_base = harness.compare(bench.ours, bench.baseline, ctx.device,
                                          reps=ctx.prof["reps"], warmup=ctx.prof["warmup"])
-    row = dict(case=case, sizes=bench.sizes, dtype=bench.dtype, backend=ctx.backend, date=harness.now_iso(),
-               ours_median_ms=t_ours.median_ms, ours_p20_ms=t_ours.p20_ms, ours_p80_ms=t_ours.p80_ms,
-               base_median_ms=t_base.median_ms, base_p20_ms=t_base.p20_ms, base_p80_ms=t_base.p80_ms,
-               speedup=t_base.median_ms / t_ours.median_ms,
-               gbps=bench.nbytes / (t_ours.median_ms * 1e-3) / 1e9,
-               base_gbps=bench.nbytes / (t_base.median_ms * 1e-3) / 1e9, baseline=bench.baseline_desc)
+    row = harness.comparison_row({}, case, t_ours, t_base, sizes=bench.sizes, dtype=bench.dtype,
+                                 backend=ctx.backend, date=harness.now_iso(),
+                                 gbps=bench.nbytes / (t_ours.median_ms * 1e-3) / 1e9,
+                                 base_gbps=bench.nbytes / (t_base.median_ms * 1e-3) / 1e9,
+                                 baseline=bench.baseline_desc)
     del bench
     harness.free_memory(ctx.device)
     return row

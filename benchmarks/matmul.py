@@ -95,17 +95,14 @@ def _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup) -> List[Di
             suffix, target = BASELINES[base_name]
             target = target if device.type == "cuda" else None
             s_ours, s_base = harness.compare(ours, base, device, reps=reps, warmup=warmup)
-            speedup = s_base.median_ms / s_ours.median_ms
             tflops, base_tflops = _tflops(m, n, k, s_ours.median_ms), _tflops(m, n, k, s_base.median_ms)
-            rows.append(dict(
-                case=f"linear_gelu_{name}{suffix}", sizes=f"M{m}xN{n}xK{k}", dtype=str(dtype).replace("torch.", ""),
-                backend=backend, date=harness.now_iso(),
+            row = harness.comparison_row(
+                {}, f"linear_gelu_{name}{suffix}", s_ours, s_base, sizes=f"M{m}xN{n}xK{k}",
+                dtype=str(dtype).replace("torch.", ""), backend=backend, date=harness.now_iso(),
                 baseline=f"{base_name}; TFLOP/s ours {tflops:.4g} vs {base_tflops:.4g}",
-                ours_median_ms=s_ours.median_ms, ours_p20_ms=s_ours.p20_ms, ours_p80_ms=s_ours.p80_ms,
-                base_median_ms=s_base.median_ms, base_p20_ms=s_base.p20_ms, base_p80_ms=s_base.p80_ms,
-                speedup=speedup, tflops=tflops, base_tflops=base_tflops,
-                target=f">={target}x" if target else "-",
-                met=("yes" if speedup >= target else "no") if target else "-"))
+                tflops=tflops, base_tflops=base_tflops, target=f">={target}x" if target else "-")
+            row["met"] = ("yes" if row["speedup"] >= target else "no") if target else "-"
+            rows.append(row)
     del x, w, b
     harness.free_memory(device)
     return rows
@@ -154,7 +151,7 @@ def _print_table(rows):
     print("  ".join(h.ljust(wd) for (h, _, _), wd in zip(cols, widths)))
     print("  ".join("-" * wd for wd in widths))
     for c in cells:
-        print("  ".join(v.ljust(wd) for v, wd in zip(c, widths)))
+        print("  ".join(v.ljust(wd) for v, wd in zip(c, widths)).rstrip())
 
 
 def main(argv: Optional[List[str]] = None) -> int:
