@@ -53,7 +53,6 @@ class PipelineEngine:
         self.record_timeline = record_timeline
         self.device = device
         self.p2p = P2P(pp_group, device) if self.p > 1 else None
-        # index of the communication step after each communication step (None after the last)
         # the first activation receive of each chunk (its link needs a shape header), in schedule order
         self._header_links: Dict[int, Instr] = {}
         for st in self.steps:
@@ -62,6 +61,7 @@ class PipelineEngine:
                     if ins.op == "RECV_ACT" and ins.chunk not in self._header_links:
                         self._header_links[ins.chunk] = ins
         self._hdr_in: Dict[int, Tuple[object, torch.Tensor, Instr]] = {}
+        # index of the communication step after each communication step (None after the last)
         comm = [i for i, st in enumerate(self.steps) if not isinstance(st, Instr)]
         self._next_comm: Dict[int, Optional[int]] = {a: b for a, b in zip(comm, comm[1:] + [None])}
         self.timeline = Timeline(self.rank)
