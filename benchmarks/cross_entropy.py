@@ -29,7 +29,6 @@ ours' peak extra MB per rank, and the ``baseline`` text carries both peaks and t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import statistics
@@ -159,24 +158,8 @@ def _cpu_rank(rank: int, world: int, prof: dict):
     return res if rank == 0 else None
 
 
-@contextlib.contextmanager
-def _environ(values: Dict[str, str]):
-    """``values`` in os.environ (inherited by processes spawned meanwhile), restored afterwards so that
-    later benchmarks of the same suite run do not inherit them."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def run_cpu(prof: dict, world: int = 2):
-    with _environ(MEM_ENV):
+    with harness.environ(MEM_ENV):
         return harness.run_ranks(_cpu_rank, world, (prof,), timeout_s=1800)[0]
 
 

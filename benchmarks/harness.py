@@ -9,6 +9,7 @@ a training step pays), but never work queued by the previous call.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import gc
@@ -142,8 +143,9 @@ def now_iso() -> str:
 
 
 def append_csv(path: str, rows: Sequence[Dict[str, object]]) -> None:
-    """Append ``rows``; write the header first if the file is new. An existing file keeps its header
-    (columns it lacks are dropped, so an older CSV is never corrupted by a newer harness)."""
+    """Append ``rows``; write the header first if the file is new. A file written by an older harness
+    whose header lacks some of ``CSV_FIELDS`` is first rewritten with those columns added (empty in
+    its old rows), so no figure of a new row is dropped and no old row changes."""
     if not rows:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -153,7 +155,13 @@ def append_csv(path: str, rows: Sequence[Dict[str, object]]) -> None:
         with open(path, newline="") as fh:
             header = next(csv.reader(fh), None)
         if header:
-            fields = header
+            fields = header + [f for f in CSV_FIELDS if f not in header]
+            if len(fields) > len(header):
+                old_rows = read_csv(path)
+                with open(path, "w", newline="") as fh:
+                    writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+                    writer.writeheader()
+                    writer.writerows(old_rows)
     with open(path, "a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore", restval="")
         if new:
@@ -190,6 +198,23 @@ def reset_peak_rss() -> bool:
 
 
 # ------------------------------------------------------------------------------------- multi-process
+@contextlib.contextmanager
+def environ(values: Dict[str, str]):
+    """``values`` set in ``os.environ`` for the block (inherited by processes spawned meanwhile: how a
+    benchmark gives its ranks e.g. ``MALLOC_MMAP_THRESHOLD_``), restored afterwards so that later
+    benchmarks of the same suite run never inherit them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def free_port() -> int:
     """A TCP port free on localhost right now (for MASTER_PORT)."""
     import socket

@@ -14,7 +14,6 @@ measured in the same run, says how close to the memory roofline the kernel is.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -326,18 +325,9 @@ def backend_problem(backend: str, device: torch.device) -> Optional[str]:
         return str(exc)
 
 
-@contextlib.contextmanager
 def forced_backend(backend: str):
     """Force the backend for code that takes no backend= argument (FusedAdamW's internals)."""
-    old = os.environ.get(ops.ENV_VAR)
-    os.environ[ops.ENV_VAR] = backend
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ops.ENV_VAR, None)
-        else:
-            os.environ[ops.ENV_VAR] = old
+    return harness.environ({ops.ENV_VAR: backend})
 
 
 def measure(case: str, ctx: Ctx) -> dict:

@@ -150,15 +150,8 @@ def _run(mode: str, progress: Optional[Callable[[str], None]] = None):
     if progress:
         progress(f"ZeRO-3 vs FSDP2, {size_text(size)}")
     # Inherited by the spawned ranks only (glibc reads it at start-up): see the docstring.
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
+    with harness.environ({"MALLOC_MMAP_THRESHOLD_": "65536"}):
         res = harness.run_ranks(_bench_rank, WORLD, (size, prof["reps"], prof["warmup"]), timeout_s=1800)[0]
-    finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     ours, base = res["ours"], res["fsdp2"]
     speedup = base.median_ms / ours.median_ms
     mem_ratio = res["ours_peak_mb"] / res["fsdp2_peak_mb"]

@@ -110,3 +110,13 @@ def test_bench_suite_smoke_runs_a_group_end_to_end():
     assert {r[1] for r in rows} >= {"dp_overlap_on_vs_off", "dp_stage0_vs_torch_ddp"}, proc.stdout
     assert any(line.startswith("seconds per module: dp/dp") for line in lines), proc.stdout
     assert "targets missed:" in proc.stdout
+
+
+def test_append_csv_adds_new_columns_to_an_old_file(tmp_path):
+    from benchmarks import harness
+
+    path = tmp_path / "old.csv"
+    path.write_text("run_id,case,speedup\n1,a,2.0\n")
+    harness.append_csv(str(path), [dict(run_id="2", case="b", speedup=3.0, mem_mb=5.0)])
+    rows = harness.read_csv(str(path))
+    assert [(r["case"], r["speedup"], r["mem_mb"]) for r in rows] == [("a", "2.0", ""), ("b", "3", "5")]
