@@ -320,8 +320,10 @@ def comparison_row(common: Dict[str, object], case: str, ours_ms, base_ms, **ext
 def latest_rows(rows: Sequence[Dict[str, str]], modes: Sequence[str] = ("full", "quick"),
                 key_fields: Sequence[str] = ("case", "sizes", "dtype", "backend")) -> Dict[str, List[Dict[str, str]]]:
     """What the README and the plots show: per device, the rows of the most complete mode measured on it
-    (the first of ``modes`` present; smoke runs never count by default), and of those the newest row for
-    each (case, sizes, dtype, backend). Devices in sorted order; rows in first-seen order."""
+    (the first of ``modes`` present; smoke runs never count by default); of those, for every case, the
+    rows of the newest run that measured that case (so a run at new sizes replaces the old sizes' rows,
+    while a case a later ``--only`` run skipped keeps its figures); one row per ``key_fields``.
+    Devices in sorted order; rows in first-seen order."""
     by_device: Dict[str, List[Dict[str, str]]] = {}
     for r in rows:
         if r.get("mode") in modes:
@@ -330,12 +332,13 @@ def latest_rows(rows: Sequence[Dict[str, str]], modes: Sequence[str] = ("full", 
     for device in sorted(by_device):
         device_rows = by_device[device]
         best = min(modes.index(r["mode"]) for r in device_rows)
+        device_rows = [r for r in device_rows if modes.index(r["mode"]) == best]
+        newest_run: Dict[str, str] = {}
+        for r in device_rows:
+            newest_run[r["case"]] = max(newest_run.get(r["case"], ""), r.get("run_id", ""))
         newest: Dict[tuple, Dict[str, str]] = {}
         for r in device_rows:
-            if modes.index(r["mode"]) != best:
-                continue
-            key = tuple(r.get(k, "") for k in key_fields)
-            if key not in newest or r.get("run_id", "") >= newest[key].get("run_id", ""):
-                newest[key] = r
+            if r.get("run_id", "") == newest_run[r["case"]]:
+                newest[tuple(r.get(k, "") for k in key_fields)] = r
         out[device] = list(newest.values())
     return out

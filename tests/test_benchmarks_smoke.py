@@ -120,3 +120,16 @@ def test_append_csv_adds_new_columns_to_an_old_file(tmp_path):
     harness.append_csv(str(path), [dict(run_id="2", case="b", speedup=3.0, mem_mb=5.0)])
     rows = harness.read_csv(str(path))
     assert [(r["case"], r["speedup"], r["mem_mb"]) for r in rows] == [("a", "2.0", ""), ("b", "3", "5")]
+
+
+def test_latest_rows_newest_run_per_case():
+    from benchmarks import harness
+
+    rows = [_row(case="step", sizes="old model", run_id="1"), _row(case="step", sizes="new model p2", run_id="2"),
+            _row(case="step", sizes="new model p4", run_id="2"), _row(case="pack", sizes="n=1", run_id="1"),
+            _row(case="step", sizes="new model p2", run_id="3", mode="quick")]
+    (device, got), = harness.latest_rows([{k: str(v) for k, v in r.items()} for r in rows]).items()
+    # the old model's row is superseded by the newer full run of the same case; a case the newer run
+    # skipped keeps its figures; quick rows never replace full ones
+    assert sorted((r["case"], r["sizes"], r["run_id"]) for r in got) == [
+        ("pack", "n=1", "1"), ("step", "new model p2", "2"), ("step", "new model p4", "2")]
