@@ -269,5 +269,5 @@ def test_benchmark_smoke():
                           cwd=repo, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
-    for case in ("ours", "ours_copy", "loss_parallel"):
+    for case in ("vocab_ce", "vocab_ce_no_inplace", "loss_parallel"):
         assert case in rows and float(rows[case][1]) > 0, proc.stdout
