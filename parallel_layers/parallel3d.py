@@ -14,13 +14,24 @@ parallelism or ZeRO stage 1/2 across replicas (``mesh.dp_group``). One training 
    replicated parameters counted once, stages summed over pp, ZeRO shards summed over dp (plain DP
    holds identical full gradients: dp is not summed), the last stage's tied embedding copy left out;
 5. the optimizer step (``torch.optim.AdamW`` for plain DP in fp32; :class:`ZeroOptimizer` otherwise,
-   which keeps fp32 master weights for bf16 models), with the clip coefficient.
+   which keeps fp32 master weights for bf16/fp16 models), with the clip coefficient.
+
+fp16 (``dtype=torch.float16``, ZeRO 1 or 2 only: it needs the fp32 master weights) adds a
+:class:`DynamicLossScaler`. On the last stage every microbatch's loss is computed in fp32 from the fp16
+logits (Megatron's default: an fp16 loss would cap ``scale / m`` at fp16's 65504 in its backward) and its
+*gradient* multiplied by the scale (:class:`_ScaledLossStage`), so the loss the engine reports stays
+unscaled. Step 4 then measures the norm of the unscaled gradients (``inv_scale``) and, in the same two
+all-reduces (over tp, dp for ZeRO shards, and pp: every group, so every rank of the mesh), agrees on
+``found_inf``. The ZeRO step divides the scale out on the fly and, when ``found_inf`` is set, leaves
+parameters, master weights, moments and step count bit-identical; ``scaler.update(found_inf)`` then backs
+off or grows the scale, the same decision on every rank since the flag is the same everywhere.
 
 Every rank builds only its own stages (:func:`build_gpt_stages`), from the same seed as ``GPT(config)``,
 so the result matches the single-process model trained on the full batch.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Optional
 
 import torch
@@ -28,6 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .amp.clip import clip_grad_norm_
+from .amp.scaler import DynamicLossScaler
 from .data_parallel.ddp import DataParallel
 from .distributed import collectives as C
 from .mesh import ParallelMesh
@@ -43,6 +55,8 @@ class Parallel3D:
     ``zero``: 0 (plain DP, all-reduce), 1 or 2 (ZeRO over reduce-scatter). ``schedule``: ``gpipe``,
     ``1f1b`` or ``interleaved`` (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``:
     None disables clipping. ``seed``: the weights are those of ``torch.manual_seed(seed); GPT(config)``.
+    ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16);
+    must be None for other dtypes.
     """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh, *, zero: int = 0, schedule: str = "1f1b",
@@ -50,13 +64,19 @@ class Parallel3D:
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: Optional[float] = 1.0, dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: float = 25.0, record_timeline: bool = False, seed: int = 0,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, loss_scaler: Optional[DynamicLossScaler] = None):
         if zero not in (0, 1, 2):
             raise ValueError(f"Parallel3D: zero={zero!r} must be 0 (plain data parallel), 1 or 2; ZeRO-3 with "
                              f"the pipeline is not supported here")
         if zero == 0 and dtype != torch.float32 and dtype != torch.float64:
             raise ValueError(f"Parallel3D: a {dtype} model needs fp32 master weights; use zero=1 or 2 "
                              f"(ZeroOptimizer keeps them) or dtype=torch.float32")
+        if loss_scaler is not None and dtype != torch.float16:
+            raise ValueError(f"Parallel3D: a loss_scaler is for fp16 models (dtype={dtype}); bf16 and fp32 have "
+                             f"fp32's exponent range and need none")
+        if dtype == torch.float16 and loss_scaler is None:
+            loss_scaler = DynamicLossScaler(device=device)
+        self.scaler = loss_scaler
         if num_chunks is None:
             num_chunks = 2 if schedule == "interleaved" else 1
         self.config, self.mesh, self.zero = config, mesh, zero
@@ -66,9 +86,16 @@ class Parallel3D:
         # a collective over the whole world: every rank calls it, in the same order
         self.tied_group = tied_embedding_group(mesh.pp_group) if (config.tie_embeddings and mesh.pp > 1) else None
         torch.manual_seed(seed)
+        # Low precision: initialise in fp32 and round once. Drawing the init directly in fp16/bf16 is not the
+        # rounded fp32 init: torch's uniform_ keeps [a, b) half-open by mapping a draw that ROUNDS to b back
+        # to a, so a weight of 0.24997 (fp32) came out as -0.25 (fp16/bf16), not 0.25.
+        low = dtype in (torch.float16, torch.bfloat16)
         self.chunks: List[nn.Module] = build_gpt_stages(
             config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=self.tp_group,
-            require_divisible=schedule == "interleaved", dtype=dtype, device=device)
+            require_divisible=schedule == "interleaved", dtype=torch.float32 if low else dtype, device=device)
+        if low:
+            for chunk in self.chunks:
+                chunk.to(dtype)          # in place: the same Parameter objects (and their attributes)
         self.model = nn.ModuleList(self.chunks)
         self.dp = DataParallel(self.model, mesh.dp_group, reduce_op="reduce_scatter" if zero else "all_reduce",
                                bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=min(1.0, bucket_cap_mb))
@@ -85,7 +112,10 @@ class Parallel3D:
         else:
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, eps=eps,
                                                weight_decay=weight_decay, foreach=False)
-        self.engine = PipelineEngine(self.chunks, mesh.pp_group, schedule=schedule,
+        # fp16: the engine runs the last stage through _ScaledLossStage (same parameters, scaled backward)
+        engine_chunks = [_ScaledLossStage(c, self.scaler) if (self.scaler is not None and c.is_last) else c
+                         for c in self.chunks]
+        self.engine = PipelineEngine(engine_chunks, mesh.pp_group, schedule=schedule,
                                      num_microbatches=num_microbatches, record_timeline=record_timeline,
                                      device=device)
 
@@ -113,8 +143,17 @@ class Parallel3D:
         for p in self._tied_params:                  # first and last stage: sum the tied gradients
             C.all_reduce(p.main_grad, self.tied_group)
         self.dp.sync_gradients()                     # once per step, over dp
-        norm, coef = self._clip()
-        if self.zero:
+        found_inf = None
+        if self.scaler is not None:
+            found_inf = torch.zeros(1, dtype=torch.float32, device=self.scaler.scale.device)
+            scale = self.scaler.scale.clone()       # the scale these gradients carry
+        norm, coef = self._clip(found_inf)
+        if self.scaler is not None:
+            if self.max_grad_norm is None:
+                coef = None
+            self.optimizer.step(grad_scale=scale, found_inf=found_inf, clip_coef=coef)
+            self.scaler.update(found_inf)
+        elif self.zero:
             self.optimizer.step(clip_coef=coef)
         else:
             self.optimizer.step()
@@ -122,11 +161,19 @@ class Parallel3D:
         if self.mesh.dp > 1:
             C.all_reduce(loss, self.mesh.dp_group)
             loss /= self.mesh.dp
-        return {"loss": loss.item(), "grad_norm": None if norm is None else float(norm)}
+        out = {"loss": loss.item(), "grad_norm": None if norm is None else float(norm)}
+        if self.scaler is not None:
+            out["skipped"] = bool(found_inf.item())     # same on every rank (agreed by the all-reduce)
+            out["loss_scale"] = float(self.scaler.scale.item())
+        return out
 
-    def _clip(self):
-        if self.max_grad_norm is None:
+    def _clip(self, found_inf: Optional[torch.Tensor] = None):
+        """``(norm, coef)`` of the global gradient norm. With ``found_inf`` (fp16): the norm of the unscaled
+        gradients, and ``found_inf`` set to 1 on every rank when any rank's gradients hold inf/nan."""
+        if self.max_grad_norm is None and found_inf is None:
             return None, None
+        max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
+        kw = {} if found_inf is None else {"inv_scale": self.scaler.inv_scale, "found_inf": found_inf}
         groups = [self.mesh.pp_group] if self.mesh.pp > 1 else []
         if self.zero:
             items = []
@@ -140,9 +187,9 @@ class Parallel3D:
                     items.append(piece)
             if self.mesh.dp > 1:
                 groups = [self.mesh.dp_group] + groups
-            return clip_grad_norm_(items, self.max_grad_norm, groups=groups, tp_group=self.tp_group, apply=False)
+            return clip_grad_norm_(items, max_norm, groups=groups, tp_group=self.tp_group, apply=False, **kw)
         items = [p for p in self.dp.buffer.params if id(p) not in self._dup]
-        norm, coef = clip_grad_norm_(items, self.max_grad_norm, groups=groups, tp_group=self.tp_group, apply=False)
+        norm, coef = clip_grad_norm_(items, max_norm, groups=groups, tp_group=self.tp_group, apply=False, **kw)
         # every gradient is scaled, the last stage's tied copy included (it was only left out of the norm)
         torch._foreach_mul_([p.main_grad for p in self.dp.buffer.params], coef.to(self.dp.buffer.grad_dtype))
         return norm, coef
@@ -174,6 +221,45 @@ class Parallel3D:
 
     def bubble_fraction(self) -> Optional[float]:
         return self.engine.bubble_fraction()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by the loss scale (the scale is read in
+    backward, on the device: no host sync)."""
+
+    @staticmethod
+    def forward(ctx, loss, scale):
+        ctx.save_for_backward(scale)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (scale,) = ctx.saved_tensors
+        return grad * scale.reshape(()).to(grad.dtype), None
+
+
+class _ScaledLossStage(nn.Module):
+    """The engine's view of the last stage of an fp16 model: the loss in fp32 from the stage's logits, its
+    backward scaled by ``scaler.scale``. The value handed back (cast to the model dtype, as every pipeline
+    rank's loss buffer is) is the *unscaled* loss; the backward into the fp32 loss carries ``scale / m``
+    in fp32 and the fp16 logits receive ``scale * dloss/dlogits`` (what ``scaler.scale_loss(loss)`` would
+    give, without fp16's 65504 cap on ``scale / m`` itself)."""
+
+    def __init__(self, stage: nn.Module, scaler: DynamicLossScaler):
+        super().__init__()
+        self.stage, self.scaler = stage, scaler
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shard = self.stage(x)
+        if targets is None:
+            return shard
+        self.scaler._on(shard.device)
+        loss = self.stage.loss(shard.float(), targets)
+        return _ScaleGrad.apply(loss, self.scaler.scale).to(shard.dtype)
+
+    def finish_grads(self) -> None:
+        if hasattr(self.stage, "finish_grads"):
+            self.stage.finish_grads()
 
 
 __all__ = ["Parallel3D"]

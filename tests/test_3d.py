@@ -87,3 +87,162 @@ def test_demo_end_to_end(tmp_path):
     assert summary["config"]["dp"] == 2 and summary["config"]["tp"] == 2 and summary["config"]["pp"] == 2
     assert len(summary["memory_rss_mb"]) == 8 and summary["tokens_per_s"] > 0
     assert os.path.getsize(out / "timeline.png") > 1000
+
+
+# ---------------------------------------------------------------------- fp16 with dynamic loss scaling
+# fp16 against the fp32 single-process model. fp16 rounds to 11 significant bits (2^-11 ~ 4.9e-4 relative
+# per rounding); the loss is reported from an fp16 buffer and the parameters are the fp16 copy of the fp32
+# master weights (one rounding each), while the optimizer works on fp32 masters and fp32-reduced gradients.
+# Measured on this config (5 steps): loss and gradient norm <= ~1.5e-3 relative, which is what a dense
+# single-process fp16 model with the same fp32 master AdamW shows too (dp=2, tp=2 or pp=2 alone give the
+# same numbers), so FP16_TOL = 5e-3 (ten fp16 roundings) for the loss, the norm and the whole stage's
+# parameters (relative, in norm). Per element the relative error is ill-conditioned (LayerNorm biases start
+# at 0; Adam turns tiny gradient noise into full-size sign updates, up to 2 x lr per element per step), so
+# there the bound is absolute, FP16_PARAM_ATOL = 2 x lr x steps (measured worst < 5e-3). A missed unscale
+# (x 2^12), a dropped microbatch or a wrong init (an fp16-drawn init flipped a 0.25 weight to -0.25: 0.5
+# abs) fails these bounds at once.
+FP16_TOL = 5e-3
+FP16_PARAM_ATOL = 2 * LR * STEPS
+FP16_INIT_SCALE = 2.0 ** 12
+
+
+def _fp16_model(mesh, cfg, **kw):
+    from parallel_layers.amp import DynamicLossScaler
+    scaler = DynamicLossScaler(init_scale=FP16_INIT_SCALE, growth_interval=kw.pop("growth_interval", 3),
+                               hysteresis=1)
+    return Parallel3D(cfg, mesh, zero=kw.pop("zero", 1), schedule=kw.pop("schedule", "1f1b"), num_microbatches=2,
+                      lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=0,
+                      dtype=torch.float16, loss_scaler=scaler)
+
+
+def body_3d_fp16(rank, world):
+    mesh = cached_mesh(dp=2, tp=2, pp=2)
+    cfg = GPTConfig(**CFG)
+    torch.manual_seed(0)
+    dense = GPT(cfg)
+    ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    model = _fp16_model(mesh, cfg)
+    loss_errs, norm_errs, skipped, scales = [], [], [], []
+    for x, y in _batches(STEPS):
+        _, ref_loss = dense(x, y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out = model.train_step(x, y)
+        loss_errs.append(abs(out["loss"] - ref_loss.item()) / abs(ref_loss.item()))
+        norm_errs.append(abs(out["grad_norm"] - ref_norm) / ref_norm)
+        skipped.append(out["skipped"])
+        scales.append(out["loss_scale"])
+    ref = dense.state_dict()
+    got = model.dense_state_dict()
+    dtypes = {str(v.dtype) for v in got.values()}
+    diff2 = sum(((v.double() - ref[k].double()) ** 2).sum().item() for k, v in got.items())
+    ref2 = sum((ref[k].double() ** 2).sum().item() for k in got)
+    param_errs = {k: (v.double() - ref[k].double()).abs().max().item() for k, v in got.items()}
+    return {"loss": loss_errs, "norm": norm_errs, "params": param_errs, "param_rel": (diff2 / ref2) ** 0.5,
+            "skipped": skipped, "scales": scales,
+            "scaler": model.scaler.state_dict(), "dtypes": dtypes}
+
+
+def test_3d_fp16_zero1_matches_fp32_single_process(dist_pools):
+    out = dist_pools(8).run(body_3d_fp16, timeout=240)
+    names = set()
+    for r, res in enumerate(out):
+        assert res["dtypes"] == {"torch.float16"}, (r, res["dtypes"])
+        assert not any(res["skipped"]), (r, res["skipped"])       # parity needs every step taken
+        assert max(res["loss"]) < FP16_TOL, (r, res["loss"])
+        assert max(res["norm"]) < FP16_TOL, (r, res["norm"])
+        assert res["param_rel"] < FP16_TOL, (r, res["param_rel"])
+        worst = max(res["params"].items(), key=lambda kv: kv[1])
+        assert worst[1] < FP16_PARAM_ATOL, (r, worst)
+        # the scaler grew once (growth_interval 3, 5 clean steps) and is identical on every rank
+        assert res["scales"] == [FP16_INIT_SCALE] * 2 + [2 * FP16_INIT_SCALE] * 3, (r, res["scales"])
+        assert res["scaler"] == out[0]["scaler"], (r, res["scaler"], out[0]["scaler"])
+        names |= set(res["params"])
+    torch.manual_seed(0)
+    assert names == set(GPT(GPTConfig(**CFG)).state_dict())
+
+
+def _snapshot(model):
+    params = {n: p.detach().clone() for n, p in model.model.named_parameters()}
+    opt = {k: v.clone() for k, v in model.optimizer.state_dict().items() if isinstance(v, torch.Tensor)}
+    return params, opt
+
+
+def body_3d_fp16_overflow(rank, world, zero):
+    """One rank (dp 0, tp 1, pp 0) puts an inf into a *replicated* gradient (a LayerNorm weight: on tp rank 1
+    it is left out of the norm, so only the overflow check sees it) before the dp reduction."""
+    mesh = cached_mesh(dp=2, tp=2, pp=2)
+    cfg = GPTConfig(**CFG)
+    model = _fp16_model(mesh, cfg, zero=zero, growth_interval=2)
+    batches = _batches(5)
+    first = model.train_step(*batches[0])                 # one clean step: moments and step count nonzero
+    culprit = (mesh.dp_rank, mesh.tp_rank, mesh.pp_rank) == (0, 1, 0)
+    if culprit:
+        target = next(p for n, p in model.model.named_parameters()
+                      if "ln" in n and not getattr(p, "tensor_parallel", False))
+        sync = model.dp.sync_gradients
+
+        def poisoned_sync(*a, **k):
+            target.main_grad.view(-1)[0] = float("inf")
+            return sync(*a, **k)
+        model.dp.sync_gradients = poisoned_sync
+    params, opt = _snapshot(model)
+    scale_before = model.scaler.scale_value()
+    bad = model.train_step(*batches[1])
+    if culprit:
+        model.dp.sync_gradients = sync
+    params2, opt2 = _snapshot(model)
+    unchanged = (all(torch.equal(params[k], params2[k]) for k in params)
+                 and all(torch.equal(opt[k], opt2[k]) for k in opt))
+    after = [model.train_step(x, y) for x, y in batches[2:]]
+    params3, _ = _snapshot(model)
+    moved = any(not torch.equal(params[k], params3[k]) for k in params)
+    return {"first_skipped": first["skipped"], "skipped": bad["skipped"], "unchanged": unchanged,
+            "scale_before": scale_before, "scale_after": bad["loss_scale"],
+            "after_skipped": [o["skipped"] for o in after], "after_scales": [o["loss_scale"] for o in after],
+            "moved": moved, "culprit": culprit, "scaler": model.scaler.state_dict()}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_3d_fp16_overflow_on_one_rank_skips_everywhere(dist_pools, zero):
+    out = dist_pools(8).run(body_3d_fp16_overflow, zero, timeout=240)
+    assert sum(r["culprit"] for r in out) == 1
+    for r, res in enumerate(out):
+        assert not res["first_skipped"], r
+        assert res["skipped"], (r, "this rank did not see the other rank's overflow")
+        assert res["unchanged"], (r, "a skipped step changed parameters or optimizer state")
+        assert res["scale_after"] == res["scale_before"] / 2, (r, res["scale_before"], res["scale_after"])
+        # recovery: the next steps are taken and, after growth_interval=2 clean steps, the scale grows back
+        assert res["after_skipped"] == [False] * 3, (r, res["after_skipped"])
+        assert res["after_scales"] == [FP16_INIT_SCALE / 2, FP16_INIT_SCALE, FP16_INIT_SCALE], (r, res)
+        assert res["moved"], r
+        assert res["scaler"] == out[0]["scaler"], r
+
+
+def test_demo_precision_fp16_arguments():
+    from parallel_layers import demo
+    args = demo.build_parser().parse_args(["--precision", "fp16", "--zero", "1"])
+    demo.check_args(args)                                     # accepted with ZeRO (fp32 master weights)
+    with pytest.raises(SystemExit, match="fp16 needs fp32 master weights"):
+        demo.check_args(demo.build_parser().parse_args(["--precision", "fp16", "--zero", "0"]))
+    assert 0 < demo.FP16_RTOL <= demo.BF16_RTOL
+    with pytest.raises(ValueError, match="loss_scaler is for fp16"):
+        from parallel_layers.amp import DynamicLossScaler
+        Parallel3D(GPTConfig(**CFG), None, loss_scaler=DynamicLossScaler())
+
+
+def test_demo_fp16_end_to_end(tmp_path):
+    out = tmp_path / "demo16"
+    cmd = [sys.executable, "-m", "parallel_layers", "demo", "--precision", "fp16", "--zero", "1", "--steps", "2",
+           "--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+           "--microbatches", "2", "--corpus-bytes", "200000", "--out", str(out), "--no-progress"]
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "losses agree" in proc.stdout and "(fp16)" in proc.stdout, proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["agree"] is True and summary["skipped_steps"] == 0 and summary["final_loss_scale"] > 0
+    assert summary["tolerance_rel_per_step"] == 5e-2

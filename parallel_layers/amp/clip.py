@@ -131,7 +131,13 @@ def clip_grad_norm_(parameters, max_norm: float, *, groups: Sequence = (), tp_gr
     first_tp = tp_group is None or C.rank(tp_group) == 0
     counted = [g for g, tp in zip(grads, flags) if tp or first_tp]
     local_inf = torch.zeros(1, dtype=torch.float32, device=device)
-    stats = torch.cat([_local_stats(counted, inv_scale, local_inf, norm_type, device), local_inf])
+    stats = _local_stats(counted, inv_scale, local_inf, norm_type, device)
+    if found_inf is not None and len(counted) < len(grads):
+        # Replicated gradients on TP ranks > 0 are left out of the norm, but an inf/nan there (a rank-local
+        # overflow) must still make every rank skip: check them too (flag only; the norm is discarded).
+        uncounted = [g for g, tp in zip(grads, flags) if not (tp or first_tp)]
+        _local_stats(uncounted, inv_scale, local_inf, norm_type, device)
+    stats = torch.cat([stats, local_inf])
     op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
     for group in ([tp_group] if tp_group is not None else []) + list(groups):
         C.all_reduce(stats, group, op=op)
