@@ -95,6 +95,27 @@ class _Linear(nn.Linear):
         return F.gelu(y) if self.activation == "gelu" else F.silu(y) if self.activation == "silu" else y
 
 
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def draw_dtype(dtype):
+    """The dtype initial weights are drawn in: float32 for a bf16/fp16 model, rounded afterwards.
+
+    Drawing directly in reduced precision is not the fp32 draw rounded: ``uniform_`` maps a value that
+    rounds up to the upper bound back to the LOWER bound (a +0.25 weight becomes -0.25), so a bf16/fp16
+    model would not start from the weights of the fp32 model with the same seed.
+    """
+    return torch.float32 if dtype in _REDUCED else dtype
+
+
+def round_to(modules, dtype) -> None:
+    """Convert the drawn weights to the model dtype in place (same Parameter objects and attributes)."""
+    if dtype in _REDUCED:
+        for m in modules:
+            if m is not None:
+                m.to(dtype)
+
+
 class _Parallel:
     """What a module needs to know about tensor parallelism: group, size, SP flag, layer factories."""
 
@@ -215,7 +236,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, *, tp_group=None, dtype=None, device=None):
         super().__init__()
         group = _resolve_group(tp_group)
-        tp = _Parallel(group, config, dtype, device)
+        tp = _Parallel(group, config, draw_dtype(dtype), device)
         for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
             if size % tp.size:
                 raise ValueError(f"GPT: {name}={size} does not divide by the tensor-parallel size {tp.size}; "
@@ -238,6 +259,8 @@ class GPT(nn.Module):
         with torch.no_grad():
             self.wte.weight.mul_(config.init_std)   # N(0, 1) -> N(0, init_std^2), shard-local
             self.wpe.weight.mul_(config.init_std)
+        round_to([self], dtype)
+        tp.factory["dtype"] = dtype
         self.vocab_size_padded = getattr(self.wte, "num_embeddings_padded", V)
 
     def _untied_head(self, tp: _Parallel) -> nn.Module:

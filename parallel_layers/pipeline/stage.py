@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ..distributed import collectives as C
-from ..models.gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group
+from ..models.gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group, draw_dtype, round_to
 
 
 def partition_layers(num_layers: int, num_stages: int, boundaries: Optional[Sequence[int]] = None,
@@ -190,7 +190,7 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     owned_layers = {i for s in mine for i in range(*ranges[s])}
     has_first, has_last = 0 in mine, S - 1 in mine
     group = _resolve_group(tp_group)
-    tp = _Parallel(group, config, dtype, device)
+    tp = _Parallel(group, config, draw_dtype(dtype), device)
     for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
         if size % tp.size:
             raise ValueError(f"build_gpt_stages: {name}={size} does not divide by the tensor-parallel size {tp.size}")
@@ -226,6 +226,8 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
             wte.weight.mul_(config.init_std)
         if wpe is not None:
             wpe.weight.mul_(config.init_std)
+    round_to([wte, wpe, ln_f, lm_head, *blocks.values()], dtype)
+    tp.factory["dtype"] = dtype
     modules = {"wte": wte, "wpe": wpe, "blocks": blocks, "ln_f": ln_f, "lm_head": lm_head}
     if has_first and has_last:
         tied_group = None                    # one rank holds both ends: they share the module
