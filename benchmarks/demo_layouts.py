@@ -148,13 +148,8 @@ def main(argv=None) -> int:
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), steps=args.steps)
-    print(f"{'layout':32s} {'step ms':>9s} {'max RSS/rank MB':>16s}  detail")
-    for r in rows:
-        print(f"{r['sizes']:32s} {r['ours_median_ms']:9.1f} {r['mem_mb']:16.0f}  {r['baseline']}")
     print(f"({time.time() - t0:.1f} s)")
-    if not (args.no_csv or args.smoke):
-        harness.append_csv(CSV_PATH, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(CSV_PATH)}")
+    harness.print_and_append(rows, None if (args.no_csv or args.smoke) else CSV_PATH)
     return 0
 
 

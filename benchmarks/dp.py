@@ -172,16 +172,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), model=args.model, reps=args.reps, warmup=args.warmup, parts=args.parts)
-    print(f"{'case':<30} {'sizes':<22} {'backend':<8} {'ours ms':>9} {'base ms':>9} {'speedup':>7}  "
-          f"{'target':<28} {'met':<4} baseline")
-    for r in rows:
-        print(f"{r['case']:<30} {r['sizes']:<22} {r['backend']:<8} {r['ours_median_ms']:>9.1f} "
-              f"{r['base_median_ms']:>9.1f} {r['speedup']:>6.3f}x  {r['target']:<28} {r['met']:<4} {r['baseline']}")
     print(f"({time.time() - t0:.1f} s)")
-    path = None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH)
-    if path:
-        harness.append_csv(path, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(path)}")
+    harness.print_and_append(rows, None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH))
     return 0
 
 

@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,7 +46,10 @@ class Stats:
             return cls(s[0], s[0], s[0])
         # 'inclusive' keeps the percentiles inside the observed range for small sample counts.
         q = statistics.quantiles(s, n=5, method="inclusive")
-        return cls(statistics.median(s), q[0], q[3])
+        med = statistics.median(s)
+        # quantiles() interpolates as (a*(5-d) + b*d)/5, which for a == b can land an ulp off a; keep
+        # p20 <= median <= p80 exact.
+        return cls(med, min(q[0], med), max(q[3], med))
 
 
 def time_call(fn: Callable[[], object], device: torch.device) -> float:
@@ -342,3 +345,57 @@ def latest_rows(rows: Sequence[Dict[str, str]], modes: Sequence[str] = ("full", 
                 newest[tuple(r.get(k, "") for k in key_fields)] = r
         out[device] = list(newest.values())
     return out
+
+
+# ------------------------------------------------------------------------------------- the printed table
+def _short(text: object, width: int) -> str:
+    s = "" if text is None else str(text)
+    return s if len(s) <= width else s[: width - 1] + "~"
+
+
+def _num(row: Dict[str, object], key: str, fmt: str) -> str:
+    value = row.get(key, "")
+    if value in ("", None):
+        return "-"
+    try:
+        return fmt.format(float(value))
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def format_table(rows: List[Dict[str, object]]) -> str:
+    """One plain-text table for every row of the run: what was measured, ours, the baseline, the ratio
+    (baseline time / ours: above 1 means ours is faster), the fraction of the copy bandwidth measured in
+    the same run (memory-bound kernels), the target and whether it was met."""
+    cols = [("group", lambda r: r.get("group", ""))] if any(r.get("group") for r in rows) else []
+    cols += [("case", lambda r: r["case"]),
+            ("sizes", lambda r: _short(r.get("sizes"), 34)), ("backend", lambda r: r.get("backend", "")),
+            ("ours ms", lambda r: _num(r, "ours_median_ms", "{:.3g}")),
+            ("p20-p80", lambda r: (_num(r, "ours_p20_ms", "{:.3g}") + "-" + _num(r, "ours_p80_ms", "{:.3g}"))
+             if r.get("ours_p20_ms", "") not in ("", None) else "-"),
+            ("baseline", lambda r: _short(r.get("baseline"), 30)),
+            ("base ms", lambda r: _num(r, "base_median_ms", "{:.3g}")),
+            ("ratio", lambda r: _num(r, "speedup", "{:.2f}x")),
+            ("of copy", lambda r: _num(r, "bw_fraction", "{:.0%}")),
+            ("MB/rank", lambda r: _num(r, "mem_mb", "{:.1f}")),
+            ("target", lambda r: _short(r.get("target") or "-", 24)),
+            ("met", lambda r: r.get("met") or "-")]
+    cells = [[fn(r) for _, fn in cols] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _) in enumerate(cols)]
+    lines = ["  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip() for c in cells]
+    return "\n".join(lines)
+
+
+def missed(rows: List[Dict[str, object]]) -> List[str]:
+    return [f"{r.get('group', '')}/{r['case']} [{r.get('sizes', '')}, {r.get('backend', '')}]: "
+            f"target {r.get('target')}, {_short(r.get('baseline'), 80)}"
+            for r in rows if str(r.get("met", "")).lower() in ("no", "false")]
+
+
+def print_and_append(rows: List[Dict[str, object]], csv_path: Optional[str]) -> None:
+    """What every benchmark's CLI ends with: the table, then the rows appended to ``csv_path`` (None: not)."""
+    print(format_table(rows) if rows else "(no rows)")
+    if csv_path and rows:
+        append_csv(csv_path, rows)
+        print(f"appended {len(rows)} rows to {os.path.relpath(csv_path)}")

@@ -141,19 +141,6 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     return rows
 
 
-def _print_table(rows):
-    cols = [("case", "case", "{}"), ("sizes", "sizes", "{}"), ("baseline", "baseline", "{}"),
-            ("ours_ms", "ours_median_ms", "{:.4f}"), ("base_ms", "base_median_ms", "{:.4f}"),
-            ("speedup", "speedup", "{:.2f}x"), ("TFLOP/s", "tflops", "{:.4g}"),
-            ("base_TFLOP/s", "base_tflops", "{:.4g}"), ("target", "target", "{}"), ("met", "met", "{}")]
-    cells = [[fmt.format(r[key]) if key in r else "-" for _, key, fmt in cols] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(cols)]
-    print("  ".join(h.ljust(wd) for (h, _, _), wd in zip(cols, widths)))
-    print("  ".join("-" * wd for wd in widths))
-    for c in cells:
-        print("  ".join(v.ljust(wd) for v, wd in zip(c, widths)).rstrip())
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.matmul", description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -177,12 +164,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"triton {harness.versions()['triton']}")
     rows = collect(mode, device, cpu_reference=args.cpu_reference, reps=args.reps, warmup=args.warmup)
     print()
-    _print_table(rows)
+    harness.print_and_append(rows, None if args.no_csv else args.csv)
     if mode != "full" and device.type == "cuda":
         print(f"(--{mode}: targets are defined at the full shapes and repetitions; 'met' here is only indicative)")
-    if not args.no_csv:
-        harness.append_csv(args.csv, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(args.csv)}")
     failed = [r for r in rows if r.get("met") == "error"]
     for r in failed:
         print(f"FAILED {r['case']} [{r['backend']}]: {r['baseline']}", file=sys.stderr)

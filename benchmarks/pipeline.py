@@ -34,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -292,17 +292,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), pps=ints(args.pp), ms=ints(args.microbatches), reps=args.reps,
                    warmup=args.warmup, model=args.model)
-    print(f"{'case':<28} {'sizes':<24} {'ours ms':>9} {'torch ms':>9} {'ratio':>6}  {'target':<24} {'met':<4} detail")
-    for r in rows:
-        timing = (f"{r['ours_median_ms']:>9.1f} {r['base_median_ms']:>9.1f} {r['speedup']:>5.2f}x"
-                  if "ours_median_ms" in r else f"{'-':>9} {'-':>9} {'-':>6}")
-        print(f"{r['case']:<28} {' '.join(r['sizes'].split()[:4]):<24} {timing}  {r['target']:<24} {r['met']:<4} "
-              f"{r['baseline']}")
     print(f"({time.time() - t0:.1f} s)")
-    csv_path = None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH)
-    if csv_path:
-        harness.append_csv(csv_path, rows)
-        print(f"appended {len(rows)} rows to {csv_path}")
+    harness.print_and_append(rows, None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH))
     return 0
 
 

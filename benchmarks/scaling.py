@@ -473,25 +473,6 @@ def collect(mode: str, device: torch.device, progress=None) -> List[dict]:
     return rows
 
 
-def format_table(rows: List[dict]) -> str:
-    def num(r, k, f):
-        v = r.get(k, "")
-        return "-" if v in ("", None) else f.format(float(v))
-
-    cols = [("case", lambda r: r["case"]), ("x", lambda r: num(r, "x", "{:.4g}")),
-            ("backend", lambda r: r["backend"]), ("ours ms", lambda r: num(r, "ours_median_ms", "{:.4g}")),
-            ("p20-p80", lambda r: num(r, "ours_p20_ms", "{:.3g}") + "-" + num(r, "ours_p80_ms", "{:.3g}")),
-            ("base ms", lambda r: num(r, "base_median_ms", "{:.4g}")),
-            ("speedup", lambda r: num(r, "speedup", "{:.2f}x")),
-            ("MiB/rank", lambda r: num(r, "mem_mb", "{:.4g}")), ("GB/s", lambda r: num(r, "gbps", "{:.3g}")),
-            ("of copy", lambda r: num(r, "bw_fraction", "{:.0%}")), ("sizes", lambda r: r["sizes"])]
-    cells = [[fn(r) for _, fn in cols] for r in rows]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _) in enumerate(cols)]
-    lines = ["  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip() for c in cells]
-    return "\n".join(lines)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -508,10 +489,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = collect(mode, torch.device(args.device))
     print(f"scaling ({mode}): {harness.device_name(torch.device('cpu'))}; elements on {args.device}; "
           f"torch {torch.__version__}; {time.time() - t0:.0f} s")
-    print(format_table(rows))
-    if not args.no_csv:
-        harness.append_csv(args.csv, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(args.csv)}")
+    harness.print_and_append(rows, None if args.no_csv else args.csv)
     if args.plot:
         from . import scaling_plots
         for path in scaling_plots.draw(rows if args.no_csv else args.csv):

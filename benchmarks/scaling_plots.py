@@ -141,7 +141,7 @@ def _draw_elements(plt, run: List[dict], path: str) -> str:
     for kind, rs in series.items():
         color = styles.get(kind, "tab:gray")
         xs = [_num(r, "x") for r in rs]
-        ours = f"copy_ (fp32, the roofline)" if kind == "copy" else f"ours {kind} [{rs[0].get('backend', '')}]"
+        ours = "copy_ (fp32, the roofline)" if kind == "copy" else f"ours {kind} [{rs[0].get('backend', '')}]"
         ax_t.plot(xs, [_num(r, "ours_median_ms") for r in rs], color=color, marker="o", label=ours)
         ax_b.plot(xs, [_num(r, "gbps") for r in rs], color=color, marker="o", label=ours)
         if any(not math.isnan(_num(r, "base_median_ms")) for r in rs):

@@ -41,50 +41,6 @@ def load(name: str):
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def _short(text: object, width: int) -> str:
-    s = "" if text is None else str(text)
-    return s if len(s) <= width else s[: width - 1] + "~"
-
-
-def _num(row: Dict[str, object], key: str, fmt: str) -> str:
-    value = row.get(key, "")
-    if value in ("", None):
-        return "-"
-    try:
-        return fmt.format(float(value))
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def format_table(rows: List[Dict[str, object]]) -> str:
-    """One plain-text table for every row of the run: what was measured, ours, the baseline, the ratio
-    (baseline time / ours: above 1 means ours is faster), the fraction of the copy bandwidth measured in
-    the same run (memory-bound kernels), the target and whether it was met."""
-    cols = [("group", lambda r: r.get("group", "")), ("case", lambda r: r["case"]),
-            ("sizes", lambda r: _short(r.get("sizes"), 34)), ("backend", lambda r: r.get("backend", "")),
-            ("ours ms", lambda r: _num(r, "ours_median_ms", "{:.3g}")),
-            ("p20-p80", lambda r: (_num(r, "ours_p20_ms", "{:.3g}") + "-" + _num(r, "ours_p80_ms", "{:.3g}"))
-             if r.get("ours_p20_ms", "") not in ("", None) else "-"),
-            ("baseline", lambda r: _short(r.get("baseline"), 30)),
-            ("base ms", lambda r: _num(r, "base_median_ms", "{:.3g}")),
-            ("ratio", lambda r: _num(r, "speedup", "{:.2f}x")),
-            ("of copy", lambda r: _num(r, "bw_fraction", "{:.0%}")),
-            ("MB/rank", lambda r: _num(r, "mem_mb", "{:.1f}")),
-            ("target", lambda r: _short(r.get("target") or "-", 24)),
-            ("met", lambda r: r.get("met") or "-")]
-    cells = [[fn(r) for _, fn in cols] for r in rows]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _) in enumerate(cols)]
-    lines = ["  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip() for c in cells]
-    return "\n".join(lines)
-
-
-def missed(rows: List[Dict[str, object]]) -> List[str]:
-    return [f"{r.get('group', '')}/{r['case']} [{r.get('sizes', '')}, {r.get('backend', '')}]: "
-            f"target {r.get('target')}, {_short(r.get('baseline'), 80)}"
-            for r in rows if str(r.get("met", "")).lower() in ("no", "false")]
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parallel_layers bench",
                                  description="Run the parallel_layers benchmarks and print one table.")
@@ -150,10 +106,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     total = time.time() - t_start
 
     print()
-    print(format_table(all_rows) if all_rows else "(no rows)")
+    print(harness.format_table(all_rows) if all_rows else "(no rows)")
     print()
     print("seconds per module: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + f"; total {total:.0f} s")
-    misses = missed(all_rows)
+    misses = harness.missed(all_rows)
     if mode != "full" and misses:
         print(f"(--{mode}: the targets are defined at full sizes; at these sizes 'met' is indicative)")
     print("targets missed: " + ("none" if not misses else f"{len(misses)}"))

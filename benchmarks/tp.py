@@ -110,19 +110,6 @@ def collect(mode: str, device: Optional[torch.device] = None, progress: Optional
     return rows
 
 
-def print_table(rows: List[dict]) -> None:
-    head = ["case", "sizes", "ours ms", "dtensor ms", "speedup", "slowest rank ours/dtensor ms", "target",
-            "met", "max |out diff|"]
-    cells = [[r["case"], r["sizes"], f"{r['ours_median_ms']:.3f}", f"{r['base_median_ms']:.3f}",
-              f"{r['speedup']:.2f}x", f"{r['slowest_rank'][0]:.3f}/{r['slowest_rank'][1]:.3f}", r["target"],
-              r["met"], f"{r['max_diff']:.1e}"] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(head)]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    print("  ".join("-" * w for w in widths))
-    for c in cells:
-        print("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -143,10 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"device: {harness.device_name(torch.device('cpu'))} | {WORLD} gloo ranks, 1 thread each | torch "
           f"{torch.__version__} | mode: {mode}, {reps} reps after {warmup} warm-up (forward + backward, fp32)")
     rows = collect(mode, sizes=sizes, reps=reps)
-    print_table(rows)
-    if not args.no_csv:
-        harness.append_csv(args.csv, rows)
-        print(f"\nappended {len(rows)} rows to {os.path.relpath(args.csv)}")
+    harness.print_and_append(rows, None if args.no_csv else args.csv)
     return 0
 
 

@@ -73,14 +73,14 @@ def test_readme_names_the_machine_lists_misses_and_prefers_full_runs(tmp_path):
 
 
 def test_suite_table_and_misses():
-    from benchmarks import suite
+    from benchmarks import harness
 
     rows = [dict(_row(case="a"), group="kernels"), dict(_row(case="b", speedup=0.5, met="no"), group="dp"),
             dict(_row(case="bubble", ours_median_ms="", speedup="", target="<= 0.2", met="no"), group="pipeline")]
-    table = suite.format_table(rows).splitlines()
+    table = harness.format_table(rows).splitlines()
     assert table[0].split()[:3] == ["group", "case", "sizes"] and len(table) == 2 + len(rows)
     assert "2.00x" in table[2] and "0.50x" in table[3]
-    misses = suite.missed(rows)
+    misses = harness.missed(rows)
     assert len(misses) == 2 and misses[0].startswith("dp/b") and misses[1].startswith("pipeline/bubble")
 
 

@@ -34,7 +34,6 @@ bucket: a collective, all ranks of the DP group take part.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
