@@ -1,7 +1,7 @@
 """3D parallelism: the reference GPT over one ``ParallelMesh(dp, tp, pp)``.
 
 TP inside each stage (``mesh.tp_group``), the pipeline across stages (``mesh.pp_group``), and plain data
-parallelism or ZeRO stage 1/2 across replicas (``mesh.dp_group``). One training step
+parallelism or ZeRO stage 1/2 (or 3, below) across replicas (``mesh.dp_group``). One training step
 (:meth:`Parallel3D.train_step`):
 
 1. the pipeline schedule runs over the microbatches of this replica's slice of the batch; every
@@ -26,6 +26,18 @@ all-reduces (over tp, dp for ZeRO shards, and pp: every group, so every rank of 
 parameters, master weights, moments and step count bit-identical; ``scaler.update(found_inf)`` then backs
 off or grows the scale, the same decision on every rank since the flag is the same everywhere.
 
+ZeRO-3 (``zero=3``, fp32 only): this rank's stages are wrapped in ONE :class:`ZeroStage3` over the dp
+group, so between steps a rank holds 1/dp of its stages' parameters (``shard_buffer``), of the fp32
+gradients (the shard) and of the AdamW state (:meth:`memory_report`), and no full parameter or gradient. A step gathers every parameter of the stages once
+(:meth:`ZeroStage3.gather_all`) and keeps them gathered for the forward and backward of every microbatch
+(gathering per microbatch would repeat the all-gathers m times, torch issues #164756, #165467); autograd
+accumulates full-size gradients across the microbatches, the tied embedding gradients are summed between
+the first and last stage (on those full gradients, over the tied-embedding group), then
+:meth:`ZeroStage3.reduce_scatter_and_free` reduces them over dp once (averaged into the fp32 gradient
+shard) and frees the full parameters and gradients. The norm sums the shards over dp (each element once;
+the last stage's tied copy left out) and :class:`ZeroStage3Optimizer` steps the shard. The tied copies
+stay equal: both get the same summed gradient, the same clip coefficient and the same AdamW update.
+
 Every rank builds only its own stages (:func:`build_gpt_stages`), from the same seed as ``GPT(config)``,
 so the result matches the single-process model trained on the full batch.
 """
@@ -47,12 +59,15 @@ from .models.gpt import GPTConfig
 from .pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
 from .pipeline.timeline import draw
 from .zero.optimizer import ZeroOptimizer
+from .zero.stage3 import ZeroStage3
+from .zero.stage3_optimizer import ZeroStage3Optimizer
 
 
 class Parallel3D:
     """The reference GPT trained over ``mesh``: see the module docstring.
 
-    ``zero``: 0 (plain DP, all-reduce), 1 or 2 (ZeRO over reduce-scatter). ``schedule``: ``gpipe``,
+    ``zero``: 0 (plain DP, all-reduce), 1 or 2 (ZeRO over reduce-scatter), 3 (parameters sharded too,
+    gathered once per step; fp32 only). ``schedule``: ``gpipe``,
     ``1f1b`` or ``interleaved`` (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``:
     None disables clipping. ``seed``: the weights are those of ``torch.manual_seed(seed); GPT(config)``.
     ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16);
@@ -65,9 +80,11 @@ class Parallel3D:
                  max_grad_norm: Optional[float] = 1.0, dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: float = 25.0, record_timeline: bool = False, seed: int = 0,
                  device: Optional[torch.device] = None, loss_scaler: Optional[DynamicLossScaler] = None):
-        if zero not in (0, 1, 2):
-            raise ValueError(f"Parallel3D: zero={zero!r} must be 0 (plain data parallel), 1 or 2; ZeRO-3 with "
-                             f"the pipeline is not supported here")
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"Parallel3D: zero={zero!r} must be 0 (plain data parallel), 1, 2 or 3")
+        if zero == 3 and dtype != torch.float32:
+            raise ValueError(f"Parallel3D: zero=3 supports fp32 models only (dtype={dtype}); use zero=1 or 2 for "
+                             f"bf16/fp16 (fp32 master weights, loss scaling)")
         if zero == 0 and dtype != torch.float32 and dtype != torch.float64:
             raise ValueError(f"Parallel3D: a {dtype} model needs fp32 master weights; use zero=1 or 2 "
                              f"(ZeroOptimizer keeps them) or dtype=torch.float32")
@@ -97,8 +114,13 @@ class Parallel3D:
             for chunk in self.chunks:
                 chunk.to(dtype)          # in place: the same Parameter objects (and their attributes)
         self.model = nn.ModuleList(self.chunks)
-        self.dp = DataParallel(self.model, mesh.dp_group, reduce_op="reduce_scatter" if zero else "all_reduce",
-                               bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=min(1.0, bucket_cap_mb))
+        self.dp = self.z = None
+        if zero == 3:
+            # one wrapper over all of this rank's chunks: units = every block, root = embeddings, final LN, head
+            self.z = ZeroStage3(self.model, mesh.dp_group, prefetch=False)
+        else:
+            self.dp = DataParallel(self.model, mesh.dp_group, reduce_op="reduce_scatter" if zero else "all_reduce",
+                                   bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=min(1.0, bucket_cap_mb))
         # the tied copies: first stage (counted in the norm) and last stage (its duplicate)
         self._tied_params, self._dup = [], set()
         for chunk in self.chunks:
@@ -106,7 +128,9 @@ class Parallel3D:
                 self._tied_params.append(chunk.wte.weight)
                 if not chunk.is_first:
                     self._dup.add(id(chunk.wte.weight))
-        if zero:
+        if zero == 3:
+            self.optimizer = ZeroStage3Optimizer(self.z, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        elif zero:
             self.optimizer = ZeroOptimizer(self.dp, stage=zero, lr=lr, betas=betas, eps=eps,
                                            weight_decay=weight_decay)
         else:
@@ -132,6 +156,8 @@ class Parallel3D:
         """One optimizer step on the GLOBAL batch ``inputs``/``targets`` (every rank passes the same one;
         each takes its dp slice). Returns ``{"loss": mean loss over the global batch, "grad_norm": ...}``
         on every rank."""
+        if self.zero == 3:
+            return self._train_step_zero3(inputs, targets)
         if self.zero == 2:
             self.optimizer._materialize_grads()     # ZeRO-2 frees the full grad buffer between steps
         self.optimizer.zero_grad()
@@ -167,6 +193,42 @@ class Parallel3D:
             out["loss_scale"] = float(self.scaler.scale.item())
         return out
 
+    def _train_step_zero3(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        self.optimizer.zero_grad()                  # frees the gradient shard
+        x, y = self.local_batch(inputs), self.local_batch(targets)
+        self.z.gather_all()                          # once per step, kept for every microbatch
+        try:
+            loss = self.engine.step(x, y)
+        except BaseException:
+            self.z.release_gathered()                # no collective: the other ranks may never get there
+            raise
+        for p in self._tied_params:                  # first and last stage: sum the tied (full) gradients
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            C.all_reduce(p.grad, self.tied_group)
+        self.z.reduce_scatter_and_free()             # once per step, over dp; reshard
+        norm, coef = self._clip()
+        self.optimizer.step(clip_coef=coef)
+        loss = loss.detach().to(torch.float64).reshape(1)
+        if self.mesh.dp > 1:
+            C.all_reduce(loss, self.mesh.dp_group)
+            loss /= self.mesh.dp
+        return {"loss": loss.item(), "grad_norm": None if norm is None else float(norm)}
+
+    def _zero3_grad_pieces(self) -> list:
+        """This rank's slices of the fp32 gradient shard, one per parameter overlapping it, flagged
+        ``tensor_parallel`` like the parameter; the last stage's tied embedding copy left out."""
+        items = []
+        for u in self.z.units:
+            for p, o in zip(u.params, u.offsets):
+                a, b = max(o, u.lo), min(o + p.numel(), u.hi)
+                if a >= b or id(p) in self._dup:
+                    continue
+                piece = u.grad_shard[a - u.lo:b - u.lo]
+                piece.tensor_parallel = bool(getattr(p, "tensor_parallel", False))
+                items.append(piece)
+        return items
+
     def _clip(self, found_inf: Optional[torch.Tensor] = None):
         """``(norm, coef)`` of the global gradient norm. With ``found_inf`` (fp16): the norm of the unscaled
         gradients, and ``found_inf`` set to 1 on every rank when any rank's gradients hold inf/nan."""
@@ -175,6 +237,11 @@ class Parallel3D:
         max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
         kw = {} if found_inf is None else {"inv_scale": self.scaler.inv_scale, "found_inf": found_inf}
         groups = [self.mesh.pp_group] if self.mesh.pp > 1 else []
+        if self.zero == 3:
+            if self.mesh.dp > 1:
+                groups = [self.mesh.dp_group] + groups
+            return clip_grad_norm_(self._zero3_grad_pieces(), max_norm, groups=groups, tp_group=self.tp_group,
+                                   apply=False, **kw)
         if self.zero:
             items = []
             for b in self.dp.buffer.buckets:
@@ -197,7 +264,18 @@ class Parallel3D:
     # ------------------------------------------------------------------ inspection
     def dense_state_dict(self) -> dict:
         """The parameters of this rank's stages under the full ``GPT``'s names, gathered over TP (a
-        collective over the tp group)."""
+        collective over the tp group; with ZeRO-3 also over dp)."""
+        if self.z is not None:
+            with self.z.summon_full_params():
+                return self._dense_state_dict()
+        return self._dense_state_dict()
+
+    def memory_report(self) -> Optional[dict]:
+        """The optimizer's per-rank memory report (ZeRO only: shards of parameters, gradients, states)."""
+        rep = getattr(self.optimizer, "memory_report", None)
+        return rep() if rep is not None else None
+
+    def _dense_state_dict(self) -> dict:
         from .tensor_parallel.parallelize import gather_dense_state_dict
         out = {}
         for chunk in self.chunks:

@@ -1,5 +1,6 @@
 """3D parallelism (dp=2 x tp=2 x pp=2, 8 gloo processes, every rank checked) against the single-process
-GPT over 5 steps: plain DP, ZeRO-1 and ZeRO-2, with global gradient clipping active; and the demo
+GPT over 5 steps: plain DP, ZeRO-1 and ZeRO-2, with global gradient clipping active; ZeRO-3 with the
+pipeline (dp=2 x pp=2 under 1f1b, gpipe and interleaved, and dp=2 x tp=2 x pp=2); and the demo
 (``python -m parallel_layers demo``) end to end in a subprocess."""
 import json
 import os
@@ -70,6 +71,91 @@ def test_3d_matches_single_process(dist_pools, zero, schedule):
         names |= set(res["params"])
     torch.manual_seed(0)
     assert names == set(GPT(GPTConfig(**CFG)).state_dict())      # every parameter checked somewhere
+
+
+# ---------------------------------------------------------------------- ZeRO-3 inside the pipeline
+def body_3d_zero3(rank, world, dims, schedule):
+    """ZeRO-3 over dp with the pipeline (parameters gathered once per step, kept for every microbatch,
+    reduced and resharded at its end) against the single-process fp32 GPT; between steps this rank holds
+    only its shard (every stage parameter's storage freed, ~1/dp of the stage in ``shard_buffer``)."""
+    dp, tp, pp = dims
+    mesh = cached_mesh(dp=dp, tp=tp, pp=pp)
+    cfg = GPTConfig(**CFG)
+    torch.manual_seed(0)
+    dense = GPT(cfg)
+    ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    model = Parallel3D(cfg, mesh, zero=3, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
+                       weight_decay=WD, max_grad_norm=CLIP, seed=0)
+    stage_numel = sum(p.numel() for p in model.model.parameters())
+    loss_errs, norm_errs, clipped, resident, gathers = [], [], [], [], []
+    z = model.z
+    launches = []
+    orig_gather = z._gather
+
+    def counting_gather(u, prefetch=False):
+        if u.gather_work is None and not u.gathered():
+            launches.append(u.index)
+        return orig_gather(u, prefetch)
+    z._gather = counting_gather
+    for x, y in _batches(STEPS):
+        _, ref_loss = dense(x, y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        launches.clear()
+        out = model.train_step(x, y)
+        gathers.append(sorted(launches))
+        loss_errs.append(abs(out["loss"] - ref_loss.item()) / abs(ref_loss.item()))
+        norm_errs.append(abs(out["grad_norm"] - ref_norm) / ref_norm)
+        clipped.append(ref_norm > CLIP)
+        resident.append(sum(p.untyped_storage().nbytes() for p in model.model.parameters())
+                        + sum(p.grad is not None for p in model.model.parameters()))
+    rep = model.memory_report()
+    z._gather = orig_gather
+    ref = dense.state_dict()
+    got = model.dense_state_dict()
+    after_sd = sum(p.untyped_storage().nbytes() for p in model.model.parameters())
+    param_errs = {k: _rel(v, ref[k]) for k, v in got.items()}
+    return {"loss": loss_errs, "norm": norm_errs, "clipped": clipped, "params": param_errs,
+            "resident": resident, "after_sd": after_sd, "gathers": gathers, "units": len(z.units),
+            "stage_numel": stage_numel, "rep": {k: rep[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
+                                                                   "gathered_bytes", "dp_size", "num_params")}}
+
+
+@pytest.mark.parametrize("dims,schedule", [((2, 1, 2), "1f1b"), ((2, 1, 2), "gpipe"), ((2, 1, 2), "interleaved"), ((2, 2, 2), "1f1b")])
+def test_3d_zero3_matches_single_process(dist_pools, dims, schedule):
+    dp, tp, pp = dims
+    out = dist_pools(dp * tp * pp).run(body_3d_zero3, dims, schedule, timeout=240)
+    names = set()
+    for r, res in enumerate(out):
+        assert max(res["loss"]) < 1e-5, (r, res["loss"])
+        assert max(res["norm"]) < 1e-5, (r, res["norm"])
+        assert any(res["clipped"]), "clipping never active: the test would prove little"
+        worst = max(res["params"].items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-5, (r, worst)
+        names |= set(res["params"])
+        # every unit gathered exactly once per step (not once per microbatch)
+        assert res["gathers"] == [list(range(res["units"]))] * STEPS, (r, res["gathers"])
+        # between steps (and after dense_state_dict): no full parameter or gradient storage on this rank
+        assert res["resident"] == [0] * STEPS and res["after_sd"] == 0, (r, res["resident"], res["after_sd"])
+        rep = res["rep"]
+        assert rep["gathered_bytes"] == 0 and rep["num_params"] == res["stage_numel"], (r, rep)
+        full = 4 * res["stage_numel"]
+        # 1/dp of the stage (+ per-unit padding to 16 * dp elements)
+        slack = 4 * 16 * (res["units"])
+        assert full / dp <= rep["param_bytes"] <= full / dp + slack, (r, rep, full)
+        assert rep["grad_bytes"] == rep["param_bytes"] and rep["optimizer_bytes"] == 2 * rep["param_bytes"], rep
+    torch.manual_seed(0)
+    assert names == set(GPT(GPTConfig(**CFG)).state_dict())      # every parameter checked somewhere
+
+
+def test_3d_zero3_rejects_low_precision():
+    for dtype in (torch.float16, torch.bfloat16):
+        with pytest.raises(ValueError, match="zero=3 supports fp32 models only"):
+            Parallel3D(GPTConfig(**CFG), None, zero=3, dtype=dtype)
+    with pytest.raises(ValueError, match="must be 0"):
+        Parallel3D(GPTConfig(**CFG), None, zero=4)
 
 
 def test_demo_end_to_end(tmp_path):

@@ -295,3 +295,44 @@ def body_errors(rank, world):
 def test_shared_parameter_across_units_is_named(dist_pools):
     for msg in dist_pools(2).run(body_errors):
         assert msg and "shared" in msg and "weight" in msg, msg
+
+
+def body_held(rank, world):
+    """gather_all() .. reduce_scatter_and_free() (ZeRO-3 inside a pipeline): each unit gathered once, kept
+    for several forward/backward passes (microbatches), gradients reduced once; same result as torch AdamW
+    on the full batch; between steps nothing full is alive; release_gathered() frees without collectives."""
+    from parallel_layers.models import GPT, GPTConfig
+
+    group = cached_mesh(dp=world).dp_group
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    ref = copy.deepcopy(model)
+    z, opt = _wrap(model, group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    gathers, alive = [], []
+    for x, y in _batches(4):
+        ref(x, y)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        z.gather_all()
+        for xm, ym in zip(x.chunk(world)[rank].chunk(2), y.chunk(world)[rank].chunk(2)):   # 2 microbatches
+            (z.module(xm, ym)[1] / 2).backward()
+        gathers.append(sum(ev == "gather_launch" for ev, *_ in z.timeline))
+        z.reduce_scatter_and_free()
+        opt.step()
+        opt.zero_grad()
+        alive.append(sum(p.untyped_storage().nbytes() + (p.grad is not None) for p in model.parameters()))
+    full = z.full_state_dict()
+    err = max(_rel(full[n], p.detach()) for n, p in ref.named_parameters())
+    z.gather_all()
+    z.module(*[t.chunk(world)[rank] for t in _batches(1)[0]])[1].backward()
+    z.release_gathered()
+    released = sum(p.untyped_storage().nbytes() + (p.grad is not None) for p in model.parameters())
+    return err, gathers, len(z.units), alive, released
+
+
+def test_held_gather_across_microbatches(dist_pools):
+    for err, gathers, units, alive, released in dist_pools(2).run(body_held):
+        assert err < 1e-5, err
+        assert gathers == [units] * 4, (gathers, units)     # once per step, none in the microbatches
+        assert alive == [0] * 4 and released == 0, (alive, released)

@@ -49,6 +49,16 @@ reduce-scatter. On gloo both are slower than an all-reduce of the same full buff
 so on gloo a gather is "zero the full buffer, copy this rank's shard in, all-reduce" (exact: x + 0 = x)
 and a reduction is an all-reduce of the gradient buffer, of which this rank keeps its slice.
 
+Held mode (:meth:`gather_all` / :meth:`reduce_scatter_and_free`), for ZeRO-3 inside a pipeline: the
+per-unit schedule above would gather and free every unit once per microbatch (torch issues #164756,
+#165467). Instead ``gather_all()`` gathers every unit once and turns the hooks off: forwards and backwards
+of all microbatches run on the full parameters and autograd accumulates full-size ``.grad`` across them
+(a pipeline stage may sum tied gradients into them, e.g. ``GPTStage.finish_grads``). Then
+``reduce_scatter_and_free()`` reduces each unit's gradients once (averaged over dp into ``grad_buffer``,
+through the same reduction path as above), drops them, frees every full buffer and turns the hooks back
+on (:meth:`release_gathered` leaves without collectives, after an error). Peak memory is then a whole
+stage's full parameters and gradients, for the length of one step.
+
 Not supported: a parameter shared between two units (error, by name), a unit called outside the root's
 forward, reentrant checkpointing, two forwards before one backward.
 """
@@ -205,6 +215,7 @@ class ZeroStage3(nn.Module):
         self._root_saved = 0          # autograd-saved tensors that view the root's gathered parameters
         self._root_tracked = False    # the last forward ran under the wrapper's saved-tensor hooks
         self.peak_gathered_bytes = 0   # most bytes of full param + grad buffers alive at once, last step
+        self._held = False             # gather_all() .. reduce_scatter_and_free(): hooks off, all gathered
 
     # ------------------------------------------------------------------ construction
     @torch.no_grad()
@@ -287,6 +298,8 @@ class ZeroStage3(nn.Module):
 
     # ------------------------------------------------------------------ forward hooks
     def _pre_forward(self, u: _Unit) -> None:
+        if self._held:
+            return
         if u.phase == "backward":          # recomputation under activation checkpointing
             self._wait_gather(u)
             return
@@ -301,6 +314,8 @@ class ZeroStage3(nn.Module):
         self._event("forward_start", u)
 
     def _post_forward(self, u: _Unit, out) -> None:
+        if self._held:
+            return
         if u.phase == "backward":
             return
         self._event("forward_end", u)
@@ -324,6 +339,8 @@ class ZeroStage3(nn.Module):
     # ------------------------------------------------------------------ backward hooks
     @torch.no_grad()
     def _pre_backward(self, u: _Unit) -> None:
+        if self._held:
+            return
         if u.phase in ("backward", "reduced"):
             return
         if not self._callback_queued:
@@ -338,6 +355,8 @@ class ZeroStage3(nn.Module):
 
     @torch.no_grad()
     def _on_grad(self, u: _Unit, p: torch.nn.Parameter) -> None:
+        if self._held:
+            return
         # Copy the gradient autograd just made into the unit's flat buffer and drop it at once: at most one
         # per-parameter gradient is alive beside the buffer, which is allocated at the unit's first gradient.
         if u.phase == "backward" and u.eager_grads:
@@ -457,6 +476,56 @@ class ZeroStage3(nn.Module):
                 and not root.has_frozen and root.gathered()):
             self._reshard(root)
             self._event("root_free", root)
+
+    # ------------------------------------------------------------------ held mode (pipeline)
+    @torch.no_grad()
+    def gather_all(self) -> None:
+        """Gather every unit now (collectives over dp) and keep the parameters gathered, hooks off, until
+        :meth:`reduce_scatter_and_free`: any number of forwards/backwards then accumulate full-size
+        ``.grad`` on the parameters."""
+        if self._held:
+            raise RuntimeError("ZeroStage3.gather_all: already gathered (call reduce_scatter_and_free first)")
+        if any(u.phase != "idle" for u in self.units):
+            raise RuntimeError("ZeroStage3.gather_all: a per-unit forward/backward is in progress")
+        self.timeline = []
+        self.peak_gathered_bytes = self._live_bytes
+        for u in self.units:
+            self._gather(u)
+        for u in self.units:
+            self._wait_gather(u)
+            for p in u.params:
+                p.grad = None
+        self._held = True
+
+    @torch.no_grad()
+    def reduce_scatter_and_free(self) -> None:
+        """End of :meth:`gather_all`: reduce every unit's accumulated gradients over dp (once), add this
+        rank's averaged slice into ``grad_buffer`` (a parameter without a gradient counts as zero), drop the
+        full gradients and free the gathered parameters (reshard). Collectives over dp."""
+        if not self._held:
+            raise RuntimeError("ZeroStage3.reduce_scatter_and_free: not gathered (call gather_all first)")
+        for u in self.units:
+            u.phase = "backward"
+            self._reduce(u)              # waits for the previous unit's reduction, launches this one's
+        self._finish_reduce()
+        for u in self.units:
+            self._reshard(u)
+            u.phase = "idle"
+        self._held = False
+
+    @torch.no_grad()
+    def release_gathered(self) -> None:
+        """Leave :meth:`gather_all` WITHOUT collectives (e.g. after an exception, when other ranks may not
+        reach the reduction): drop the full gradients, free the full buffers; ``grad_buffer`` untouched."""
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
+            if u.gathered_grad():
+                self._free(u.grad_full)
+            self._reshard(u)
+            u.phase, u.rs_work, u.rs_out = "idle", None, None
+        self._rs_pending = None
+        self._held = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient shards; ``set_to_none`` (torch's default) frees them until the next backward
