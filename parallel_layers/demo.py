@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2))
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
@@ -120,6 +120,9 @@ def check_args(args) -> None:
                     f"--n-layer {args.n_layer} must be at least --pp {args.pp}")
     if args.precision in ("bf16", "fp16") and args.zero == 0:
         errs.append(f"--precision {args.precision} needs fp32 master weights: use --zero 1 or --zero 2")
+    if args.precision in ("bf16", "fp16") and args.zero == 3:
+        errs.append(f"--precision {args.precision} with --zero 3 is not supported (ZeRO-3 in the pipeline is "
+                    f"fp32 only): use --zero 1 or --zero 2, or --precision fp32")
     if world < 1:
         errs.append("dp, tp and pp must be positive")
     if errs:

@@ -158,11 +158,12 @@ def test_3d_zero3_rejects_low_precision():
         Parallel3D(GPTConfig(**CFG), None, zero=4)
 
 
-def test_demo_end_to_end(tmp_path):
+@pytest.mark.parametrize("zero", [0, 3], ids=["dp", "zero3"])
+def test_demo_end_to_end(tmp_path, zero):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "parallel_layers", "demo", "--steps", "3", "--n-layer", "2", "--d-model", "16",
            "--n-head", "2", "--seq-len", "16", "--batch-size", "8", "--microbatches", "2", "--corpus-bytes",
-           "200000", "--out", str(out), "--no-progress"]
+           "200000", "--out", str(out), "--no-progress", "--zero", str(zero)]
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -314,6 +315,8 @@ def test_demo_precision_fp16_arguments():
     with pytest.raises(SystemExit, match="fp16 needs fp32 master weights"):
         demo.check_args(demo.build_parser().parse_args(["--precision", "fp16", "--zero", "0"]))
     assert 0 < demo.FP16_RTOL <= demo.BF16_RTOL
+    with pytest.raises(SystemExit, match="with --zero 3 is not supported"):
+        demo.check_args(demo.build_parser().parse_args(["--precision", "bf16", "--zero", "3"]))
     with pytest.raises(ValueError, match="loss_scaler is for fp16"):
         from parallel_layers.amp import DynamicLossScaler
         Parallel3D(GPTConfig(**CFG), None, loss_scaler=DynamicLossScaler())
