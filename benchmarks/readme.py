@@ -85,7 +85,8 @@ def render_section(title: str, command: str, per_device: Dict[str, List[Dict[str
 
 def render_scaling(title: str, command: str, per_device: Dict[str, List[Dict[str, str]]]) -> List[str]:
     """Scaling rows have no target: the curve is the result. x is the swept quantity (world size,
-    parameter count, element count); memory is per rank."""
+    parameter count, element count); memory is per rank. The baseline column keeps the baseline's name
+    (the text before the first ';'); the details stay in the CSV."""
     out = []
     for device, run in per_device.items():
         out += _header(title, command, device, run)
@@ -95,7 +96,7 @@ def render_scaling(title: str, command: str, per_device: Dict[str, List[Dict[str
         for r in sorted(run, key=lambda r: (r["case"], float(r.get("x") or 0))):
             out.append(f"| {r['case']} | {fmt(r.get('x', ''))} | {r['sizes']} | {fmt(r['ours_median_ms'])} "
                        f"({fmt(r['ours_p20_ms'])}-{fmt(r['ours_p80_ms'])}) | {fmt(r.get('mem_mb', ''))} "
-                       f"| {r['baseline'] or '-'} | {fmt(r['base_median_ms'])} "
+                       f"| {(r['baseline'] or '-').split(';')[0]} | {fmt(r['base_median_ms'])} "
                        f"| {fmt(r['speedup']) + 'x' if r.get('speedup') else '-'} "
                        f"| {fmt(r.get('bw_fraction', ''), 2)} |")
         out.append("")
