@@ -39,6 +39,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from parallel_layers.testing.workers import free_port
+
 from . import harness
 
 CSV_NAME = "tp.csv"
@@ -176,7 +178,7 @@ def run_cuda(prof: dict, tp: int):
     device = torch.device("cuda", torch.cuda.current_device())
     created = not dist.is_initialized()
     if created:   # a tcp:// address rather than MASTER_ADDR/PORT: nothing left in os.environ afterwards
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{harness.free_port()}", rank=0,
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=300), device_id=device)
     try:
         mesh = init_device_mesh("cuda", (1,))

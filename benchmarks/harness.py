@@ -218,89 +218,19 @@ def environ(values: Dict[str, str]):
                 os.environ[k] = v
 
 
-def free_port() -> int:
-    """A TCP port free on localhost right now (for MASTER_PORT)."""
-    import socket
+def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900) -> List[object]:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo ranks (one thread each); return the per-rank
+    results in rank order. ``fn`` must be a module-level function.
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, fn: Callable, args: tuple, threads: int, queue) -> None:
-    """Body of one spawned rank: a gloo process group, ``fn(rank, world, *args)``, its result to the parent."""
-    import traceback
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        try:
-            queue.put((rank, fn(rank, world, *args), None))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - report to the parent instead of leaving it waiting
-        queue.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-
-
-def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900, threads: int = 1) -> List[object]:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo group; return the
-    per-rank results in rank order. ``fn`` must be a module-level function (spawn pickles it).
-
-    A rank that raises, dies without reporting, or a run past ``timeout_s`` raises here (naming the rank
-    and carrying its traceback) and the other ranks are killed: a benchmark never hangs its caller.
+    A one-shot ``parallel_layers.testing.WorkerPool``: fresh processes, so a benchmark's memory figures
+    and environment (see :func:`environ`) start clean. A rank that raises, dies, or a run past
+    ``timeout_s`` raises ``RankFailure`` with every failing rank's traceback and the others are killed:
+    a benchmark never hangs its caller.
     """
-    import torch.multiprocessing as mp
+    from parallel_layers.testing.workers import WorkerPool
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, threads, queue), daemon=False)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    answers: Dict[int, object] = {}
-    deadline = time.time() + timeout_s
-    try:
-        while len(answers) < world:
-            if queue.empty():
-                if time.time() > deadline:
-                    raise RuntimeError(f"{fn.__name__} on {world} ranks passed {timeout_s:.0f} s; "
-                                       f"ranks without a result: {sorted(set(range(world)) - set(answers))}")
-                if not all(p.is_alive() for p in procs):
-                    time.sleep(1.0)  # a rank that just finished may still be flushing its result
-                    if queue.empty():
-                        dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in answers]
-                        if dead:
-                            raise RuntimeError(f"{fn.__name__}: rank(s) {dead} exited without a result "
-                                               f"(exit codes {[procs[r].exitcode for r in dead]})")
-                time.sleep(0.05)
-                continue
-            rank, res, err = queue.get()
-            if err:
-                # The first error to arrive is often a peer's "connection reset" caused by the rank that
-                # really failed: gather what the others report for a moment and show every traceback.
-                errors = {rank: err}
-                settle = time.time() + 3.0
-                while time.time() < settle and len(errors) + len(answers) < world:
-                    if queue.empty():
-                        time.sleep(0.05)
-                        continue
-                    r2, _, e2 = queue.get()
-                    if e2:
-                        errors[r2] = e2
-                text = "\n".join(f"--- rank {r}:\n{e}" for r, e in sorted(errors.items()))
-                raise RuntimeError(f"{fn.__name__}: rank(s) {sorted(errors)} of {world} failed:\n{text}")
-            answers[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(answers) == world else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return [answers[r] for r in range(world)]
+    with WorkerPool(world, pg_timeout_s=300) as pool:
+        return pool.run(fn, *args, timeout=timeout_s)
 
 
 def common_fields(mode: str, device: torch.device, threads: int) -> Dict[str, object]:

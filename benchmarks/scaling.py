@@ -342,7 +342,7 @@ def collect_distributed(mode: str, progress=None) -> List[dict]:
     plan = PLANS[mode]
     if progress:
         progress(f"world sizes {','.join(map(str, plan['worlds']))} ({max(plan['worlds'])} processes)")
-    res = harness.run_ranks(_ranks_main, max(plan["worlds"]), (plan,), timeout_s=1800, threads=1)[0]
+    res = harness.run_ranks(_ranks_main, max(plan["worlds"]), (plan,), timeout_s=1800)[0]
     for w in plan["worlds"]:
         for m in res[w]:
             t = " ".join(f"{n} {statistics.median(v):.1f}" for n, v in m["times"].items())

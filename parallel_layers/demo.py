@@ -21,14 +21,14 @@ import argparse
 import datetime
 import json
 import os
-import socket
-import sys
 import sysconfig
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import torch
+
+from .testing.workers import free_port
 
 FP32_RTOL = 1e-4          # per-step relative loss agreement in fp32 (rounding only)
 BF16_RTOL = 5e-2          # bf16 model (fp32 master weights) against the fp32 reference
@@ -139,12 +139,6 @@ def rss_mb() -> float:
         pass
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------- the parallel run
@@ -326,7 +320,7 @@ def main(argv=None) -> int:
     print(f"demo: spawning {world} processes (dp={args.dp} x tp={args.tp} x pp={args.pp}) over gloo on CPU, "
           f"one thread each", flush=True)
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(world, args, _free_port()), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, args, free_port()), nprocs=world, join=True)
     wall = time.perf_counter() - t0
     part = os.path.join(args.out, "_parallel.json")
     with open(part) as f:

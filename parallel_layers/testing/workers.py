@@ -30,7 +30,8 @@ class RankFailure(AssertionError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on localhost right now (for MASTER_PORT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -108,7 +109,7 @@ class WorkerPool:
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results,
