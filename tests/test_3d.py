@@ -33,24 +33,41 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _reference():
+    """The oracle: the single-process fp32 GPT (seed 0) and its torch AdamW."""
+    torch.manual_seed(0)
+    dense = GPT(GPTConfig(**CFG))
+    return dense, torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+
+
+def _reference_step(dense, opt, x, y):
+    """One clipped step of the oracle: (loss, gradient norm before clipping)."""
+    _, loss = dense(x, y)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), norm
+
+
+def _step_errs(out, ref_loss, ref_norm):
+    """Relative errors of a train_step's loss and gradient norm against the oracle's."""
+    return abs(out["loss"] - ref_loss) / abs(ref_loss), abs(out["grad_norm"] - ref_norm) / ref_norm
+
+
 def body_3d(rank, world, zero, schedule):
     mesh = cached_mesh(dp=2, tp=2, pp=2)
     cfg = GPTConfig(**CFG)
-    torch.manual_seed(0)
-    dense = GPT(cfg)
-    ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    dense, ref_opt = _reference()
     model = Parallel3D(cfg, mesh, zero=zero, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
                        weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=0)
     loss_errs, norm_errs, clipped = [], [], []
     for x, y in _batches(STEPS):
-        _, ref_loss = dense(x, y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss, ref_norm = _reference_step(dense, ref_opt, x, y)
         out = model.train_step(x, y)
-        loss_errs.append(abs(out["loss"] - ref_loss.item()) / abs(ref_loss.item()))
-        norm_errs.append(abs(out["grad_norm"] - ref_norm) / ref_norm)
+        loss_err, norm_err = _step_errs(out, ref_loss, ref_norm)
+        loss_errs.append(loss_err)
+        norm_errs.append(norm_err)
         clipped.append(ref_norm > CLIP)
     ref = dense.state_dict()
     got = model.dense_state_dict()
@@ -81,9 +98,7 @@ def body_3d_zero3(rank, world, dims, schedule):
     dp, tp, pp = dims
     mesh = cached_mesh(dp=dp, tp=tp, pp=pp)
     cfg = GPTConfig(**CFG)
-    torch.manual_seed(0)
-    dense = GPT(cfg)
-    ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    dense, ref_opt = _reference()
     model = Parallel3D(cfg, mesh, zero=3, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
                        weight_decay=WD, max_grad_norm=CLIP, seed=0)
     stage_numel = sum(p.numel() for p in model.model.parameters())
@@ -98,16 +113,13 @@ def body_3d_zero3(rank, world, dims, schedule):
         return orig_gather(u, prefetch)
     z._gather = counting_gather
     for x, y in _batches(STEPS):
-        _, ref_loss = dense(x, y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss, ref_norm = _reference_step(dense, ref_opt, x, y)
         launches.clear()
         out = model.train_step(x, y)
         gathers.append(sorted(launches))
-        loss_errs.append(abs(out["loss"] - ref_loss.item()) / abs(ref_loss.item()))
-        norm_errs.append(abs(out["grad_norm"] - ref_norm) / ref_norm)
+        loss_err, norm_err = _step_errs(out, ref_loss, ref_norm)
+        loss_errs.append(loss_err)
+        norm_errs.append(norm_err)
         clipped.append(ref_norm > CLIP)
         resident.append(sum(p.untyped_storage().nbytes() for p in model.model.parameters())
                         + sum(p.grad is not None for p in model.model.parameters()))
@@ -205,20 +217,15 @@ def _fp16_model(mesh, cfg, **kw):
 def body_3d_fp16(rank, world):
     mesh = cached_mesh(dp=2, tp=2, pp=2)
     cfg = GPTConfig(**CFG)
-    torch.manual_seed(0)
-    dense = GPT(cfg)
-    ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    dense, ref_opt = _reference()
     model = _fp16_model(mesh, cfg)
     loss_errs, norm_errs, skipped, scales = [], [], [], []
     for x, y in _batches(STEPS):
-        _, ref_loss = dense(x, y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_loss, ref_norm = _reference_step(dense, ref_opt, x, y)
         out = model.train_step(x, y)
-        loss_errs.append(abs(out["loss"] - ref_loss.item()) / abs(ref_loss.item()))
-        norm_errs.append(abs(out["grad_norm"] - ref_norm) / ref_norm)
+        loss_err, norm_err = _step_errs(out, ref_loss, ref_norm)
+        loss_errs.append(loss_err)
+        norm_errs.append(norm_err)
         skipped.append(out["skipped"])
         scales.append(out["loss_scale"])
     ref = dense.state_dict()
