@@ -103,16 +103,11 @@ class Parallel3D:
         # a collective over the whole world: every rank calls it, in the same order
         self.tied_group = tied_embedding_group(mesh.pp_group) if (config.tie_embeddings and mesh.pp > 1) else None
         torch.manual_seed(seed)
-        # Low precision: initialise in fp32 and round once. Drawing the init directly in fp16/bf16 is not the
-        # rounded fp32 init: torch's uniform_ keeps [a, b) half-open by mapping a draw that ROUNDS to b back
-        # to a, so a weight of 0.24997 (fp32) came out as -0.25 (fp16/bf16), not 0.25.
-        low = dtype in (torch.float16, torch.bfloat16)
+        # build_gpt_stages draws fp16/bf16 weights in fp32 and rounds them (models/gpt.py: draw_dtype), so
+        # every dtype starts from the fp32 model's weights.
         self.chunks: List[nn.Module] = build_gpt_stages(
             config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=self.tp_group,
-            require_divisible=schedule == "interleaved", dtype=torch.float32 if low else dtype, device=device)
-        if low:
-            for chunk in self.chunks:
-                chunk.to(dtype)          # in place: the same Parameter objects (and their attributes)
+            require_divisible=schedule == "interleaved", dtype=dtype, device=device)
         self.model = nn.ModuleList(self.chunks)
         self.dp = self.z = None
         if zero == 3:
