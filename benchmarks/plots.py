@@ -8,8 +8,9 @@ Draws, with one panel per device:
   speedup.png             ours / baseline time per case and backend (log scale), the target as a red bar;
   bandwidth_fraction.png  achieved GB/s as a fraction of that run's copy bandwidth, per case, for each
                           backend and for the torch baseline; the GPU target (85%) as a dashed line.
-For each (device, case, backend) the latest row is used, preferring full-size runs over --quick over
---smoke, so a later ``--only`` run updates its cases without hiding the others.
+Per device, the rows the README shows (``harness.latest_rows``): the most complete mode measured (full,
+else quick; smoke too for the kernel plots) and, per case, the newest run that measured it, so a later
+``--only`` run updates its cases without hiding the others.
 """
 from __future__ import annotations
 
@@ -17,25 +18,17 @@ import argparse
 import os
 import re
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from . import harness
 
-MODE_RANK = {"full": 2, "quick": 1, "smoke": 0}
 
-
-def latest_rows(rows: List[Dict[str, str]]) -> List[Dict[str, str]]:
-    best: "OrderedDict[tuple, Dict[str, str]]" = OrderedDict()
-    for r in rows:
-        try:
-            float(r["speedup"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        key = (r.get("device", "?"), r["case"], r.get("backend", "?"))
-        rank = (MODE_RANK.get(r.get("mode", "full"), 2), r.get("date", ""))
-        if key not in best or rank >= (MODE_RANK.get(best[key].get("mode", "full"), 2), best[key].get("date", "")):
-            best[key] = r
-    return list(best.values())
+def _is_number(text) -> bool:
+    try:
+        float(text)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def _speedup_target(text: str) -> Optional[float]:
@@ -77,7 +70,11 @@ def draw(csv_path: Optional[str] = None, rows: Optional[List[dict]] = None,
 
     if rows is None:
         rows = harness.read_csv(csv_path or os.path.join(harness.RESULTS_DIR, "kernels.csv"))
-    rows = latest_rows([{k: str(v) for k, v in r.items()} for r in rows])
+    # The rows the README shows (harness.latest_rows); smoke rows count here so that a smoke run's own
+    # rows (kernels --smoke --plot --no-csv) can be drawn.
+    per_device = harness.latest_rows([{k: str(v) for k, v in r.items()} for r in rows],
+                                     modes=("full", "quick", "smoke"))
+    rows = [r for run in per_device.values() for r in run if _is_number(r.get("speedup"))]
     if not rows:
         return []
     panels = _panels(rows)
@@ -160,10 +157,9 @@ def draw_ratios(results_dir: str = harness.RESULTS_DIR, out_dir: str = harness.R
     for name, group in RATIO_CSVS:
         for device, rows in harness.latest_rows(harness.read_csv(os.path.join(results_dir, name))).items():
             for r in rows:
-                try:
-                    ratio = float(r.get("speedup", ""))
-                except ValueError:
+                if not _is_number(r.get("speedup")):
                     continue
+                ratio = float(r["speedup"])
                 sizes = r.get("sizes", "")
                 label = f"{group}: {r['case']} [{sizes[:22]}{'~' if len(sizes) > 22 else ''}, {r.get('backend', '')}]"
                 per_device.setdefault(device, []).append((label, ratio, (r.get("met") or "").lower(), r["mode"]))
