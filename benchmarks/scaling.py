@@ -133,12 +133,10 @@ def _build_variants(kw: dict, group, x: torch.Tensor, y: torch.Tensor, with_ddp:
 
     out: "OrderedDict[str, _Variant]" = OrderedDict()
 
-    # stage 0: our DataParallel (all-reduce) + FusedAdamW. FusedAdamW moves p.data into its own flat buffer,
-    # and DataParallel re-lays its buckets out (moving p.data) at the end of the first synced backward: so
-    # that backward runs first, then the optimizer is built (otherwise it would step a detached copy).
+    # stage 0: our DataParallel (all-reduce) + FusedAdamW, built as a user would. DataParallel re-lays its
+    # buckets out (moving p.data) after the first backward; FusedAdamW takes the parameters back into its
+    # flat buffer at its next step, so both keep parameter and gradient storage (counted below).
     dp0 = DataParallel(gpt(), group, reduce_op="all_reduce", bucket_cap_mb=BUCKET_MB)
-    dp0(x, y)[1].backward()
-    dp0.zero_grad()
     opt0 = FusedAdamW(dp0.parameters(), lr=LR, weight_decay=WD)
 
     def mem0():
