@@ -147,10 +147,9 @@ class PipelineEngine:
                         else:
                             in_grads[(mb, c)] = x.grad
                 continue
-            self._communicate(step, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched)
             nxt = self._next_comm[i]
-            if nxt is not None:
-                self._prefetch(self.steps[nxt], outputs, recv_shape, prefetched)
+            self._communicate(step, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched,
+                              None if nxt is None else self.steps[nxt])
 
         if self.p2p is not None:
             self.p2p.drain()
@@ -216,11 +215,15 @@ class PipelineEngine:
                 prefetched[ins] = (work, buf)
             self.prefetched_receives += len(ops)
 
-    def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched):
+    def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched,
+                     next_batch):
         """One batch of messages. Activation shapes travel in a header (first message of a link in
         this step, on its own tag; the receives for them are posted at the start of the step), then the
         data; only receives are waited for. Receives posted ahead by :meth:`_prefetch` are not posted
-        again."""
+        again; the receives of ``next_batch`` (the next communication step) are prefetched after this
+        batch is posted and BEFORE its receives are waited for: posting then costs nothing on the
+        critical path (this rank would be idle in the wait anyway), and per-peer FIFO order holds
+        since every receive of this batch is already posted."""
         t0 = time.perf_counter()
         hdr_ops = []
         for ins in batch:
@@ -267,7 +270,10 @@ class PipelineEngine:
                 buf = self._recv_buffer(ins, outputs, recv_shape)
                 ops.append(("recv", buf, ins.peer, f"receive {ins}"))
                 received.append((ins, buf))
-        self.p2p.wait(waits + self.p2p.post(ops))
+        waits += self.p2p.post(ops)
+        if next_batch is not None:
+            self._prefetch(next_batch, outputs, recv_shape, prefetched)
+        self.p2p.wait(waits)
         for ins, buf in received:
             key = (ins.mb, ins.chunk)
             if ins.op == "RECV_ACT":

@@ -62,10 +62,10 @@ class P2P:
         ends may group a header and a data message into different batches)."""
         if not ops:
             return []
-        p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self.ranks[peer], self.group, tag)
-               for kind, t, peer, _ in ops]
         works = None
         if self._batched:
+            p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self.ranks[peer], self.group, tag)
+                   for kind, t, peer, _ in ops]
             try:
                 works = dist.batch_isend_irecv(p2p)
             except (RuntimeError, NotImplementedError):  # a backend without coalescing: one by one
