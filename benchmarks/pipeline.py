@@ -15,11 +15,16 @@ For each (p, m), in the same processes on the same data, timed steps interleaved
   ScheduleInterleaved1F1B) on the same split and microbatches (target ours/torch <= 1.0). Ours runs
   with ``broadcast_loss=False``: torch's schedules leave the loss on the last stage only, too.
 A step's time is the slowest rank's (all-reduce MAX outside the timed region), median of the reps.
-p = 4 runs 4 processes on this 2-core machine: its idle times are distorted by oversubscription.
+p = 4 runs 4 processes on this 2-core machine: its idle times are distorted by oversubscription, so
+(as the issue sets the targets at p = 2) its rows are reported without pass/fail where the machine
+has fewer cores than stages.
 
 Bubble: from the engine's recorded timeline (ranks on one host share the perf_counter clock): per rank
 1 - (forward + backward compute) / (first entry to last end), mean over ranks; waiting for messages,
-posting them and engine overhead all count as idle. Same definition for every schedule. The ideal
+posting them and engine overhead all count as idle. Same definition for every schedule. Each bubble
+row also says where it came from (``PipelineEngine.bubble_breakdown``: the recorded instruction
+times replayed through the schedule's timing model): the schedule's own bubble, + unequal stages and
+compute jitter, + engine time between instructions, + message latency. The ideal
 assumes equal stages, so each bubble row also reports each rank's compute time (the last stage holds
 LM head + loss, the first the embedding; with V=256 they cost a few % of a stage).
 
@@ -169,6 +174,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
         times = {n: [] for n in variants}
         bubbles = {n: [] for n in variants if n.startswith("ours")}
         busy = {n: [] for n in bubbles}          # per rep: each rank's compute (F + B) time, ms
+        parts = {n: [] for n in bubbles}         # per rep: engine.bubble_breakdown()
         for i in range(warmup + reps):
             names = list(variants) if i % 2 == 0 else list(reversed(variants))
             for n in names:
@@ -184,6 +190,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                         if rank == 0:
                             bubbles[n].append(variants[n][0].bubble_fraction())
                             busy[n].append([tl.busy * 1e3 for tl in tls])
+                            parts[n].append(variants[n][0].bubble_breakdown())
         # activation memory of one step, GPipe vs 1F1B, this rank's stage
         mem = {}
         for n in ("ours_gpipe", "ours_1f1b"):
@@ -201,7 +208,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                 path = png_base.replace(".png", f"_{n[5:]}_p{world}_m{m}.png")
                 out = variants[n][0].draw_timeline(path)
                 png = png or out
-        results[m] = {"times": times, "bubbles": bubbles, "busy": busy, "mem": mems, "png": png}
+        results[m] = {"times": times, "bubbles": bubbles, "busy": busy, "parts": parts, "mem": mems, "png": png}
     return results if rank == 0 else None
 
 
@@ -239,9 +246,29 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     return rows
 
 
+# The issue sets the targets at p = 2 (one process per core of the 2-core machine they were written
+# for); p = 4 runs 4 processes on those cores and is reported with the same rows, without pass/fail.
+TARGET_PS = (2,)
+
+
+def _judge(p: int, ok: bool) -> str:
+    if p not in TARGET_PS and (os.cpu_count() or 1) < p:
+        return "reported"
+    return "yes" if ok else "no"
+
+
+def _breakdown_text(parts: List[dict]) -> str:
+    """Median over reps of each part of the bubble (``PipelineEngine.bubble_breakdown``)."""
+    med = {k: statistics.median(b[k] for b in parts) for k in ("ideal", "imbalance_jitter", "engine_overhead",
+                                                                  "messages")}
+    return (f"= schedule {med['ideal']:.3f} + imbalance/jitter {med['imbalance_jitter']:+.3f} "
+            f"+ engine {med['engine_overhead']:+.3f} + messages {med['messages']:+.3f}")
+
+
 def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict) -> List[dict]:
     """The CSV rows of one (p, m): step time of each schedule against torch, 1F1B's bubble against
-    (p-1)/(m+p-1), interleaved's bubble against 1F1B's, activation memory 1F1B / GPipe."""
+    (p-1)/(m+p-1) with where it came from, interleaved's bubble against 1F1B's, activation memory
+    1F1B / GPipe."""
     rows = []
     ideal = (p - 1) / (m + p - 1)
     sizes = _sizes(p, m, cfgd)
@@ -250,26 +277,29 @@ def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict) -> List[dict]:
         ours, base = r["times"][f"ours_{sched}"], r["times"][f"torch_{sched}"]
         ok = statistics.median(ours) <= statistics.median(base)
         rows.append(harness.comparison_row(
-            common, f"step_{sched}", ours, base, sizes=sizes, target="speedup>=1.0", met="yes" if ok else "no",
+            common, f"step_{sched}", ours, base, sizes=sizes, target="speedup>=1.0", met=_judge(p, ok),
             baseline=f"torch.distributed.pipelining {sched}; our bubble {bub[sched]:.3f}"))
     # compute per rank (median over reps): the ideal bubble assumes equal stages
     stage_ms = [statistics.median(b[k] for b in r["busy"]["ours_1f1b"]) for k in range(p)]
     imbalance = max(stage_ms) / min(stage_ms) - 1
     rel = abs(bub["1f1b"] - ideal) / ideal
     rows.append(dict(common, case="bubble_1f1b", sizes=sizes, target=f"within 15% of {ideal:.4f}",
-                     met="yes" if rel <= 0.15 else "no",
-                     baseline=f"measured {bub['1f1b']:.4f}, rel diff {rel:.3f}; compute per rank ms "
+                     met=_judge(p, rel <= 0.15),
+                     baseline=f"measured {bub['1f1b']:.4f} {_breakdown_text(r['parts']['ours_1f1b'])}; "
+                              f"rel diff {rel:.3f}; compute per rank ms "
                               + "/".join(f"{x:.0f}" for x in stage_ms) + f" (imbalance {imbalance:.1%})"))
     rows.append(dict(common, case="bubble_interleaved_vs_1f1b", sizes=sizes, target="below 1F1B",
-                     met="yes" if bub["interleaved"] < bub["1f1b"] else "no",
-                     baseline=f"interleaved {bub['interleaved']:.4f} vs 1f1b {bub['1f1b']:.4f}"))
+                     met=_judge(p, bub["interleaved"] < bub["1f1b"]),
+                     baseline=f"interleaved {bub['interleaved']:.4f} "
+                              f"{_breakdown_text(r['parts']['ours_interleaved'])} vs 1f1b {bub['1f1b']:.4f}"))
     ratios = [mm["ours_1f1b"] / mm["ours_gpipe"] for mm in r["mem"]]
     rows.append(dict(common, case="act_memory_1f1b_over_gpipe", sizes=sizes,
-                     target=f"<= p/m = {p / m:.3f}", met="yes" if max(ratios) <= p / m + 1e-9 else "no",
+                     target=f"<= p/m = {p / m:.3f}", met=_judge(p, max(ratios) <= p / m + 1e-9),
                      baseline="per stage " + " ".join(f"{x:.3f}" for x in ratios),
                      mem_mb=max(mm["ours_1f1b"] for mm in r["mem"]) / 2**20))
     _note(f"pipeline {sizes}: bubble " + ", ".join(f"{s} {bub[s]:.1%}" for s in SCHEDS) +
-          f" (1F1B ideal {ideal:.1%}); 1F1B compute per rank ms " + "/".join(f"{x:.0f}" for x in stage_ms) +
+          f" (1F1B ideal {ideal:.1%}); 1F1B {bub['1f1b']:.3f} {_breakdown_text(r['parts']['ours_1f1b'])}"
+          f"; 1F1B compute per rank ms " + "/".join(f"{x:.0f}" for x in stage_ms) +
           "; act 1F1B/GPipe per stage " + " ".join(f"{x:.3f}" for x in ratios))
     return rows
 

@@ -61,6 +61,7 @@ def body_parity(rank, world, schedule, m, v, tie, timeline_png):
         path = engine.draw_timeline(timeline_png)
         out["png"] = path
         out["bubble"] = engine.bubble_fraction()
+        out["breakdown"] = engine.bubble_breakdown()
         out["events"] = len(engine.timeline.events)
     return out
 
@@ -86,6 +87,9 @@ def test_pipeline_matches_unpipelined_gpt(dist_pools, tmp_path, world, schedule,
     if png:
         assert os.path.getsize(out[0]["png"]) > 1000
         assert 0.0 <= out[0]["bubble"] < 1.0 and out[1]["events"] >= 2 * m
+        b = out[0]["breakdown"]          # a real run's parts add up to what it measured
+        assert b["measured"] == pytest.approx(out[0]["bubble"]) and b["ideal"] == pytest.approx(1 / 5)
+        assert b["ideal"] + b["imbalance_jitter"] + b["engine_overhead"] + b["messages"] == pytest.approx(b["measured"])
         assert all(res.get("png") is None for res in out[1:])
 
 

@@ -143,3 +143,56 @@ def test_partition_layers():
         partition_layers(8, 3, require_divisible=True)
     with pytest.raises(ValueError, match="boundaries"):
         partition_layers(8, 3, boundaries=[5, 1])
+
+
+def _synthetic_timelines(schedule, p, m, v, cost, gap=0.0):
+    """Timelines a perfect engine would record: the timing model's own execution, each instruction
+    taking ``cost(rank, op, mb, chunk)`` and ``gap`` of engine time before it, messages free."""
+    from parallel_layers.pipeline.timeline import Event, Timeline
+
+    streams = build_all(schedule, p, m, v)
+    durations = {(r, i.op, i.mb, i.chunk): cost(r, i.op, i.mb, i.chunk) + gap
+                 for r in range(p) for i in computes(streams[r])}
+    # replay once to get start times: run the model rank by rank with these durations
+    S, now, pos, ready, tls = p * v, [0.0] * p, [0] * p, {}, [Timeline(r) for r in range(p)]
+    while any(pos[r] < len(streams[r]) for r in range(p)):
+        for r in range(p):
+            while pos[r] < len(streams[r]):
+                st = streams[r][pos[r]]
+                if not isinstance(st, Instr):
+                    pos[r] += 1
+                    continue
+                s = st.chunk * p + r
+                need = [("F", st.mb, s - 1)] if st.op == "F" and s > 0 else \
+                       [("B", st.mb, s + 1)] if st.op == "B" and s < S - 1 else []
+                if any(k not in ready for k in need):
+                    break
+                t0 = max([now[r]] + [ready[k] for k in need])
+                if t0 > now[r] + 1e-12:
+                    tls[r].events.append(Event("W", st.mb, st.chunk, now[r], t0))
+                d = durations[(r, st.op, st.mb, st.chunk)]
+                tls[r].events.append(Event(st.op, st.mb, st.chunk, t0 + gap, t0 + d))
+                now[r] = ready[(st.op, st.mb, s)] = t0 + d
+                pos[r] += 1
+    for t in tls:
+        t.t_end = max(now)
+    return tls
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("1f1b", 2, 8, 1), ("gpipe", 4, 4, 1), ("interleaved", 2, 4, 2)])
+def test_bubble_breakdown_attributes_the_idle_time(schedule, p, m, v):
+    from parallel_layers.pipeline import bubble_breakdown
+
+    equal = lambda r, op, mb, c: 1.0 if op == "F" else 2.0   # noqa: E731
+    # a perfect run: measured == ideal, nothing else
+    b = bubble_breakdown(_synthetic_timelines(schedule, p, m, v, equal), schedule, m, v)
+    assert b["measured"] == pytest.approx(b["ideal"]) and b["compute"] == pytest.approx(b["ideal"])
+    assert abs(b["engine_overhead"]) < 1e-12 and abs(b["messages"]) < 1e-12
+    # the last rank 30% slower: the excess is stage imbalance
+    slow = lambda r, op, mb, c: equal(r, op, mb, c) * (1.3 if r == p - 1 else 1.0)   # noqa: E731
+    b = bubble_breakdown(_synthetic_timelines(schedule, p, m, v, slow), schedule, m, v)
+    assert b["imbalance_jitter"] > 0.01 and abs(b["messages"]) < 1e-12 and abs(b["engine_overhead"]) < 1e-12
+    # engine time before every instruction shows up as engine overhead, not as imbalance
+    b = bubble_breakdown(_synthetic_timelines(schedule, p, m, v, equal, gap=0.2), schedule, m, v)
+    assert b["engine_overhead"] > 0.01 and abs(b["imbalance_jitter"]) < 1e-12 and abs(b["messages"]) < 1e-12
+    assert b["ideal"] + b["imbalance_jitter"] + b["engine_overhead"] + b["messages"] == pytest.approx(b["measured"])

@@ -4,8 +4,8 @@ from .engine import PipelineEngine
 from .schedules import SCHEDULES, Backward, Forward, Instr, ScheduleError, build_all, build_schedule, \
     format_schedule, simulate, simulate_timing
 from .stage import GPTStage, build_gpt_stages, checkpointed, partition_layers, stage_ids, tied_embedding_group
-from .timeline import Timeline, bubble_fraction, draw
+from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw
 
 __all__ = ["PipelineEngine", "SCHEDULES", "Instr", "Forward", "Backward", "ScheduleError", "build_schedule",
            "build_all", "format_schedule", "simulate", "simulate_timing", "GPTStage", "build_gpt_stages", "checkpointed",
-           "partition_layers", "stage_ids", "tied_embedding_group", "Timeline", "bubble_fraction", "draw"]
+           "partition_layers", "stage_ids", "tied_embedding_group", "Timeline", "bubble_fraction", "bubble_breakdown", "draw"]

@@ -31,7 +31,7 @@ import torch.nn as nn
 from ..distributed import collectives as C
 from .p2p import HEADER_LEN, HEADER_TAG, P2P, decode_header, encode_header
 from .schedules import Instr, build_schedule, check_schedule_args, format_schedule
-from .timeline import Timeline, bubble_fraction, draw, gather_timelines
+from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 
 
 class PipelineEngine:
@@ -301,6 +301,14 @@ class PipelineEngine:
     def bubble_fraction(self) -> Optional[float]:
         """Measured bubble of the last step (call :meth:`gather_timeline` first; rank 0 only)."""
         return None if self.last_timelines is None else bubble_fraction(self.last_timelines)
+
+    def bubble_breakdown(self) -> Optional[Dict[str, float]]:
+        """Where the last step's bubble came from (schedule, stage imbalance and jitter, engine time,
+        message latency): :func:`timeline.bubble_breakdown` on the gathered timelines (call
+        :meth:`gather_timeline` first; rank 0 only)."""
+        if self.last_timelines is None:
+            return None
+        return bubble_breakdown(self.last_timelines, self.schedule, self.m, self.v)
 
     def draw_timeline(self, path: str, title: Optional[str] = None) -> Optional[str]:
         """Gathers (a collective) and, on pipeline rank 0, writes the PNG; returns its path there."""

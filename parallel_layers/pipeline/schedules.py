@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -286,14 +286,17 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1) -> Dict[str
 
 
 def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, forward: float = 1.0,
-                    backward: float = 2.0, latency: float = 0.0, last_stage_extra: float = 0.0) -> Dict[str, object]:
+                    backward: float = 2.0, latency: float = 0.0, last_stage_extra: float = 0.0,
+                    durations: Optional[Dict[Tuple[int, str, int, int], float]] = None) -> Dict[str, object]:
     """The time the instruction streams take when every stage's forward costs ``forward`` and backward
     ``backward`` (a chunk of ``v`` chunks per rank: ``1 / v`` of that; the last stage ``1 +
     last_stage_extra`` times it: LM head and loss), a message arrives ``latency`` after its send is
     posted, sends never block and a communication step waits for its receives (the engine's rules).
     Returns ``{"step": ..., "bubble": ..., "busy": [...]}`` with the bubble defined as the engine's
     timeline measures it (mean over ranks of 1 - busy / step): the reference a measured bubble is
-    compared with. With equal stages and no latency GPipe and 1F1B give ``(p-1)/(m+p-1)``."""
+    compared with. With equal stages and no latency GPipe and 1F1B give ``(p-1)/(m+p-1)``.
+    ``durations``: ``{(rank, op, mb, chunk): cost}`` replaces the model cost of those instructions (a
+    measured timeline replayed: :func:`parallel_layers.pipeline.timeline.bubble_breakdown`)."""
     p, v = len(streams), num_chunks
     S = p * v
     now, pos, busy = [0.0] * p, [0] * p, [0.0] * p
@@ -304,9 +307,13 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
             while pos[r] < len(streams[r]):
                 step = streams[r][pos[r]]
                 if isinstance(step, Instr):
-                    cost = (forward if step.op == "F" else backward) / v
-                    if step.chunk * p + r == S - 1:
-                        cost *= 1.0 + last_stage_extra
+                    key = (r, step.op, step.mb, step.chunk)
+                    if durations is not None and key in durations:
+                        cost = durations[key]
+                    else:
+                        cost = (forward if step.op == "F" else backward) / v
+                        if step.chunk * p + r == S - 1:
+                            cost *= 1.0 + last_stage_extra
                     now[r] += cost
                     busy[r] += cost
                 else:

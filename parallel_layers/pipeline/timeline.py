@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -39,6 +39,7 @@ class Timeline:
     events: List[Event] = field(default_factory=list)
     t0: float = 0.0            # absolute perf_counter() of the rank's entry into the step
     t_end: float = 0.0         # end, relative to t0
+    entry: float = 0.0         # this rank's entry into the step, relative to t0 (0 but on a common origin)
 
     def start(self) -> None:
         self.events.clear()
@@ -66,6 +67,53 @@ def bubble_fraction(timelines: Sequence[Timeline]) -> float:
     return sum(1.0 - t.busy / total for t in timelines) / len(timelines)
 
 
+def replay_durations(timelines: Sequence[Timeline], with_overhead: bool) -> Dict[Tuple[int, str, int, int], float]:
+    """``{(rank, op, mb, chunk): seconds}`` of every recorded forward/backward. ``with_overhead``: each
+    instruction also absorbs the rank's own time since its previous compute ended that was not spent
+    waiting for a message (posting sends and receives, bookkeeping: the engine's cost)."""
+    out: Dict[Tuple[int, str, int, int], float] = {}
+    for t in timelines:
+        prev_end, waited = t.entry, 0.0
+        for e in t.events:
+            if e.op == "W":
+                waited += e.end - e.start
+                continue
+            start = min(prev_end + waited, e.start) if with_overhead else e.start
+            out[(t.rank, e.op, e.mb, e.chunk)] = e.end - start
+            prev_end, waited = e.end, 0.0
+    return out
+
+
+def bubble_breakdown(timelines: Sequence[Timeline], schedule: str, num_microbatches: int,
+                     num_chunks: int = 1) -> Dict[str, float]:
+    """Where a measured bubble comes from, by replaying the recorded instruction times through the
+    schedule's timing model (``schedules.simulate_timing``: messages arrive when sent, sends never block):
+
+    - ``ideal``: equal stages, free messages: the schedule's own bubble (``(p-1)/(m+p-1)`` for 1F1B);
+    - ``compute``: the measured forward/backward times, free messages and no engine time: adds unequal
+      stages and run-to-run jitter of the compute (a slow op delays its neighbours);
+    - ``engine``: also each rank's own time between instructions (posting messages, bookkeeping);
+    - ``measured``: the recorded bubble; ``measured - engine`` is what message latency cost.
+
+    The keys ``imbalance_jitter``, ``engine_overhead`` and ``messages`` give those increments; they sum
+    with ``ideal`` to ``measured``."""
+    from .schedules import build_all, simulate_timing
+
+    p = len(timelines)
+    streams = build_all(schedule, p, num_microbatches, num_chunks)
+    busy = {t.rank: t.busy for t in timelines}
+
+    def replayed(with_overhead: bool) -> float:   # idle share of the replay; busy = compute only
+        step = simulate_timing(streams, num_chunks, durations=replay_durations(timelines, with_overhead))["step"]
+        return sum(1.0 - b / step for b in busy.values()) / p if step > 0 else 0.0
+
+    ideal = simulate_timing(streams, num_chunks)["bubble"]
+    compute, engine = replayed(False), replayed(True)
+    measured = bubble_fraction(timelines)
+    return {"ideal": ideal, "compute": compute, "engine": engine, "measured": measured,
+            "imbalance_jitter": compute - ideal, "engine_overhead": engine - compute, "messages": measured - engine}
+
+
 def gather_timelines(local: Timeline, group) -> Optional[List[Timeline]]:
     """Every pipeline rank's timeline on the group's rank 0 (None elsewhere), on a common time origin
     when the ranks share a host. A collective."""
@@ -83,7 +131,7 @@ def gather_timelines(local: Timeline, group) -> Optional[List[Timeline]]:
         shift = t0 - origin if one_host else 0.0     # onto the common origin (same clock on one host)
         tl = Timeline(rank)
         tl.events = [Event(op, mb, c, a + shift, b + shift) for op, mb, c, a, b in rows]
-        tl.t0, tl.t_end = origin if one_host else t0, t_end + shift
+        tl.t0, tl.t_end, tl.entry = origin if one_host else t0, t_end + shift, shift
         result.append(tl)
     return result
 
@@ -124,4 +172,4 @@ def draw(timelines: Sequence[Timeline], path: str, title: str = "") -> str:
     return path
 
 
-__all__ = ["Event", "Timeline", "bubble_fraction", "gather_timelines", "draw"]
+__all__ = ["Event", "Timeline", "bubble_fraction", "bubble_breakdown", "replay_durations", "gather_timelines", "draw"]
