@@ -188,6 +188,24 @@ def test_demo_end_to_end(tmp_path, zero):
     assert os.path.getsize(out / "timeline.png") > 1000
 
 
+
+def test_demo_under_torchrun(tmp_path):
+    # The README's cluster command, on CPU: torchrun starts the 8 processes and sets RANK/WORLD_SIZE, so the
+    # demo spawns nothing and initialises from the environment (gloo here; NCCL where CUDA is available).
+    out = tmp_path / "demo_torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "8",
+           "-m", "parallel_layers", "demo", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2", "--n-layer", "2",
+           "--d-model", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "8", "--microbatches", "2",
+           "--corpus-bytes", "200000", "--out", str(out), "--no-progress"]
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "spawning" not in proc.stdout and "losses agree" in proc.stdout, proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["launcher"] == "torchrun" and summary["agree"] is True and len(summary["losses"]["parallel"]) == 2
+    assert len(summary["memory_rss_mb"]) == 8
+
 # ---------------------------------------------------------------------- fp16 with dynamic loss scaling
 # fp16 against the fp32 single-process model. fp16 rounds to 11 significant bits (2^-11 ~ 4.9e-4 relative
 # per rounding); the loss is reported from an fp16 buffer and the parameters are the fp16 copy of the fp32
