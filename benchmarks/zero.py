@@ -40,11 +40,11 @@ WORLD = 2
 # mode -> GPT config (vocab, n_layer, d_model, n_head, seq), the global batch, timed reps and warm-up steps
 PROFILES = {
     "full": dict(size=dict(vocab_size=8192, n_layer=4, d_model=384, n_head=6, max_seq_len=64, batch=4),
-                 reps=9, warmup=2),
+                 reps=9, warmup=2, coll_bytes=25 << 20),
     "quick": dict(size=dict(vocab_size=8192, n_layer=2, d_model=256, n_head=4, max_seq_len=64, batch=4),
-                  reps=5, warmup=1),
+                  reps=5, warmup=1, coll_bytes=8 << 20),
     "smoke": dict(size=dict(vocab_size=128, n_layer=1, d_model=32, n_head=2, max_seq_len=16, batch=4),
-                  reps=3, warmup=1),
+                  reps=3, warmup=1, coll_bytes=1 << 16),
 }
 BUCKET_MB = 25.0
 TARGET = 1.0
@@ -119,13 +119,59 @@ def _memory_reports(group, size: dict) -> List[dict]:
     return reports
 
 
-def _bench_rank(rank: int, world: int, size: dict, reps: int, warmup: int):
-    """One rank: (n_params, Stats ours, Stats baseline, max loss diff) per reduce op, and the memory reports."""
+def _measure_collectives(group, nbytes: int, reps: int, warmup: int):
+    """ZeRO's two collectives on gloo: ours (``collectives.*_dim0``: a ring of sends and receives) against
+    torch's ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` on the same buffers. Each call starts
+    at a barrier; its time is the slowest rank's. Returns {name: (ours ms list, torch ms list)}."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from parallel_layers.distributed import collectives as C
+
+    n = dist.get_world_size(group)
+    numel = nbytes // 4 // n * n
+    full, shard = torch.randn(numel), torch.empty(numel // n)
+    gathered = torch.empty(numel)
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    pairs = {"reduce_scatter": (lambda: C.reduce_scatter_dim0(full, group, out=shard),
+                                lambda: rs(shard, full, group=group)),
+             "all_gather": (lambda: C.all_gather_dim0(shard, group, out=gathered),
+                            lambda: ag(gathered, shard, group=group))}
+
+    def timed(fn):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.item() * 1e3
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)       # torch 2.13 renames the two collectives
+        for name, (ours, theirs) in pairs.items():
+            for _ in range(warmup):
+                ours(), theirs()
+            t_ours, t_theirs = [], []
+            for i in range(reps):
+                first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+                a, b = timed(first), timed(second)
+                t_ours.append(a if i % 2 == 0 else b)
+                t_theirs.append(b if i % 2 == 0 else a)
+            out[name] = (t_ours, t_theirs)
+    return out
+
+
+def _bench_rank(rank: int, world: int, size: dict, reps: int, warmup: int, coll_bytes: int):
+    """One rank: (n_params, Stats ours, Stats baseline, max loss diff) per reduce op, the memory reports
+    and the collectives' timings."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
     speed = [_measure_speed(group, rank, size, reps, warmup, op) for op in REDUCE_OPS]
-    return speed, _memory_reports(group, size)
+    return speed, _memory_reports(group, size), _measure_collectives(group, coll_bytes, reps, warmup)
 
 
 def _run(mode: str, progress: Optional[Callable[[str], None]] = None, reps: Optional[int] = None):
@@ -135,9 +181,9 @@ def _run(mode: str, progress: Optional[Callable[[str], None]] = None, reps: Opti
     size, reps, warmup = prof["size"], reps or prof["reps"], prof["warmup"]
     if progress:
         progress(f"ZeRO-1 vs ZeroRedundancyOptimizer, {size_text(size)}")
-    answers = harness.run_ranks(_bench_rank, WORLD, (size, reps, warmup), timeout_s=1800)
+    answers = harness.run_ranks(_bench_rank, WORLD, (size, reps, warmup, prof["coll_bytes"]), timeout_s=1800)
     common = dict(harness.common_fields(mode, torch.device("cpu"), 1), backend=f"gloo x{WORLD}")
-    speeds, mem = answers[0]
+    speeds, mem, colls = answers[0]
     dims = size_text(size)
     speed_rows, extra = [], []
     for i, (op, (n_params, t_ours, t_base, diff)) in enumerate(zip(REDUCE_OPS, speeds)):
@@ -149,6 +195,14 @@ def _run(mode: str, progress: Optional[Callable[[str], None]] = None, reps: Opti
                                     target=f"speedup>={TARGET}", met="yes" if speedup >= TARGET else "no",
                                     baseline=BASELINE))
         extra.append((slow_ours, slow_base, diff))
+    for name, (t_ours, t_theirs) in colls.items():
+        ok = harness.Stats.of(t_theirs).median_ms >= harness.Stats.of(t_ours).median_ms
+        torch_name = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}[name]
+        speed_rows.append(harness.comparison_row(
+            common, f"collective_{name}_dp{WORLD}", t_ours, t_theirs, sizes=f"{prof['coll_bytes'] / 2**20:g} MB fp32",
+            dtype="float32", target="speedup>=1.0", met="yes" if ok else "no",
+            baseline=f"torch.distributed.{torch_name} (gloo)"))
+        extra.append(None)
     mem_rows = []
     for rep in mem:
         b, p = rep["bytes_per_param"], rep["paper_bytes_per_param"]
@@ -170,7 +224,12 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     the bytes-per-parameter rows. Writes no CSV; one detail line per comparison goes to stderr.
     ``device`` only names the run: the ranks are gloo processes on CPU."""
     speeds, extra, _, mem_rows = _run(mode, progress, reps)
-    for r, (slow_ours, slow_base, diff) in zip(speeds, extra):
+    for r, ex in zip(speeds, extra):
+        if ex is None:
+            print(f"zero {r['case']} ({r['sizes']}): ours (ring) {r['ours_median_ms']:.2f} ms vs {r['baseline']} "
+                  f"{r['base_median_ms']:.2f} ms (speedup {r['speedup']:.2f}x)", file=sys.stderr, flush=True)
+            continue
+        slow_ours, slow_base, diff = ex
         print(f"zero {r['case']}: ours {r['ours_median_ms']:.1f} ms vs {BASELINE} {r['base_median_ms']:.1f} ms "
               f"(speedup {r['speedup']:.2f}x); slowest rank {slow_ours:.1f}/{slow_base:.1f} ms; "
               f"max |loss diff| {diff:.1e}", file=sys.stderr, flush=True)
@@ -194,7 +253,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"device: {harness.device_name(torch.device('cpu'))} | {WORLD} gloo ranks, 1 thread each | torch "
           f"{torch.__version__} | mode: {mode}, {reps} reps after {warmup} warm-up (full training step, fp32)")
     speeds, extra, mem, mem_rows = _run(mode, reps=args.reps)
-    for speed, (slow_ours, slow_base, diff) in zip(speeds, extra):
+    for speed, ex in zip(speeds, extra):
+        if ex is None:
+            print(f"\n{speed['case']}  {speed['sizes']}\n  ours (ring of sends/receives): {speed['ours_median_ms']:.2f} ms"
+                  f" vs {speed['baseline']}: {speed['base_median_ms']:.2f} ms; speedup {speed['speedup']:.2f}x")
+            continue
+        slow_ours, slow_base, diff = ex
         print(f"\n{speed['case']}  {speed['sizes']}")
         print(f"  ours (DataParallel + ZeroOptimizer stage 1): {speed['ours_median_ms']:.1f} ms "
               f"(p20 {speed['ours_p20_ms']:.1f}, p80 {speed['ours_p80_ms']:.1f})")

@@ -61,6 +61,7 @@ def test_dp_and_zero_smoke_rows(monkeypatch, dist_pools):
     assert ceiling["ours_median_ms"] > 0 and "ms CPU of this rank" in ceiling["baseline"]
     rows = zero.collect("smoke", CPU)
     _check(rows, [f"zero1_{op}_train_step_dp2" for op in zero.REDUCE_OPS]
+           + ["collective_reduce_scatter_dp2", "collective_all_gather_dp2"]
            + [f"zero{s}_bytes_per_param_dp2" for s in (1, 2) for _ in ("bf16", "fp32")])
     assert all(r["mem_mb"] > 0 for r in rows if "bytes_per_param" in r["case"])
     rows = zero3.collect("smoke", CPU)

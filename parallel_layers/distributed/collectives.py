@@ -5,6 +5,8 @@ torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in 
 old names. Gloo (CPU) and NCCL (GPU) both run these paths.
 
 All functions gather/scatter along dim 0 of contiguous tensors; callers move other dims first.
+On gloo (CPU) reduce-scatter and all-gather run as a ring of sends and receives (:mod:`.ring`): gloo only
+emulates them, with full-size collectives. They return the same ``(out, work)``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from . import ring
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -43,7 +47,10 @@ def all_gather_dim0(tensor: torch.Tensor, group, out: Optional[torch.Tensor] = N
     if n == 1:
         out.copy_(tensor)
         return (out, None) if async_op else out
-    work = _all_gather_flat(out, tensor, group=group, async_op=async_op)
+    if ring.applies(tensor, group):
+        work = ring.all_gather(out, tensor, group, async_op=async_op)
+    else:
+        work = _all_gather_flat(out, tensor, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -61,7 +68,10 @@ def reduce_scatter_dim0(tensor: torch.Tensor, group, out: Optional[torch.Tensor]
     if n == 1:
         out.copy_(tensor)
         return (out, None) if async_op else out
-    work = _reduce_scatter_flat(out, tensor, op=op, group=group, async_op=async_op)
+    if ring.applies(tensor, group, op):
+        work = ring.reduce_scatter(out, tensor, group, async_op=async_op)
+    else:
+        work = _reduce_scatter_flat(out, tensor, op=op, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
