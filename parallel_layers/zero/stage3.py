@@ -35,19 +35,18 @@ there: the root's gradients are kept as autograd's tensors until the root's last
 buffer through backward); a unit's gradient buffer is allocated only after the previous unit's reduction
 finished (one gradient buffer alive); the fp32 gradient shard is not zeroed at allocation, each unit's
 slice is written by its first reduction, so its pages become resident as activations are freed.
-On gloo, an all-reduce needs ~2 MB of scratch for 12 MB; all_gather_into_tensor and reduce_scatter_tensor
-each take a full-size temporary (measured), so the all-reduce emulation also costs less memory. At the end of the
-root's forward the unit that ran last is prefetched, so backward starts with its gather in flight.
+At the end of the root's forward the unit that ran last is prefetched, so backward starts with its gather
+in flight.
 
 Activation checkpointing (``torch.utils.checkpoint.checkpoint(unit, x, use_reentrant=False)`` or a
 checkpoint inside the unit): the recomputation runs after the unit's pre-backward, so its parameters are
 gathered; the hooks see that the unit is in backward and neither free nor prefetch.
 
-Collectives (through ``parallel_layers.distributed.collectives``): NCCL uses all-gather and
-reduce-scatter. On gloo both are slower than an all-reduce of the same full buffer (measured here,
-2 ranks, 12 MB fp32: all_gather_into_tensor 13.5 ms, reduce_scatter_tensor 17.7 ms, all_reduce 9.0 ms),
-so on gloo a gather is "zero the full buffer, copy this rank's shard in, all-reduce" (exact: x + 0 = x)
-and a reduction is an all-reduce of the gradient buffer, of which this rank keeps its slice.
+Collectives (through ``parallel_layers.distributed.collectives``): an all-gather per unit and a
+reduce-scatter of its gradients, native on NCCL and a ring of sends/receives on gloo (torch's gloo
+versions are emulations slower than an all-reduce of the full buffer; before the ring, this module
+all-reduced instead: measured with ``python -m benchmarks.zero3``, 2 ranks, the ring made the step
+929 -> 821 ms and the peak 237 -> 233 MB).
 
 Held mode (:meth:`gather_all` / :meth:`reduce_scatter_and_free`), for ZeRO-3 inside a pipeline: the
 per-unit schedule above would gather and free every unit once per microbatch (torch issues #164756,
@@ -70,7 +69,6 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
@@ -159,7 +157,6 @@ class ZeroStage3(nn.Module):
         self.module, self.dp_group, self.prefetch = module, dp_group, bool(prefetch)
         self.free_root_early = bool(free_root_early)
         self.dp_size, self.dp_rank = C.world_size(dp_group), C.rank(dp_group)
-        self._gloo = self.dp_size > 1 and dist.get_backend(dp_group) == "gloo"
         names = {id(m): n for n, m in module.named_modules()}
         if wrap is None:
             chosen = _default_units(module)
@@ -266,12 +263,7 @@ class ZeroStage3(nn.Module):
         """Issue ``u``'s all-gather (async) unless it is gathered or in flight."""
         if u.gather_work is not None or not self._alloc(u.full, u.nbytes):
             return
-        if self._gloo:   # see the module docstring: an all-reduce of a zero-padded buffer is faster on gloo
-            u.full.zero_()
-            u.full[u.lo:u.hi].copy_(u.shard)
-            work = C.all_reduce(u.full, self.dp_group, async_op=True)
-        else:
-            _, work = C.all_gather_dim0(u.shard, self.dp_group, out=u.full, async_op=True)
+        _, work = C.all_gather_dim0(u.shard, self.dp_group, out=u.full, async_op=True)
         u.gather_work = work if work is not None else _Done()
         self._event("gather_launch", u, prefetch=prefetch)
 
@@ -386,10 +378,7 @@ class ZeroStage3(nn.Module):
                 view.add_(p.grad.reshape(-1))
                 p.grad = None              # free it now: at most one such copy alive beside grad_full
         self._finish_reduce()              # one reduction in flight at a time: bounded memory
-        if self._gloo:
-            work, u.rs_out = C.all_reduce(u.grad_full, self.dp_group, async_op=True), None
-        else:
-            u.rs_out, work = C.reduce_scatter_dim0(u.grad_full, self.dp_group, async_op=True)
+        u.rs_out, work = C.reduce_scatter_dim0(u.grad_full, self.dp_group, async_op=True)
         u.rs_work, u.phase = work, "reduced"
         self._rs_pending = u
         self._event("reduce_launch", u)
@@ -402,7 +391,7 @@ class ZeroStage3(nn.Module):
             return
         if u.rs_work is not None:
             u.rs_work.wait()
-        mine = u.grad_full[u.lo:u.hi] if u.rs_out is None else u.rs_out
+        mine = u.rs_out
         if self.grad_buffer.untyped_storage().nbytes() == 0:   # freed by zero_grad(set_to_none=True)
             # Not zeroed here: each unit's slice is *written* by its first reduction (below) and the slices
             # of units that got no reduction are zeroed at the end of backward. So the shard's pages are
