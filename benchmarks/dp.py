@@ -12,8 +12,6 @@ timed region). Variants run interleaved, rep by rep, in the same processes on th
 timed reps after warm-up.
 
 (a) 2 ranks: ours overlap on vs off (off: every bucket's all-reduce after backward) -> ratio (target <= 0.9);
-    and the ceiling of any overlap on this machine: the gradient reduction timed alone, wall and CPU time
-    (row ``dp_overlap_ceiling``): with both cores busy in backward only its idle part can be hidden;
     torch DDP (normal) vs DDP with ``no_sync()`` backward + one flat all-reduce of all gradients -> DDP's own
     ratio. Target: our gain at least as large as DDP's.
 (b) 4 ranks: our stage 0 (overlap) vs ``torch.nn.parallel.DistributedDataParallel`` with the same bucket
@@ -104,24 +102,7 @@ def _bench_rank(rank: int, world: int, model_name: str, part: str, reps: int, wa
                 times[n].append(t.item() * 1e3)
     overlap = overlap_report(variants["ours_overlap"].last_sync_timeline)
     n_params = sum(p.numel() for p in variants["ddp"].module.parameters())
-    comm = _comm_alone(variants["ours_overlap"], reps) if part == "a" else []
-    return times, n_params, overlap, comm
-
-
-def _comm_alone(dp, reps: int):
-    """The gradient reduction of one step on its own (every bucket, as the no-overlap path issues it
-    after backward): wall time and this process's CPU time (all its threads, user + system: gloo's
-    workers, the kernel's loopback copies) in ms. Only the part of the wall time the CPU is NOT busy can
-    hide behind backward on a machine whose cores backward already fills."""
-    import torch.distributed as dist
-
-    out = []
-    for _ in range(reps):
-        dist.barrier()
-        w0, c0 = time.perf_counter(), time.process_time()
-        dp.sync_gradients()
-        out.append(((time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3))
-    return out
+    return times, n_params, overlap
 
 
 def _note(text: str) -> None:
@@ -145,8 +126,8 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
         world = PART_WORLD[part]
         if progress:
             progress(f"({part}) {world} ranks, {model}")
-        times, n_params, overlap, comm = harness.run_ranks(_bench_rank, world, (model, part, reps, warmup),
-                                                           timeout_s=1800)[0]
+        times, n_params, overlap = harness.run_ranks(_bench_rank, world, (model, part, reps, warmup),
+                                                     timeout_s=1800)[0]
         c = dict(common, backend=f"gloo x{world}", sizes=f"{model}:{n_params / 1e6:.1f}M params")
         _note(f"dp ({part}) {world} ranks, {c['sizes']}; last overlapped step: "
               f"{overlap['launched_before_backward_end']} of {overlap['buckets']} buckets launched before "
@@ -161,14 +142,6 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
             rows.append(harness.comparison_row(
                 c, "dp_overlap_on_vs_off", times["ours_overlap"], times["ours_no_overlap"],
                 target="time ratio<=0.9", met="yes" if ours_ratio <= 0.9 else "no", baseline="ours overlap=False"))
-            wall, cpu = med([w for w, _ in comm]), med([u for _, u in comm])
-            best = 1.0 - max(wall - cpu, 0.0) / med(times["ours_no_overlap"])
-            ceiling = (f"gradient reduction alone: {wall:.0f} ms wall, {cpu:.0f} ms CPU of this rank "
-                       f"({cpu / wall:.0%} busy); only the idle {max(wall - cpu, 0):.0f} ms can hide behind a "
-                       f"backward that fills the cores: best on/off ratio here ~{best:.2f}")
-            _note(f"    {ceiling}")
-            rows.append(dict(c, case="dp_overlap_ceiling", ours_median_ms=wall, target="", met="",
-                             baseline=ceiling))
             rows.append(harness.comparison_row(
                 c, "ddp_normal_vs_flat_allreduce", times["ddp"], times["ddp_flat"],
                 target=f"ours ratio {ours_ratio:.3f} <= this", met="yes" if ours_ratio <= ddp_ratio else "no",
