@@ -258,11 +258,11 @@ def _judge(p: int, ok: bool) -> str:
 
 
 def _breakdown_text(parts: List[dict]) -> str:
-    """Median over reps of each part of the bubble (``PipelineEngine.bubble_breakdown``)."""
-    med = {k: statistics.median(b[k] for b in parts) for k in ("ideal", "imbalance_jitter", "engine_overhead",
-                                                                  "messages")}
-    return (f"= schedule {med['ideal']:.3f} + imbalance/jitter {med['imbalance_jitter']:+.3f} "
-            f"+ engine {med['engine_overhead']:+.3f} + messages {med['messages']:+.3f}")
+    """The parts of the bubble (``PipelineEngine.bubble_breakdown``) of the rep whose measured bubble is
+    the median (medians of the parts would not add up to it)."""
+    b = sorted(parts, key=lambda x: x["measured"])[(len(parts) - 1) // 2]
+    return (f"(median rep {b['measured']:.3f} = schedule {b['ideal']:.3f} + imbalance/jitter "
+            f"{b['imbalance_jitter']:+.3f} + engine {b['engine_overhead']:+.3f} + messages {b['messages']:+.3f})")
 
 
 def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict) -> List[dict]:
