@@ -137,25 +137,25 @@ def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
         _exchange(chunks[(r - k) % n], chunks[(r - k - 1) % n], nxt, prv, group)
 
 
-def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
-    """Ring reduce-scatter (sum) of contiguous ``tensor`` into contiguous ``out`` (``numel / n``).
-    ``tensor`` must stay untouched until the work completes (as for any c10d collective)."""
-    work = _worker(group).submit(lambda: _reduce_scatter(out, tensor, group),
-                                 f"ring reduce-scatter of {tensor.numel()} {tensor.dtype} elements")
+def _run(group, fn: Callable[[], None], what: str, async_op: bool):
+    work = _worker(group).submit(fn, what)
     if async_op:
         return work
     work.wait()
     return None
+
+
+def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """Ring reduce-scatter (sum) of contiguous ``tensor`` into contiguous ``out`` (``numel / n``).
+    ``tensor`` must stay untouched until the work completes (as for any c10d collective)."""
+    return _run(group, lambda: _reduce_scatter(out, tensor, group),
+                f"ring reduce-scatter of {tensor.numel()} {tensor.dtype} elements", async_op)
 
 
 def all_gather(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
     """Ring all-gather of contiguous ``tensor`` into contiguous ``out`` (``n * numel``, rank order)."""
-    work = _worker(group).submit(lambda: _all_gather(out, tensor, group),
-                                 f"ring all-gather of {tensor.numel()} {tensor.dtype} elements")
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return _run(group, lambda: _all_gather(out, tensor, group),
+                f"ring all-gather of {tensor.numel()} {tensor.dtype} elements", async_op)
 
 
 __all__ = ["RingWork", "RING_TAG", "applies", "reduce_scatter", "all_gather"]
