@@ -84,3 +84,33 @@ def test_ring_with_a_missing_peer_errors_instead_of_hanging(dist_pools):
     first, later = out[0]
     assert "ring reduce-scatter of 8 torch.float32 elements failed" in first, first
     assert "ring all-gather" in later and "failed" in later, later
+
+
+def body_bad_output(rank, world):
+    errors = []
+    for fn, out in ((ring.reduce_scatter, torch.empty(3)), (ring.reduce_scatter, torch.empty(4, dtype=torch.float64)),
+                    (ring.all_gather, torch.empty(4 * world + 1))):
+        try:
+            fn(out, torch.ones(4 * world if fn is ring.reduce_scatter else 4), dist.group.WORLD)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_ring_rejects_an_output_that_does_not_fit(dist_pools):
+    for errors in dist_pools(2).run(body_bad_output):
+        assert len(errors) == 3 and all("does not fit input" in e for e in errors), errors
+
+
+def test_a_forked_child_starts_without_the_parents_ring_threads():
+    import os
+
+    ring._workers[-1] = object()          # stands for a worker whose thread a child would not have
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if not ring._workers else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        ring._workers.pop(-1, None)

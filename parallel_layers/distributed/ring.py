@@ -16,6 +16,7 @@ threads do. Sends and receives use their own tag, apart from the pipeline's poin
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Callable, Dict, Optional
@@ -79,6 +80,8 @@ class _GroupWorker:
 
 _workers: Dict[int, _GroupWorker] = {}
 _workers_lock = threading.Lock()
+# A forked child (a DataLoader worker, say) inherits the table but not the threads: start afresh there.
+os.register_at_fork(after_in_child=_workers.clear)
 
 
 def _worker(group) -> _GroupWorker:
@@ -145,15 +148,27 @@ def _run(group, fn: Callable[[], None], what: str, async_op: bool):
     return None
 
 
+def _check(what: str, out: torch.Tensor, tensor: torch.Tensor, out_numel: int) -> None:
+    if out.dtype != tensor.dtype or out.numel() != out_numel or not (out.is_contiguous() and tensor.is_contiguous()):
+        raise ValueError(f"ring {what}: output {tuple(out.shape)} {out.dtype} does not fit input "
+                         f"{tuple(tensor.shape)} {tensor.dtype} (need {out_numel} elements of the input's dtype, "
+                         f"both contiguous)")
+
+
 def reduce_scatter(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
     """Ring reduce-scatter (sum) of contiguous ``tensor`` into contiguous ``out`` (``numel / n``).
     ``tensor`` must stay untouched until the work completes (as for any c10d collective)."""
+    n = dist.get_world_size(group)
+    if tensor.numel() % n:
+        raise ValueError(f"ring reduce-scatter: {tensor.numel()} elements do not split over {n} ranks")
+    _check("reduce-scatter", out, tensor, tensor.numel() // n)
     return _run(group, lambda: _reduce_scatter(out, tensor, group),
                 f"ring reduce-scatter of {tensor.numel()} {tensor.dtype} elements", async_op)
 
 
 def all_gather(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
     """Ring all-gather of contiguous ``tensor`` into contiguous ``out`` (``n * numel``, rank order)."""
+    _check("all-gather", out, tensor, tensor.numel() * dist.get_world_size(group))
     return _run(group, lambda: _all_gather(out, tensor, group),
                 f"ring all-gather of {tensor.numel()} {tensor.dtype} elements", async_op)
 
