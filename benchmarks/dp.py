@@ -93,13 +93,9 @@ def _bench_rank(rank: int, world: int, model_name: str, part: str, reps: int, wa
     for i in range(warmup + reps):
         names = list(variants) if i % 2 == 0 else list(reversed(variants))   # alternate who goes first
         for n in names:
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(n, variants[n])
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            ms = harness.slowest_rank_ms(lambda: step(n, variants[n]))
             if i >= warmup:
-                times[n].append(t.item() * 1e3)
+                times[n].append(ms)
     overlap = overlap_report(variants["ours_overlap"].last_sync_timeline)
     n_params = sum(p.numel() for p in variants["ddp"].module.parameters())
     return times, n_params, overlap

@@ -218,6 +218,19 @@ def environ(values: Dict[str, str]):
                 os.environ[k] = v
 
 
+def slowest_rank_ms(fn: Callable[[], object], group=None) -> float:
+    """One call of ``fn`` on every rank of ``group``, started together at a barrier; returns the slowest
+    rank's time in ms (the all-reduce that finds it runs outside the timed region). A collective."""
+    import torch.distributed as dist
+
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item() * 1e3
+
+
 def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900) -> List[object]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo ranks (one thread each); return the per-rank
     results in rank order. ``fn`` must be a module-level function.

@@ -179,13 +179,9 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
         for i in range(warmup + reps):
             names = list(variants) if i % 2 == 0 else list(reversed(variants))
             for n in names:
-                dist.barrier()
-                t0 = time.perf_counter()
-                run(n)
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                ms = harness.slowest_rank_ms(lambda: run(n))
                 if i >= warmup:
-                    times[n].append(t.item() * 1e3)
+                    times[n].append(ms)
                     if n in bubbles:
                         tls = variants[n][0].gather_timeline()
                         if rank == 0:

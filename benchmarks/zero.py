@@ -140,14 +140,6 @@ def _measure_collectives(group, nbytes: int, reps: int, warmup: int):
              "all_gather": (lambda: C.all_gather_dim0(shard, group, out=gathered),
                             lambda: ag(gathered, shard, group=group))}
 
-    def timed(fn):
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t.item() * 1e3
-
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)       # torch 2.13 renames the two collectives
@@ -157,7 +149,7 @@ def _measure_collectives(group, nbytes: int, reps: int, warmup: int):
             t_ours, t_theirs = [], []
             for i in range(reps):
                 first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
-                a, b = timed(first), timed(second)
+                a, b = harness.slowest_rank_ms(first, group), harness.slowest_rank_ms(second, group)
                 t_ours.append(a if i % 2 == 0 else b)
                 t_theirs.append(b if i % 2 == 0 else a)
             out[name] = (t_ours, t_theirs)
