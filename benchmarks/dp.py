@@ -93,9 +93,9 @@ def _bench_rank(rank: int, world: int, model_name: str, part: str, reps: int, wa
     for i in range(warmup + reps):
         names = list(variants) if i % 2 == 0 else list(reversed(variants))   # alternate who goes first
         for n in names:
-            ms = harness.slowest_rank_ms(lambda: step(n, variants[n]))
+            step_ms = harness.slowest_rank_ms(lambda: step(n, variants[n]))
             if i >= warmup:
-                times[n].append(ms)
+                times[n].append(step_ms)
     overlap = overlap_report(variants["ours_overlap"].last_sync_timeline)
     n_params = sum(p.numel() for p in variants["ddp"].module.parameters())
     return times, n_params, overlap

@@ -179,9 +179,9 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
         for i in range(warmup + reps):
             names = list(variants) if i % 2 == 0 else list(reversed(variants))
             for n in names:
-                ms = harness.slowest_rank_ms(lambda: run(n))
+                step_ms = harness.slowest_rank_ms(lambda: run(n))
                 if i >= warmup:
-                    times[n].append(ms)
+                    times[n].append(step_ms)
                     if n in bubbles:
                         tls = variants[n][0].gather_timeline()
                         if rank == 0:

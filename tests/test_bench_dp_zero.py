@@ -1,4 +1,4 @@
-"""The dp, ZeRO and demo benchmarks' ``collect("smoke")`` returns complete rows for every case.
+"""The dp, ZeRO, pipeline and demo benchmarks' ``collect("smoke")`` returns complete rows for every case.
 
 Nothing here asserts a speed (benchmarks print figures, tests check behaviour): each row has every CSV
 column, a positive timing ratio where it compares two timings, and the cases the module promises.
@@ -15,7 +15,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # benchmarks/ is a top-level folder of the repo, not part of the installed package
 
-from benchmarks import demo_layouts, dp, harness, zero, zero3  # noqa: E402
+from benchmarks import demo_layouts, dp, harness, pipeline, zero, zero3  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -64,6 +64,21 @@ def test_dp_and_zero_smoke_rows(monkeypatch, dist_pools):
     rows = zero3.collect("smoke", CPU)
     _check(rows, ["zero3_train_step_dp2", "zero3_peak_memory_dp2"])
     assert rows[0]["speedup"] > 0 and rows[1]["mem_mb"] > 0
+
+
+def test_pipeline_smoke_rows_and_timeline_pngs(monkeypatch, dist_pools, tmp_path):
+    """Two microbatch counts and the PNGs on: the full profile's code paths on the tiny model."""
+    _in_pools(monkeypatch, dist_pools)
+    monkeypatch.setattr(harness, "RESULTS_DIR", str(tmp_path))
+    rows = pipeline.collect("smoke", CPU, ms=[2, 4], png=True)
+    per_m = [f"step_{s}" for s in pipeline.SCHEDS] + ["bubble_1f1b", "bubble_interleaved_vs_1f1b",
+                                                      "act_memory_1f1b_over_gpipe"]
+    _check(rows, per_m * 2)
+    for r in rows:
+        if r["case"].startswith("bubble"):
+            assert "median rep" in r["baseline"] and "schedule" in r["baseline"], r["baseline"]
+    pngs = sorted(os.listdir(tmp_path))
+    assert pngs == ["pipeline_timeline_1f1b_p2_m4.png", "pipeline_timeline_interleaved_p2_m4.png"], pngs
 
 
 def test_demo_layouts_smoke_rows():
