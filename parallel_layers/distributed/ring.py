@@ -18,78 +18,33 @@ threads do. Sends and receives use their own tag, apart from the pipeline's poin
 from __future__ import annotations
 
 import os
-import queue
 import threading
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
 
-RING_TAG = 0x5249   # "RI": apart from the pipeline's tags (0 and 7) on a group both might share
+from .worker import BackgroundWork, OrderedWorker
+
+RING_TAG = 0x5249   # "RI": apart from the pipeline's tags (0, 7 and 8) on a group both might share
 
 
-class RingWork:
-    """What an async ring returns: ``wait()`` blocks until the ring finished on this rank and re-raises
-    its error (naming the collective), ``is_completed()`` polls."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
-
-    def _finish(self, error: Optional[BaseException] = None) -> None:
-        self._error = error
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 (the group's timeout bounds every step)
-        self._done.wait()
-        if self._error is not None:
-            raise RuntimeError(f"{self.what} failed: {self._error}") from self._error
-        return True
+# What an async ring returns: ``wait()`` re-raises the ring's error naming the collective.
+RingWork = BackgroundWork
 
 
-class _GroupWorker:
-    """One daemon thread per process group running its rings in submission order. After a failure the
-    group is unusable (a peer is gone or out of step): later rings fail at once with the first error."""
-
-    def __init__(self):
-        self._queue: "queue.Queue" = queue.Queue()
-        self._failed: Optional[BaseException] = None
-        threading.Thread(target=self._loop, name="parallel_layers-ring", daemon=True).start()
-
-    def submit(self, fn: Callable[[], None], what: str) -> RingWork:
-        work = RingWork(what)
-        self._queue.put((fn, work))
-        return work
-
-    def _loop(self) -> None:
-        while True:
-            fn, work = self._queue.get()
-            if self._failed is not None:
-                work._finish(self._failed)
-                continue
-            try:
-                fn()
-                work._finish()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                self._failed = exc
-                work._finish(exc)
-
-
-_workers: Dict[int, _GroupWorker] = {}
+_workers: Dict[int, OrderedWorker] = {}
 _workers_lock = threading.Lock()
 # A forked child (a DataLoader worker, say) inherits the table but not the threads: start afresh there.
 os.register_at_fork(after_in_child=_workers.clear)
 
 
-def _worker(group) -> _GroupWorker:
+def _worker(group) -> OrderedWorker:
+    """The group's ring thread; after a failure the group's later rings fail at once."""
     key = id(group if group is not None else dist.group.WORLD)
     with _workers_lock:
         if key not in _workers:
-            _workers[key] = _GroupWorker()
+            _workers[key] = OrderedWorker("parallel_layers-ring")
         return _workers[key]
 
 

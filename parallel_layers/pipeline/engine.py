@@ -15,7 +15,12 @@ instruction; :meth:`gather_timeline`, :meth:`bubble_fraction`, :meth:`draw_timel
 taken for it, so ``record_timeline`` changes nothing and is kept for compatibility.
 
 Receives are posted one communication step ahead of need where their shape is known (see
-:meth:`PipelineEngine._prefetch`), so a message's transfer overlaps the computation before it.
+:meth:`PipelineEngine._prefetch`), so a message's transfer overlaps the computation before it. The
+first activation of a link in a step is posted ahead too, in the shape the link carried last step
+(see :meth:`PipelineEngine._recv_buffer`): on gloo a message whose receive is not yet posted waits
+for the receiver's "ready" and is then written by the sender's gloo thread, which on a busy machine
+wakes up milliseconds late (measured: the first activation of every step arrived 4-5 ms after it
+was sent, against about 0.2 ms for a message whose receive was waiting).
 
 Chunks with a ``finish_grads()`` method (``GPTStage``: tied embeddings, sequence-parallel grads) have it
 called once after the schedule.
@@ -29,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..distributed import collectives as C
-from .p2p import HEADER_LEN, HEADER_TAG, P2P, decode_header, encode_header
+from .p2p import HEADER_LEN, HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header
 from .schedules import Instr, build_schedule, check_schedule_args, format_schedule
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 
@@ -61,6 +66,11 @@ class PipelineEngine:
                     if ins.op == "RECV_ACT" and ins.chunk not in self._header_links:
                         self._header_links[ins.chunk] = ins
         self._hdr_in: Dict[int, Tuple[object, torch.Tensor, Instr]] = {}
+        # chunk -> (shape, dtype) of the activations its link carried in the last step, as received
+        # (from the header) and as sent; both ends update them from the same headers, so they agree on
+        # whether the link's first receive was posted ahead in that shape
+        self._link_meta: Dict[int, Tuple[tuple, torch.dtype]] = {}
+        self._sent_meta: Dict[int, Tuple[tuple, torch.dtype]] = {}
         # index of the communication step after each communication step (None after the last)
         comm = [i for i, st in enumerate(self.steps) if not isinstance(st, Instr)]
         self._next_comm: Dict[int, Optional[int]] = {a: b for a, b in zip(comm, comm[1:] + [None])}
@@ -106,6 +116,7 @@ class PipelineEngine:
         header_sent: set = set()
         losses: List[torch.Tensor] = []
         prefetched: Dict[Instr, Tuple[object, torch.Tensor]] = {}  # receive -> (work, buffer), posted early
+        self._guessed: Dict[Instr, Tuple[tuple, torch.dtype]] = {}  # first receives posted in last step's shape
         self.prefetched_receives = 0                                 # how many, this step (tests, tuning)
         self.timeline.start()
         if self._header_links:
@@ -117,6 +128,8 @@ class PipelineEngine:
                    for ins in self._header_links.values()]
             works = self.p2p.post(ops, tag=HEADER_TAG)
             self._hdr_in = {c: (w, op[1], ins) for (c, ins), op, w in zip(self._header_links.items(), ops, works)}
+            first_comm = next(i for i, st in enumerate(self.steps) if not isinstance(st, Instr))
+            self._prefetch(self.steps[first_comm], outputs, recv_shape, prefetched)
 
         for i, step in enumerate(self.steps):
             if isinstance(step, Instr):
@@ -172,11 +185,21 @@ class PipelineEngine:
 
     def _recv_buffer(self, ins, outputs, recv_shape) -> Optional[torch.Tensor]:
         """The buffer a receive lands in, or None while its shape is unknown (activation: no header yet
-        this step; gradient: the forward whose output it belongs to has not run yet)."""
+        this step; gradient: the forward whose output it belongs to has not run yet).
+
+        The first activation of a link, before its header is in, gets a buffer in the shape the link
+        carried last step (guessed; checked against the header when it is waited for). If the sender's
+        shape changed, it sends an empty message of the old shape to fill the guessed receive in its
+        first-in-first-out place and the real activation on ``RESHAPE_TAG`` (:meth:`_communicate`):
+        a changed shape costs one extra message, never a wrong match."""
         if ins.op == "RECV_ACT":
-            if self._take_header(ins.chunk, recv_shape, block=False) is None:
-                return None
-            shape, dtype = recv_shape[ins.chunk]
+            meta = self._take_header(ins.chunk, recv_shape, block=False)
+            if meta is None:
+                meta = self._link_meta.get(ins.chunk)
+                if meta is None or self._header_links.get(ins.chunk) is not ins:
+                    return None
+                self._guessed[ins] = meta
+            shape, dtype = meta
             return torch.empty(shape, dtype=dtype, device=self.device)
         out = outputs.get((ins.mb, ins.chunk))
         return None if out is None else torch.empty(out.shape, dtype=out.dtype, device=out.device)
@@ -191,7 +214,7 @@ class PipelineEngine:
             return None
         self.p2p.wait([work])
         del self._hdr_in[chunk]
-        recv_shape[chunk] = decode_header(h)
+        recv_shape[chunk] = self._link_meta[chunk] = decode_header(h)
         if self.tensor_shape is not None:
             self._check_shape(recv_shape[chunk][0], ins, sending=False)
         return recv_shape[chunk]
@@ -227,11 +250,16 @@ class PipelineEngine:
         data; only receives are waited for. Receives posted ahead by :meth:`_prefetch` are not posted
         again."""
         t0 = time.perf_counter()
-        hdr_ops = []
+        hdr_ops, reshaped = [], {}   # reshaped: first send of a link whose shape changed -> last step's meta
         for ins in batch:
             if ins.op == "SEND_ACT" and ins.chunk not in header_sent:
                 header_sent.add(ins.chunk)
-                hdr_ops.append(("send", encode_header(outputs[(ins.mb, ins.chunk)]), ins.peer, f"send header {ins}"))
+                out = outputs[(ins.mb, ins.chunk)]
+                hdr_ops.append(("send", encode_header(out), ins.peer, f"send header {ins}"))
+                meta, last = (tuple(out.shape), out.dtype), self._sent_meta.get(ins.chunk)
+                if last is not None and last != meta:
+                    reshaped[ins] = last
+                self._sent_meta[ins.chunk] = meta
         if hdr_ops:
             self.p2p.post(hdr_ops, tag=HEADER_TAG)
             for ins in batch:                       # both ends check what the user declared
@@ -247,14 +275,20 @@ class PipelineEngine:
                             pass
                         raise
         for ins in batch:
-            if ins.op == "RECV_ACT" and ins not in prefetched:
+            if ins.op == "RECV_ACT" and (ins not in prefetched or ins in self._guessed):
                 self._take_header(ins.chunk, recv_shape, block=True)
-        ops, received, waits = [], [], []
+        ops, received, waits, reshape_ops = [], [], [], []
         for ins in batch:
             key = (ins.mb, ins.chunk)
             if ins in prefetched:
                 work, buf = prefetched.pop(ins)
                 waits.append(work)
+                guess = self._guessed.pop(ins, None)
+                if guess is not None and guess != recv_shape[ins.chunk]:
+                    # the shape changed: the guessed receive gets the sender's filler, the data comes apart
+                    shape, dtype = recv_shape[ins.chunk]
+                    buf = torch.empty(shape, dtype=dtype, device=self.device)
+                    reshape_ops.append(("recv", buf, ins.peer, f"receive {ins} (new shape)"))
                 received.append((ins, buf))
                 continue
             if ins.op == "SEND_ACT":
@@ -264,6 +298,12 @@ class PipelineEngine:
                                      f"{tuple(out.shape)} but earlier microbatches had "
                                      f"{recv_shape[('sent', ins.chunk)]}; microbatches must have equal shapes")
                 recv_shape[("sent", ins.chunk)] = tuple(out.shape)
+                if ins in reshaped:    # fill the receive the peer posted in last step's shape, then the data
+                    shape, dtype = reshaped[ins]
+                    ops.append(("send", torch.empty(shape, dtype=dtype, device=out.device), ins.peer,
+                                f"send {ins} (filler in last step's shape)"))
+                    reshape_ops.append(("send", out.contiguous(), ins.peer, f"send {ins} (new shape)"))
+                    continue
                 ops.append(("send", out.contiguous(), ins.peer, f"send {ins}"))
             elif ins.op == "SEND_GRAD":
                 g = in_grads.pop(key)
@@ -272,7 +312,8 @@ class PipelineEngine:
                 buf = self._recv_buffer(ins, outputs, recv_shape)
                 ops.append(("recv", buf, ins.peer, f"receive {ins}"))
                 received.append((ins, buf))
-        self.p2p.wait(waits + self.p2p.post(ops))
+        waits += self.p2p.post(ops)
+        self.p2p.wait(waits + self.p2p.post(reshape_ops, tag=RESHAPE_TAG))
         for ins, buf in received:
             key = (ins.mb, ins.chunk)
             if ins.op == "RECV_ACT":
