@@ -133,8 +133,7 @@ def _measure_collectives(group, nbytes: int, reps: int, warmup: int):
     numel = nbytes // 4 // n * n
     full, shard = torch.randn(numel), torch.empty(numel // n)
     gathered = torch.empty(numel)
-    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs, ag = C._reduce_scatter_flat, C._all_gather_flat    # torch's own, under the name this torch has
     pairs = {"reduce_scatter": (lambda: C.reduce_scatter_dim0(full, group, out=shard),
                                 lambda: rs(shard, full, group=group)),
              "all_gather": (lambda: C.all_gather_dim0(shard, group, out=gathered),

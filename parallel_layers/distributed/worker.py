@@ -1,7 +1,7 @@
 """A daemon thread that runs callables in submission order, and the work a caller waits on.
 
 Used where a sequence of c10d calls must leave the caller's thread but keep its order: the gloo ring
-collectives (one worker per group, :mod:`.ring`) and the pipeline's sends and receives on gloo
+collectives (one worker per group, :mod:`.ring`) and the posting of the pipeline's receives on gloo
 (:class:`parallel_layers.pipeline.p2p.P2P`). The thread spends its time in c10d calls and torch ops,
 which release the GIL, so it runs beside the caller's compute.
 """

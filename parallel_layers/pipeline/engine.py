@@ -74,6 +74,7 @@ class PipelineEngine:
         # index of the communication step after each communication step (None after the last)
         comm = [i for i, st in enumerate(self.steps) if not isinstance(st, Instr)]
         self._next_comm: Dict[int, Optional[int]] = {a: b for a, b in zip(comm, comm[1:] + [None])}
+        self._first_comm: Optional[int] = comm[0] if comm else None
         self.timeline = Timeline(self.rank)
         self.last_timelines: Optional[List[Timeline]] = None
         self.prefetched_receives = 0
@@ -128,8 +129,7 @@ class PipelineEngine:
                    for ins in self._header_links.values()]
             works = self.p2p.post(ops, tag=HEADER_TAG)
             self._hdr_in = {c: (w, op[1], ins) for (c, ins), op, w in zip(self._header_links.items(), ops, works)}
-            first_comm = next(i for i, st in enumerate(self.steps) if not isinstance(st, Instr))
-            self._prefetch(self.steps[first_comm], outputs, recv_shape, prefetched)
+            self._prefetch(self.steps[self._first_comm], outputs, recv_shape, prefetched)
 
         for i, step in enumerate(self.steps):
             if isinstance(step, Instr):

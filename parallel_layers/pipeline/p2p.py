@@ -114,8 +114,8 @@ class P2P:
         if self._poster is None or self._poster_pid != os.getpid():   # (a forked child has no such thread)
             self._poster, self._poster_pid = OrderedWorker("parallel_layers-p2p"), os.getpid()
         works: list = []
-        posting = self._poster.submit(lambda: works.extend(self._post_now(ops, tag)),
-                                      f"posting {', '.join(what for *_, what in ops)}")
+        # the message itself is named by the caller's wait (_wait_one), so no per-post description is built
+        posting = self._poster.submit(lambda: works.extend(self._post_now(ops, tag)), "posting receives")
         return [_Posted(posting, works, i) for i in range(len(ops))]
 
     def _post_now(self, ops, tag: int) -> list:
