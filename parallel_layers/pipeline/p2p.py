@@ -10,7 +10,7 @@ match after a receive of its own (see ``schedules.simulate``).
 On gloo, receives are posted by a background thread (one per ``P2P``, in order, so they still match
 first-in-first-out): posting takes gloo's lock of the connection, which gloo's own thread holds while
 it moves a message, and on a busy CPU that thread is sometimes descheduled holding it. Measured in
-the engine (1F1B, p=2, m=8, 2 cores): a post took a median of 20-55 us and at worst 4-7 ms on the
+the engine (1F1B, p=2, m=8, 2 cores): a post took a median of 40-55 us and at worst 4-7 ms on the
 compute thread. A/B in the same processes (15 reps, p=2, m=8), bubble with the thread against without:
 1F1B 0.137 against 0.143 on the benchmark's representative model (d 256), 0.19 against 0.23 on its small
 one (d 128), interleaved 0.22 against 0.30 on the small one. Sends stay on the caller's thread (a gloo
