@@ -19,6 +19,9 @@ Rows go to benchmarks/results/demo.csv: ``ours_median_ms`` is the mean step time
 RSS per rank, ``baseline`` starts with ``tokens/s N``. This is a program that prints figures, not a test:
 on a 2-core machine 8 processes share 2 cores, so the table says how the layouts compare here, not
 what they do on 8 real devices.
+Ranks keep freed memory for reuse (``harness.run_ranks(retain_memory=True)``, see
+``parallel_layers.cpu_allocator``), as a CPU training job should run; the torch baselines share the
+processes, so they get it too.
 """
 from __future__ import annotations
 
@@ -120,7 +123,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
                 progress(f"{len(layouts)} layouts in one set of {WORLD} ranks")
             corpus = demo.load_corpus(demo.build_parser().parse_args(prof["extra"]).corpus_bytes)
             summaries = harness.run_ranks(_layouts_rank, WORLD, (layouts, steps, prof["extra"], out_dir, corpus),
-                                          timeout_s=1800)[0]
+                                          timeout_s=1800, retain_memory=True)[0]
             note = "; ranks shared by the layouts in turn"
     rows = []
     for (name, *_), summary in zip(layouts, summaries):

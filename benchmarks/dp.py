@@ -17,6 +17,9 @@ timed reps after warm-up.
 (b) 4 ranks: our stage 0 (overlap) vs ``torch.nn.parallel.DistributedDataParallel`` with the same bucket
     size (25 MB) -> ratio (target <= 1.0).
 On a 2-core machine 4 ranks oversubscribe the cores: (b) then measures overheads under contention.
+Ranks keep freed memory for reuse (``harness.run_ranks(retain_memory=True)``, see
+``parallel_layers.cpu_allocator``), as a CPU training job should run; the torch baselines share the
+processes, so they get it too.
 """
 from __future__ import annotations
 
@@ -123,7 +126,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
         if progress:
             progress(f"({part}) {world} ranks, {model}")
         times, n_params, overlap = harness.run_ranks(_bench_rank, world, (model, part, reps, warmup),
-                                                     timeout_s=1800)[0]
+                                                     timeout_s=1800, retain_memory=True)[0]
         c = dict(common, backend=f"gloo x{world}", sizes=f"{model}:{n_params / 1e6:.1f}M params")
         _note(f"dp ({part}) {world} ranks, {c['sizes']}; last overlapped step: "
               f"{overlap['launched_before_backward_end']} of {overlap['buckets']} buckets launched before "

@@ -231,18 +231,25 @@ def slowest_rank_ms(fn: Callable[[], object], group=None) -> float:
     return t.item() * 1e3
 
 
-def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900) -> List[object]:
+def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900,
+              retain_memory: bool = False) -> List[object]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo ranks (one thread each); return the per-rank
     results in rank order. ``fn`` must be a module-level function.
+
+    ``retain_memory``: the ranks start with ``cpu_allocator.RETAIN_ENV`` (glibc keeps freed memory for
+    reuse instead of faulting it back in every step, as a CPU training job should run: see
+    ``parallel_layers.cpu_allocator``). The timing benchmarks set it, so ours and the torch baselines,
+    which run in the same processes, both get it; the benchmarks that measure resident memory do not.
 
     A one-shot ``parallel_layers.testing.WorkerPool``: fresh processes, so a benchmark's memory figures
     and environment (see :func:`environ`) start clean. A rank that raises, dies, or a run past
     ``timeout_s`` raises ``RankFailure`` with every failing rank's traceback and the others are killed:
     a benchmark never hangs its caller.
     """
+    from parallel_layers.cpu_allocator import RETAIN_ENV
     from parallel_layers.testing.workers import WorkerPool
 
-    with WorkerPool(world, pg_timeout_s=300) as pool:
+    with environ(RETAIN_ENV if retain_memory else {}), WorkerPool(world, pg_timeout_s=300) as pool:
         return pool.run(fn, *args, timeout=timeout_s)
 
 

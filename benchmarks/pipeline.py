@@ -32,6 +32,9 @@ Models: "representative" (d 256, seq 128: ~20 ms forward and ~40 ms backward per
 on one core) carries the targets; "small" (d 128, seq 64, ~1-3 ms per stage op, the earlier benchmark
 model) is reported too at p = 2, without pass/fail: there message latency and Python overhead are a
 large share of a step.
+Ranks keep freed memory for reuse (``harness.run_ranks(retain_memory=True)``, see
+``parallel_layers.cpu_allocator``), as a CPU training job should run; the torch baselines share the
+processes, so they get it too.
 """
 from __future__ import annotations
 
@@ -235,7 +238,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
             if progress:
                 progress(f"{model} p={p} m={','.join(map(str, prof['ms']))}")
             res = harness.run_ranks(_bench_rank, p, (cfgd, prof["ms"], prof["reps"], prof["warmup"], png_base),
-                                    timeout_s=1800)[0]
+                                    timeout_s=1800, retain_memory=True)[0]
             for m in prof["ms"]:
                 rows += _rows(common, res[m], p, m, cfgd, model not in REPORTED_MODELS)
             if res[max(prof["ms"])].get("png"):

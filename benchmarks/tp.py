@@ -21,6 +21,9 @@ median. Target: ours at most 1.0x the baseline's time (speedup >= 1.0). Rows go 
 ``benchmarks/results/tp.csv`` (shared with the vocab-parallel cross-entropy benchmark); ``collect``
 returns them for the suite (``python -m parallel_layers bench --only tp``). The ranks are gloo
 processes on CPU whatever device the suite names.
+Ranks keep freed memory for reuse (``harness.run_ranks(retain_memory=True)``, see
+``parallel_layers.cpu_allocator``), as a CPU training job should run; the torch baselines share the
+processes, so they get it too.
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ def collect(mode: str, device: Optional[torch.device] = None, progress: Optional
     sizes = [tuple(t) for t in (sizes or SIZES[mode])]
     if progress:
         progress(f"{len(sizes)} size(s) on {WORLD} ranks")
-    answers = harness.run_ranks(_bench_rank, WORLD, (sizes, reps, warmup), timeout_s=1800)
+    answers = harness.run_ranks(_bench_rank, WORLD, (sizes, reps, warmup), timeout_s=1800, retain_memory=True)
     common = dict(harness.common_fields(mode, torch.device("cpu"), 1), dtype="float32", backend=f"gloo x{WORLD}")
     rows = []
     for i, (b, s, d, h) in enumerate(sizes):

@@ -20,6 +20,9 @@ Target: ours at most 1.0x the baseline's step time (speedup >= 1.0). Then the me
 and 2, fp32 and bf16 parameters, the bytes per parameter a rank holds (measured by ``memory_report()``)
 beside the ZeRO paper's 2 + 2 + 12 divided as each stage divides them. Rows go to
 ``benchmarks/results/zero.csv`` (stage 3 against FSDP2: ``benchmarks/zero3.py``, same CSV).
+Ranks keep freed memory for reuse (``harness.run_ranks(retain_memory=True)``, see
+``parallel_layers.cpu_allocator``), as a CPU training job should run; the torch baselines share the
+processes, so they get it too.
 """
 from __future__ import annotations
 
@@ -172,7 +175,7 @@ def _run(mode: str, progress: Optional[Callable[[str], None]] = None, reps: Opti
     size, reps, warmup = prof["size"], reps or prof["reps"], prof["warmup"]
     if progress:
         progress(f"ZeRO-1 vs ZeroRedundancyOptimizer, {size_text(size)}")
-    answers = harness.run_ranks(_bench_rank, WORLD, (size, reps, warmup, prof["coll_bytes"]), timeout_s=1800)
+    answers = harness.run_ranks(_bench_rank, WORLD, (size, reps, warmup, prof["coll_bytes"]), timeout_s=1800, retain_memory=True)
     common = dict(harness.common_fields(mode, torch.device("cpu"), 1), backend=f"gloo x{WORLD}")
     speeds, mem, colls = answers[0]
     dims = size_text(size)

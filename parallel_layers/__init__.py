@@ -4,6 +4,7 @@ Importing never fails because a kernel could not be built: ops fall back to thei
 with one warning that says why.
 """
 from . import ops, pipeline
+from .cpu_allocator import retain_freed_memory
 from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
 from .data_parallel import DataParallel
 from .mesh import ParallelMesh
@@ -18,4 +19,5 @@ __version__ = "0.1.0"
 __all__ = ["ops", "pipeline", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
            "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "DataParallel",
-           "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler", "clip_grad_norm_", "__version__"]
+           "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler", "clip_grad_norm_",
+           "retain_freed_memory", "__version__"]

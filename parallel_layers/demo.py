@@ -28,6 +28,7 @@ from typing import List, Optional
 
 import torch
 
+from .cpu_allocator import retain_freed_memory
 from .testing.workers import free_port
 
 FP32_RTOL = 1e-4          # per-step relative loss agreement in fp32 (rounding only)
@@ -204,6 +205,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -
 def _worker(rank: int, world: int, args, port: int) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
+    retain_freed_memory()        # a CPU rank reuses freed activations instead of faulting them back in
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
@@ -289,6 +291,8 @@ def _run_torchrun(args) -> int:
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    if not use_cuda:
+        retain_freed_memory()
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
     world = dist.get_world_size()
     if world != args.dp * args.tp * args.pp:

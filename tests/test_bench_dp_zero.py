@@ -28,7 +28,7 @@ def body_bench(rank, world, module, fn_name, *args):
 
 
 def _in_pools(monkeypatch, dist_pools):
-    def run_ranks(fn, world, args=(), timeout_s=900):
+    def run_ranks(fn, world, args=(), timeout_s=900, retain_memory=False):  # noqa: ARG001 (the pools run as they are)
         return dist_pools(world).run(body_bench, fn.__module__.rsplit(".", 1)[-1], fn.__name__, *args,
                                      timeout=min(timeout_s, 300))
     monkeypatch.setattr(harness, "run_ranks", run_ranks)
