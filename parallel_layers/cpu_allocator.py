@@ -24,9 +24,9 @@ done with glibc's own settings (``mallopt``), so nothing extra is installed:
 The process's resident memory then stays near its peak instead of following live memory, which is
 what a training process wants and what a memory benchmark does not (those set
 ``MALLOC_MMAP_THRESHOLD_=65536`` for the opposite reason). It is a setting of the whole process, so
-it is never applied behind the caller's back: the demo's CPU ranks and the timing benchmarks call it
-at start-up; a user's own CPU script calls it once, or sets :data:`RETAIN_ENV` in the environment of
-the processes it launches (glibc reads it at start-up). A no-op returning False where the C library
+it is never applied behind the caller's back: the demo's CPU ranks call it at start-up, and the timing
+benchmarks start their ranks with :data:`RETAIN_ENV` in the environment (glibc reads it at start-up); a
+user's own CPU script calls it once, or does the same for the processes it launches. A no-op returning False where the C library
 is not glibc (macOS, musl).
 """
 from __future__ import annotations
@@ -74,7 +74,8 @@ def retain_freed_memory(trim_threshold_mb: int = 1024, top_pad_mb: int = 64) -> 
     settings = ((_M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD),
                 (_M_TRIM_THRESHOLD, min(trim_threshold_mb << 20, 2**31 - 1)),
                 (_M_TOP_PAD, min(top_pad_mb << 20, 2**31 - 1)))
-    return all(libc.mallopt(param, value) == 1 for param, value in settings)
+    applied = [libc.mallopt(param, value) for param, value in settings]   # every one, even after a refusal
+    return all(ok == 1 for ok in applied)
 
 
 __all__ = ["retain_freed_memory", "RETAIN_ENV", "MAX_MMAP_THRESHOLD"]
