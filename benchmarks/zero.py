@@ -175,7 +175,8 @@ def _run(mode: str, progress: Optional[Callable[[str], None]] = None, reps: Opti
     size, reps, warmup = prof["size"], reps or prof["reps"], prof["warmup"]
     if progress:
         progress(f"ZeRO-1 vs ZeroRedundancyOptimizer, {size_text(size)}")
-    answers = harness.run_ranks(_bench_rank, WORLD, (size, reps, warmup, prof["coll_bytes"]), timeout_s=1800, retain_memory=True)
+    answers = harness.run_ranks(_bench_rank, WORLD, (size, reps, warmup, prof["coll_bytes"]), timeout_s=1800,
+                                retain_memory=True)
     common = dict(harness.common_fields(mode, torch.device("cpu"), 1), backend=f"gloo x{WORLD}")
     speeds, mem, colls = answers[0]
     dims = size_text(size)

@@ -26,8 +26,8 @@ what a training process wants and what a memory benchmark does not (those set
 ``MALLOC_MMAP_THRESHOLD_=65536`` for the opposite reason). It is a setting of the whole process, so
 it is never applied behind the caller's back: the demo's CPU ranks call it at start-up, and the timing
 benchmarks start their ranks with :data:`RETAIN_ENV` in the environment (glibc reads it at start-up); a
-user's own CPU script calls it once, or does the same for the processes it launches. A no-op returning False where the C library
-is not glibc (macOS, musl).
+user's own CPU script calls it once, or does the same for the processes it launches. A no-op returning
+False where the C library is not glibc (macOS, musl).
 """
 from __future__ import annotations
 
