@@ -54,7 +54,8 @@ def test_dp_and_zero_smoke_rows(monkeypatch, dist_pools):
     _in_pools(monkeypatch, dist_pools)
     seen = []
     rows = dp.collect("smoke", CPU, progress=seen.append)
-    _check(rows, ["dp_overlap_on_vs_off", "ddp_normal_vs_flat_allreduce", "dp_stage0_vs_torch_ddp"])
+    _check(rows, ["dp_overlap_on_vs_off", "ddp_normal_vs_flat_allreduce", "dp_stage0_vs_torch_ddp",
+                  "dp_stage0_unfused_vs_torch_ddp"])
     assert all(r["speedup"] > 0 for r in rows) and len(seen) == 2
     rows = zero.collect("smoke", CPU)
     _check(rows, [f"zero1_{op}_train_step_dp2" for op in zero.REDUCE_OPS]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel_layers.data_parallel import DataParallel, ParamAndGradBuffer, overlap_report
+from parallel_layers.data_parallel.fused_grads import grad_sink
 from parallel_layers.models import GPT, GPTConfig
 from parallel_layers.testing import cached_mesh
 
@@ -272,6 +273,117 @@ def test_unused_parameters(dist_pools):
         err, name = out["err"]
         assert err <= 1e-5, f"rank {rank}: {name} differs by {err:.2e}"
         assert out["partial_err"] <= 1e-5, f"rank {rank}: locally unused parameter: {out['partial_err']:.2e}"
+
+
+# ---------------------------------------------------------------------- gradient-accumulation fusion
+def body_fused_writes(rank, world, tie):
+    """The GPT's embedding / LM head write their weight gradients into the buffer (fused_grads.py): same
+    averaged gradients as through autograd, over two steps with a no_sync micro-batch; the writes happen."""
+    group = cached_mesh(dp=world).dp_group
+    cfg = GPTConfig(**dict(SMALL, tie_embeddings=tie))
+    per, half = BATCH // world, BATCH // world // 2
+    lo = rank * per
+    grads, writes = {}, {}
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        ddp = DataParallel(GPT(cfg), group, fuse_grad_accumulation=fuse, **CAPS)
+        calls = []
+        original = ddp.write_grad
+        ddp.write_grad = lambda p, write, original=original: (calls.append(ddp._names[id(p)]), original(p, write))
+        out = []
+        for idx, tgt in _batches(2, cfg):
+            ddp.zero_grad()
+            with ddp.no_sync():
+                (0.5 * ddp(idx[lo:lo + half], tgt[lo:lo + half])[1]).backward()
+            (0.5 * ddp(idx[lo + half:lo + per], tgt[lo + half:lo + per])[1]).backward()
+            out.append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
+        grads[fuse], writes[fuse] = out, calls
+    err = max((_rel_norm(a[n], b[n]), n) for a, b in zip(grads[True], grads[False]) for n in a)
+    bf16 = DataParallel(GPT(cfg).to(torch.bfloat16), group)
+    return err, writes, grad_sink(bf16.module.wte.weight)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_fused_gradient_writes_match_autograd(dist_pools, tie):
+    for rank, (err, writes, bf16_sink) in enumerate(dist_pools(2).run(body_fused_writes, tie)):
+        heads = ["wte.weight", "wte.weight"] if tie else ["lm_head.weight", "wte.weight"]
+        # per backward: the head's GEMM, then the embedding's rows; 2 steps x 2 micro-batches
+        assert writes[True] == heads * 4 and writes[False] == [], f"rank {rank}: writes {writes}"
+        assert err[0] <= 1e-6, f"rank {rank}: fused gradient of {err[1]} differs by {err[0]:.2e}"
+        assert bf16_sink is None, f"rank {rank}: bf16 parameters cannot take fp32 GEMM writes"
+
+
+# ---------------------------------------------------------------------- zero_grad(set_to_none=True): stale slices
+def body_stale_slices(rank, world):
+    """zero_grad() leaves the buffer as it was (each first gradient is written over its slice, times 1/world);
+    the buffer is poisoned with NaN first, so any stale value that reaches a gradient shows. Paths: a
+    parameter unused on one rank, a no_sync micro-batch without it, a user-assigned .grad among landed ones
+    in the same bucket, and sync_gradients() with no backward at all."""
+    group = cached_mesh(dp=world).dp_group
+    cfg = GPTConfig(**SMALL)
+    idx, tgt = _batches(1, cfg)[0]
+    per, half = BATCH // world, BATCH // world // 2
+    lo = rank * per
+    torch.manual_seed(0)
+    dense = WithExtra(cfg)
+    torch.manual_seed(0)
+    ddp = DataParallel(WithExtra(cfg), group, find_unused_parameters=True, first_bucket_cap_mb=1.0)
+    assert len(ddp.buffer.buckets) == 1          # one bucket: landed and added gradients share it
+
+    def poison_and_clear():
+        ddp.buffer.grad_buffer.fill_(float("nan"))
+        ddp.zero_grad()
+
+    def dense_grads(*parts):       # parts: (slice of the batch, use_extra, weight)
+        dense.zero_grad()
+        for sl, use, w in parts:
+            (w * dense(idx[sl], tgt[sl], use_extra=use)).backward()
+        return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in dense.named_parameters()}
+
+    def worst(ref):
+        got = {n: p.main_grad for n, p in ddp.module.named_parameters()}
+        return max((_rel_norm(got[n], r) if r.norm() > 0 else got[n].abs().max().item(), n) for n, r in ref.items())
+
+    out = {}
+    # 1. synced backward; the extra layer is used on rank 1 only (zeros on rank 0 count, scaled by 1/world)
+    poison_and_clear()
+    assert all(p.grad is None for p in ddp.module.parameters())
+    ddp(idx[lo:lo + per], tgt[lo:lo + per], use_extra=rank == 1).backward()
+    ref = dense_grads(*[(slice(r * per, (r + 1) * per), r == 1, 1.0 / world) for r in range(world)])
+    out["unused_on_one_rank"] = worst(ref)
+    # 2. no_sync micro-batch without the extra layer, then a synced one with it
+    poison_and_clear()
+    with ddp.no_sync():
+        (0.5 * ddp(idx[lo:lo + half], tgt[lo:lo + half])).backward()
+    out["no_sync_extra_zeros"] = bool((ddp.module.extra.weight.main_grad == 0).all())
+    (0.5 * ddp(idx[lo + half:lo + per], tgt[lo + half:lo + per], use_extra=True)).backward()
+    parts = []
+    for r in range(world):
+        parts += [(slice(r * per, r * per + half), False, 0.5 / world),
+                  (slice(r * per + half, (r + 1) * per), True, 0.5 / world)]
+    out["no_sync_then_sync"] = worst(dense_grads(*parts))
+    # 3. a user-assigned .grad (added to, scaled at launch) beside landed gradients (scaled when written)
+    poison_and_clear()
+    head = ddp.module.gpt.blocks[-1].mlp.fc2.weight
+    head.grad = torch.ones_like(head)
+    ddp(idx[lo:lo + per], tgt[lo:lo + per]).backward()
+    ref = dense_grads(*[(slice(r * per, (r + 1) * per), False, 1.0 / world) for r in range(world)])
+    ref["gpt.blocks.1.mlp.fc2.weight"] += 1.0
+    out["user_grad_mixed_bucket"] = worst(ref)
+    # 4. sync_gradients() right after zero_grad(): every gradient is zero
+    poison_and_clear()
+    ddp.sync_gradients()
+    out["sync_without_backward_zero"] = bool((ddp.buffer.grad_buffer == 0).all())
+    return out
+
+
+def test_zero_grad_leaves_no_stale_value_in_any_path(dist_pools):
+    for rank, out in enumerate(dist_pools(2).run(body_stale_slices)):
+        assert out["no_sync_extra_zeros"], f"rank {rank}: a no_sync backward left a stale slice in main_grad"
+        assert out["sync_without_backward_zero"], f"rank {rank}: sync_gradients reduced stale values"
+        for key in ("unused_on_one_rank", "no_sync_then_sync", "user_grad_mixed_bucket"):
+            err, name = out[key]
+            assert err <= 1e-5, f"rank {rank} ({key}): gradient of {name} is off by {err:.2e}"
 
 
 # ---------------------------------------------------------------------- bf16 communication

@@ -4,11 +4,15 @@ How a step goes (PyTorch's reducer and Megatron-LM's DDP, in a few hundred lines
 
 1. Wrap time: parameters move into a :class:`ParamAndGradBuffer` (flat, bucketed; last layers first);
    rank 0's parameters and buffers are broadcast so every replica starts identical.
-2. Backward: autograd accumulates each fp32 gradient straight into the grad buffer (``p.grad`` *is* a view
-   of it). A post-accumulate-grad hook marks the parameter ready; when the last parameter of a bucket is
-   ready (and all buckets before it were launched: the same order of collectives on every rank), the bucket is
-   scaled by 1/world and its collective is launched with ``async_op=True`` at once, so it runs while autograd
-   computes the gradients of earlier layers.
+2. Backward: a post-accumulate-grad hook lands each gradient in the grad buffer and marks the parameter
+   ready; when the last parameter of a bucket is ready (and all buckets before it were launched: the same
+   order of collectives on every rank), the bucket's collective is launched with ``async_op=True`` at once,
+   so it runs while autograd computes the gradients of earlier layers.
+   Landing: after ``zero_grad()`` (``set_to_none=True``, torch's default) ``.grad`` is None and the buffer is
+   left as it was; autograd hands the hook a fresh gradient, which is written over the parameter's slice
+   already multiplied by 1/world (one pass, as DDP's copy into its bucket; no memset, no add, no separate
+   scaling pass). When gradients accumulate (``no_sync`` micro-batches, ``zero_grad(set_to_none=False)``)
+   ``p.grad`` *is* the buffer view, autograd adds into it, and the bucket is scaled at launch.
 3. End of backward (an autograd callback queued by the first hook): launch what is left, wait on EVERY
    work, unpack low-precision buckets; ``.grad`` then holds the averaged gradient.
 
@@ -53,14 +57,16 @@ class DataParallel(nn.Module):
     cast: no overflow for fp16), reduced in that dtype, unpacked into the fp32 main grads.
 
     Gradients accumulate in the buffer across backwards (``no_sync()`` micro-batches); clear them with
-    ``zero_grad()`` (or an optimizer's ``zero_grad()``: ``p.grad is None`` at the next forward is seen and the
-    buffer slice zeroed).
+    ``zero_grad()`` (or an optimizer's ``zero_grad()``: ``p.grad is None`` at the next forward is seen). A
+    cleared parameter's buffer slice is stale until its next gradient overwrites it; ``p.main_grad`` is
+    valid once a backward has run (slices of parameters that got no gradient are zeroed at its end).
     """
 
     def __init__(self, module: nn.Module, dp_group, *, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
                  overlap: bool = True, reduce_op: str = "all_reduce", comm_dtype: Optional[torch.dtype] = None,
                  find_unused_parameters: bool = False, broadcast_from_rank0: bool = True,
-                 grad_dtype: Optional[torch.dtype] = None, rebuild_bucket_order: Optional[bool] = None):
+                 grad_dtype: Optional[torch.dtype] = None, rebuild_bucket_order: Optional[bool] = None,
+                 fuse_grad_accumulation: bool = True):
         super().__init__()
         if reduce_op not in _REDUCE_OPS:
             raise ValueError(f"DataParallel: reduce_op={reduce_op!r}; choose one of {_REDUCE_OPS}")
@@ -93,10 +99,22 @@ class DataParallel(nn.Module):
                 for b in module.buffers():
                     C.broadcast(b, 0, dp_group)
         self._sync = True
+        # Parameters whose buffer slice holds a stale value that counts as zero (cleared by zero_grad with
+        # set_to_none=True): their next gradient is written over the slice instead of added to it.
+        self._stale: set = set()
+        self._unsynced_end_queued = False
+        # Scale at landing (fused into the write) when the collective runs in the grad dtype; a low-precision
+        # communication scales in the pack kernel instead (scale BEFORE the down-cast).
+        self._prescale = self.comm_dtype == self.grad_dtype and self.dp_size > 1
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.buffer.params]
         self._index_params()
         self._reset_iteration()
         self.last_sync_timeline: Optional[dict] = None
+        # Layers that can (fused_grads.py) write their weight gradients straight into the buffer; the dtypes
+        # must match, since the write is a GEMM / index_add into the fp32 slice.
+        self.fuse_grad_accumulation = bool(fuse_grad_accumulation) and self._direct
+        for p in self.buffer.params:
+            p.grad_sink = self if self.fuse_grad_accumulation else None
 
     # ------------------------------------------------------------------ set-up helpers
     def _index_params(self) -> None:
@@ -118,6 +136,7 @@ class DataParallel(nn.Module):
         self.grad_shard: Optional[torch.Tensor] = (
             torch.zeros(pos, dtype=self.grad_dtype, device=buf.device) if self.reduce_op == "reduce_scatter" else None)
         self._scale = torch.full((1,), 1.0 / self.dp_size, dtype=torch.float32, device=buf.device)
+        self._scale_value = float(self._scale.item())   # the same float32 value, as a GEMM's alpha
         self._one = torch.ones(1, dtype=torch.float32, device=buf.device)
 
     def bucket_grad_shard(self, b: Bucket) -> torch.Tensor:
@@ -137,6 +156,7 @@ class DataParallel(nn.Module):
         self._arrival: List[torch.nn.Parameter] = []
         self._callback_queued = False
         self._launch_log: List[tuple] = []
+        self._prescaled: set = set()            # params whose slice already holds grad * 1/world
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
@@ -153,16 +173,21 @@ class DataParallel(nn.Module):
         finally:
             self._sync = old
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 (views must survive: always zero)
-        self.buffer.zero_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``set_to_none=True`` (torch's default): ``.grad`` becomes None and the buffer is not touched; each
+        parameter's next gradient is written over its slice (see the module docstring). ``False``: the
+        buffer is zeroed (one memset) and ``.grad`` stays the buffer view."""
         if self.grad_shard is not None:
             self.grad_shard.zero_()
-        if self._direct:
-            for p in self.buffer.params:
-                p.grad = p.main_grad
-        else:
+        if set_to_none:
+            self._stale = {id(p) for p in self.buffer.params}
             for p in self.buffer.params:
                 p.grad = None
+            return
+        self.buffer.zero_grad()
+        self._stale = set()
+        for p in self.buffer.params:
+            p.grad = p.main_grad if self._direct else None
 
     def sync_gradients(self) -> None:
         """Reduce, in one go, the gradients accumulated so far under :meth:`no_sync` (e.g. over every
@@ -173,6 +198,7 @@ class DataParallel(nn.Module):
         self._rebuild_pending = False
         for p in self.buffer.params:
             if id(p) not in self._ready:
+                self._fill_stale(p)
                 self._mark_ready(p, launch=False)
         self.finish_grad_sync()
 
@@ -189,7 +215,8 @@ class DataParallel(nn.Module):
                 f"DataParallel: {len(names)} parameter(s) got no gradient in this backward: {', '.join(names)}. "
                 f"Either make every parameter take part in the loss, set requires_grad=False on unused ones, "
                 f"or wrap with DataParallel(..., find_unused_parameters=True)")
-        for p in missing:          # their buffer slices hold zeros (or no_sync sums): reduce them as they are
+        for p in missing:          # their slices hold no_sync sums, or zeros once stale ones are filled
+            self._fill_stale(p)
             self._mark_ready(p, launch=False)
         arrival = self._arrival
         if self._rebuild_pending and self.reduce_op == "reduce_scatter":
@@ -213,18 +240,33 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ backward machinery
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
-        if not self._direct:            # low-precision param: accumulate into the fp32 main grad, free p.grad
-            p.main_grad.add_(p.grad)
-            p.grad = None
-        elif p.grad is not p.main_grad and p.grad.data_ptr() != p.main_grad.data_ptr():
-            p.main_grad.add_(p.grad)    # someone replaced .grad after forward: fold it in, restore the view
-            p.grad = p.main_grad
-        if not self._sync:
-            return
         if id(p) in self._ready:
             raise RuntimeError(f"DataParallel: parameter {self._names[id(p)]} got its gradient twice in one "
                                f"backward (reentrant checkpointing or a second backward through the graph?); "
                                f"its bucket was already being reduced")
+        with torch.no_grad():
+            if id(p) in self._stale:        # first gradient since zero_grad(): write it over the stale slice
+                self._stale.discard(id(p))
+                if self._sync and self._prescale:
+                    torch.mul(p.grad, self._scale, out=p.main_grad)   # the average's 1/world, fused in
+                    self._prescaled.add(id(p))
+                else:
+                    p.main_grad.copy_(p.grad)
+            elif p.grad is None:            # written by a fused layer (write_grad), nothing through autograd
+                pass
+            elif not self._direct or (p.grad is not p.main_grad and p.grad.data_ptr() != p.main_grad.data_ptr()):
+                # low-precision param, .grad replaced after forward, or an unfused share of a weight a fused
+                # layer already wrote (averaged at landing): fold it in, at the slice's scale
+                if id(p) in self._prescaled:
+                    p.main_grad.addcmul_(p.grad, self._scale)
+                else:
+                    p.main_grad.add_(p.grad)
+        p.grad = p.main_grad if self._direct else None   # low-precision param: the fp32 main grad only
+        if not self._sync:
+            if self._stale and not self._unsynced_end_queued:
+                self._unsynced_end_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_unsynced_backward)
+            return
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_grad_sync)
@@ -232,6 +274,49 @@ class DataParallel(nn.Module):
         # reduce_scatter waits for its one re-layout (see finish_grad_sync) before reducing anything
         defer = self._rebuild_pending and self.reduce_op == "reduce_scatter"
         self._mark_ready(p, launch=self.overlap and not defer)
+
+    def write_grad(self, p: torch.nn.Parameter, write) -> None:
+        """A fused layer's contribution to ``p``'s gradient (see :mod:`.fused_grads`): ``write(out, beta,
+        alpha)`` sets ``out = beta * out + alpha * G``. Over a stale slice beta is 0; while syncing, a first
+        write lands averaged (alpha 1/world) and later writes in the same backward follow it."""
+        if id(p) in self._stale:
+            self._stale.discard(id(p))
+            beta = 0.0
+            if self._sync and self._prescale:
+                self._prescaled.add(id(p))
+        else:
+            beta = 1.0
+        with torch.no_grad():
+            write(p.main_grad, beta, self._scale_value if id(p) in self._prescaled else 1.0)
+
+    def _end_unsynced_backward(self) -> None:
+        """End of a ``no_sync`` backward: parameters still stale got no gradient; their slices become zeros
+        (so ``main_grad`` is valid after every backward, e.g. for a tied-weight all-reduce)."""
+        self._unsynced_end_queued = False
+        for p in self.buffer.params:
+            self._fill_stale(p, syncing=False)
+
+    def _fill_stale(self, p, syncing: bool = True) -> None:
+        """A parameter without a gradient in this backward: a stale slice becomes zeros. While syncing it
+        then counts as scaled (0 * 1/world is 0); after a ``no_sync`` backward more may be added to it."""
+        if id(p) not in self._stale:
+            return
+        self._stale.discard(id(p))
+        with torch.no_grad():
+            p.main_grad.zero_()
+        if syncing:
+            self._prescaled.add(id(p))
+        if self._direct:
+            p.grad = p.main_grad
+
+    def _scale_for_average(self, b: Bucket) -> None:
+        """Multiply by 1/world whatever part of the bucket was not scaled when it landed."""
+        todo = [p for p in b.params if id(p) not in self._prescaled]
+        if len(todo) == len(b.params):
+            b.grad_data.mul_(self._scale)     # padding is zero and stays zero
+        else:
+            for p in todo:
+                p.main_grad.mul_(self._scale)
 
     def _mark_ready(self, p, launch: bool) -> None:
         self._ready.add(id(p))
@@ -254,7 +339,7 @@ class DataParallel(nn.Module):
         rs = self.reduce_op == "reduce_scatter"
         with torch.no_grad():
             if self.comm_dtype == self.grad_dtype:
-                b.grad_data.mul_(self._scale)      # average = sum of (g / world); no separate divide pass later
+                self._scale_for_average(b)        # average = sum of (g / world); no divide pass later
                 src, out = b.grad_data, (self.bucket_grad_shard(b) if rs else None)
             else:
                 src = torch.empty(b.numel, dtype=self.comm_dtype, device=b.grad_data.device)
@@ -306,23 +391,22 @@ class DataParallel(nn.Module):
             self.buffer.params[i].grad = None
 
     def _repoint_grads(self) -> None:
-        """Before forward: a ``.grad`` set to None (optimizer.zero_grad) means "start from zero" for that param."""
+        """Before forward: a ``.grad`` set to None (optimizer.zero_grad) means "start from zero" for that param:
+        its slice becomes stale (written over by the next gradient). A ``.grad`` assigned by the user becomes
+        the accumulation start."""
         if not self._direct:
             return
-        params = self.buffer.params
-        nones = [p.grad is None for p in params]
-        if all(nones):
-            self.buffer.zero_grad()
-            for p in params:
-                p.grad = p.main_grad
-            return
-        for p, none in zip(params, nones):
-            if none:
-                p.main_grad.zero_()
-                p.grad = p.main_grad
-            elif p.grad is not p.main_grad and p.grad.data_ptr() != p.main_grad.data_ptr():
-                p.main_grad.copy_(p.grad)   # a user-assigned .grad becomes the accumulation start
-                p.grad = p.main_grad
+        with torch.no_grad():
+            for p in self.buffer.params:
+                if p.grad is None:
+                    self._stale.add(id(p))
+                elif p.grad is not p.main_grad and p.grad.data_ptr() != p.main_grad.data_ptr():
+                    p.main_grad.copy_(p.grad)
+                    p.grad = p.main_grad
+                    self._stale.discard(id(p))
+                elif id(p) in self._stale:  # the view was put back by hand over a stale slice: zeros
+                    p.main_grad.zero_()
+                    self._stale.discard(id(p))
 
     def _rebuild_from(self, arrival: List[torch.nn.Parameter]) -> None:
         """Once: lay buckets out in the order gradients arrived on rank 0 (PyTorch's reducer does the same)."""

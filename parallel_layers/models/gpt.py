@@ -34,6 +34,11 @@ Dropout: on replicated activations it uses the default generator (seed it alike 
 on sharded ones (attention probabilities of the local heads, sequence shards) it runs under the
 tracker's ``"tensor-parallel"`` stream, seeded ``config.seed + 2718 + tp_rank``.
 
+Under :class:`~parallel_layers.data_parallel.DataParallel` (which sets ``weight.grad_sink``) the tied
+embedding / LM head weight gradient is written straight into the data-parallel buffer
+(:mod:`parallel_layers.data_parallel.fused_grads`, Megatron-LM's gradient-accumulation fusion): the
+token embedding at tp=1 and the tied or untied head; the plain model runs the unchanged torch ops.
+
 For pipeline stages, the pieces are separable: :meth:`embed`, ``blocks`` (an ``nn.ModuleList``),
 :meth:`head` (final LayerNorm and LM head, returns the logits shard) and :meth:`loss`.
 """
@@ -48,6 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..data_parallel.fused_grads import embedding_grad_into_buffer, grad_sink, linear_weight_grad_into_buffer
 from ..distributed import collectives as C
 from ..mesh import ParallelMesh
 from ..tensor_parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -289,7 +295,10 @@ class GPT(nn.Module):
         if self._tp.sp and s % self.tp_size:
             raise ValueError(f"GPT: sequence length {s} does not divide by the tensor-parallel size "
                              f"{self.tp_size} (sequence_parallel=True); pad the sequence to a multiple of it")
-        x = self.wte(idx)
+        if self.tp_group is None and grad_sink(self.wte.weight) is not None:
+            x = embedding_grad_into_buffer(idx, self.wte.weight)   # gradient rows land in the DP buffer
+        else:
+            x = self.wte(idx)
         pos = torch.arange(s, device=idx.device)
         if self._tp.sp:
             pos = pos.chunk(self.tp_size)[self.tp_rank]   # this rank's positions
@@ -303,12 +312,16 @@ class GPT(nn.Module):
         """Final LayerNorm and LM head: the logits shard ``[b, s, V_pad / tp]`` (full ``V`` at tp=1)."""
         h = self.ln_f(h)
         if self.lm_head is not None:
+            if self.tp_group is None and grad_sink(self.lm_head.weight) is not None:
+                return linear_weight_grad_into_buffer(h, self.lm_head.weight)
             return self.lm_head(h)   # ColumnParallelLinear gathers the sequence itself under SP
         if self.tp_group is not None:
             # The gradient w.r.t. h is a partial sum over the vocabulary shards: all-reduce it
             # (under SP the gather's backward reduce-scatters, which sums and re-shards at once).
             h = (gather_from_sequence_parallel_region(h, self.tp_group, dim=1) if self._tp.sp
                  else copy_to_tensor_parallel_region(h, self.tp_group))
+        if grad_sink(self.wte.weight) is not None:      # the [V, d] weight gradient lands in the DP buffer
+            return linear_weight_grad_into_buffer(h, self.wte.weight)
         return F.linear(h, self.wte.weight)
 
     def loss(self, logits_shard: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
