@@ -12,7 +12,8 @@ How a step goes (PyTorch's reducer and Megatron-LM's DDP, in a few hundred lines
    left as it was; autograd hands the hook a fresh gradient, which is written over the parameter's slice
    already multiplied by 1/world (one pass, as DDP's copy into its bucket; no memset, no add, no separate
    scaling pass). When gradients accumulate (``no_sync`` micro-batches, ``zero_grad(set_to_none=False)``)
-   ``p.grad`` *is* the buffer view, autograd adds into it, and the bucket is scaled at launch.
+   ``p.grad`` *is* the buffer view, autograd adds into it, and the bucket is scaled at launch. A layer that
+   writes its weight gradient itself (:mod:`.fused_grads`) goes through :meth:`DataParallel.write_grad`.
 3. End of backward (an autograd callback queued by the first hook): launch what is left, wait on EVERY
    work, unpack low-precision buckets; ``.grad`` then holds the averaged gradient.
 
