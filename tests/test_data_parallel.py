@@ -9,6 +9,8 @@ fp32 tolerance 1e-5 relative: losses elementwise, parameters per tensor in norm 
 configs use ``bias=False``: with a key bias its exact gradient is zero and Adam turns rounding noise into
 steps of size lr (see tests/test_gpt_tp.py); LayerNorm biases remain.
 """
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -300,17 +302,21 @@ def body_fused_writes(rank, world, tie):
         grads[fuse], writes[fuse] = out, calls
     err = max((_rel_norm(a[n], b[n]), n) for a, b in zip(grads[True], grads[False]) for n in a)
     bf16 = DataParallel(GPT(cfg).to(torch.bfloat16), group)
-    return err, writes, grad_sink(bf16.module.wte.weight)
+    copied = copy.deepcopy(ddp.module)            # e.g. an EMA copy: plain autograd, its own .grad
+    copied(idx, tgt)[1].backward()
+    copy_plain = grad_sink(copied.wte.weight) is None and copied.wte.weight.grad is not None
+    return err, writes, grad_sink(bf16.module.wte.weight), copy_plain
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_fused_gradient_writes_match_autograd(dist_pools, tie):
-    for rank, (err, writes, bf16_sink) in enumerate(dist_pools(2).run(body_fused_writes, tie)):
+    for rank, (err, writes, bf16_sink, copy_plain) in enumerate(dist_pools(2).run(body_fused_writes, tie)):
         heads = ["wte.weight", "wte.weight"] if tie else ["lm_head.weight", "wte.weight"]
         # per backward: the head's GEMM, then the embedding's rows; 2 steps x 2 micro-batches
         assert writes[True] == heads * 4 and writes[False] == [], f"rank {rank}: writes {writes}"
         assert err[0] <= 1e-6, f"rank {rank}: fused gradient of {err[1]} differs by {err[0]:.2e}"
         assert bf16_sink is None, f"rank {rank}: bf16 parameters cannot take fp32 GEMM writes"
+        assert copy_plain, f"rank {rank}: a deep copy of the wrapped model still wrote into the buffer"
 
 
 # ---------------------------------------------------------------------- zero_grad(set_to_none=True): stale slices

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -112,10 +113,12 @@ class DataParallel(nn.Module):
         self._reset_iteration()
         self.last_sync_timeline: Optional[dict] = None
         # Layers that can (fused_grads.py) write their weight gradients straight into the buffer; the dtypes
-        # must match, since the write is a GEMM / index_add into the fp32 slice.
+        # must match, since the write is a GEMM / index_add into the fp32 slice. A weak reference: no cycle,
+        # and copy.deepcopy of the module (an EMA copy, say) does not try to copy this wrapper.
         self.fuse_grad_accumulation = bool(fuse_grad_accumulation) and self._direct
+        sink = weakref.ref(self) if self.fuse_grad_accumulation else None
         for p in self.buffer.params:
-            p.grad_sink = self if self.fuse_grad_accumulation else None
+            p.grad_sink = sink
 
     # ------------------------------------------------------------------ set-up helpers
     def _index_params(self) -> None:
@@ -275,6 +278,10 @@ class DataParallel(nn.Module):
         # reduce_scatter waits for its one re-layout (see finish_grad_sync) before reducing anything
         defer = self._rebuild_pending and self.reduce_op == "reduce_scatter"
         self._mark_ready(p, launch=self.overlap and not defer)
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the parameters whose gradients live in this wrapper's buffer."""
+        return id(p) in self._bucket_idx
 
     def write_grad(self, p: torch.nn.Parameter, write) -> None:
         """A fused layer's contribution to ``p``'s gradient (see :mod:`.fused_grads`): ``write(out, beta,

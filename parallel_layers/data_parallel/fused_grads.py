@@ -11,8 +11,8 @@ embedding adds its rows in place: no ``[V, d]`` temporary at all. Measured with 
 The block linears are left to autograd: the same prototype fusing them instead measured no gain (their
 gradients are a few MB; copying one into the buffer costs little next to its GEMM).
 
-Protocol: :class:`~parallel_layers.data_parallel.DataParallel` sets ``weight.grad_sink`` to itself on
-the parameters it owns (when the parameter dtype equals the gradient dtype). A layer calls
+Protocol: :class:`~parallel_layers.data_parallel.DataParallel` sets ``weight.grad_sink`` to a weak
+reference to itself on the parameters it owns (when the parameter dtype equals the gradient dtype). A layer calls
 :func:`linear_weight_grad_into_buffer` / :func:`embedding_grad_into_buffer` only when ``grad_sink`` is
 set, so the plain model runs the unchanged torch ops. In backward the layer hands the sink a
 ``write(out, beta, alpha)`` that sets ``out = beta * out + alpha * G`` for its contribution ``G``; the
@@ -29,8 +29,11 @@ import torch.nn.functional as F
 
 
 def grad_sink(weight: torch.Tensor):
-    """The DataParallel that takes ``weight``'s gradient writes, or None (plain torch autograd)."""
-    return getattr(weight, "grad_sink", None)
+    """The DataParallel that takes ``weight``'s gradient writes, or None (plain torch autograd). A copy of
+    the parameter (``copy.deepcopy`` of the model) carries the attribute but is not the wrapper's: None."""
+    ref = getattr(weight, "grad_sink", None)
+    sink = ref() if ref is not None else None
+    return sink if sink is not None and sink.owns(weight) else None
 
 
 class _LinearWeightGradIntoBuffer(torch.autograd.Function):
