@@ -249,11 +249,9 @@ class DataParallel(nn.Module):
                                f"backward (reentrant checkpointing or a second backward through the graph?); "
                                f"its bucket was already being reduced")
         with torch.no_grad():
-            if id(p) in self._stale:        # first gradient since zero_grad(): write it over the stale slice
-                self._stale.discard(id(p))
-                if self._sync and self._prescale:
+            if self._claim_stale(p):        # first gradient since zero_grad(): write it over the stale slice
+                if id(p) in self._prescaled:
                     torch.mul(p.grad, self._scale, out=p.main_grad)   # the average's 1/world, fused in
-                    self._prescaled.add(id(p))
                 else:
                     p.main_grad.copy_(p.grad)
             elif p.grad is None:            # written by a fused layer (write_grad), nothing through autograd
@@ -287,15 +285,20 @@ class DataParallel(nn.Module):
         """A fused layer's contribution to ``p``'s gradient (see :mod:`.fused_grads`): ``write(out, beta,
         alpha)`` sets ``out = beta * out + alpha * G``. Over a stale slice beta is 0; while syncing, a first
         write lands averaged (alpha 1/world) and later writes in the same backward follow it."""
-        if id(p) in self._stale:
-            self._stale.discard(id(p))
-            beta = 0.0
-            if self._sync and self._prescale:
-                self._prescaled.add(id(p))
-        else:
-            beta = 1.0
+        beta = 0.0 if self._claim_stale(p) else 1.0
         with torch.no_grad():
             write(p.main_grad, beta, self._scale_value if id(p) in self._prescaled else 1.0)
+
+    def _claim_stale(self, p) -> bool:
+        """Whether ``p``'s slice is stale, so the gradient arriving now is written over it; it is then no
+        longer stale, and while syncing (in the grad dtype) that write lands averaged: ``p`` counts as
+        scaled."""
+        if id(p) not in self._stale:
+            return False
+        self._stale.discard(id(p))
+        if self._sync and self._prescale:
+            self._prescaled.add(id(p))
+        return True
 
     def _end_unsynced_backward(self) -> None:
         """End of a ``no_sync`` backward: parameters still stale got no gradient; their slices become zeros

@@ -12,9 +12,10 @@ The block linears are left to autograd: the same prototype fusing them instead m
 gradients are a few MB; copying one into the buffer costs little next to its GEMM).
 
 Protocol: :class:`~parallel_layers.data_parallel.DataParallel` sets ``weight.grad_sink`` to a weak
-reference to itself on the parameters it owns (when the parameter dtype equals the gradient dtype). A layer calls
-:func:`linear_weight_grad_into_buffer` / :func:`embedding_grad_into_buffer` only when ``grad_sink`` is
-set, so the plain model runs the unchanged torch ops. In backward the layer hands the sink a
+reference to itself on the parameters it owns (when the parameter dtype equals the gradient dtype). A
+layer calls :func:`linear_weight_grad_into_buffer` / :func:`embedding_grad_into_buffer` in place of
+``F.linear`` / ``F.embedding``; without a sink they are exactly those torch ops, so the plain model
+runs unchanged. In backward the layer hands the sink a
 ``write(out, beta, alpha)`` that sets ``out = beta * out + alpha * G`` for its contribution ``G``; the
 sink picks ``beta`` (0 over a stale slice after ``zero_grad()``, else 1) and ``alpha`` (1/world when the
 slice is being averaged at landing, else 1), and returns ``None`` as the weight's autograd gradient.
@@ -62,14 +63,12 @@ class _EmbeddingGradIntoBuffer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, idx, weight):
-        ctx.save_for_backward(idx)
-        ctx.weight = weight
+        ctx.save_for_backward(idx, weight)
         return F.embedding(idx, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
-        idx, = ctx.saved_tensors
-        weight = ctx.weight
+        idx, weight = ctx.saved_tensors
         rows = grad_out.reshape(-1, grad_out.shape[-1])
 
         def write(out, beta, alpha):
@@ -82,12 +81,18 @@ class _EmbeddingGradIntoBuffer(torch.autograd.Function):
 
 
 def linear_weight_grad_into_buffer(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(h, weight)`` whose weight gradient lands in ``weight.grad_sink``'s buffer."""
+    """``F.linear(h, weight)`` whose weight gradient lands in ``weight.grad_sink``'s buffer (plain
+    ``F.linear`` when there is none)."""
+    if grad_sink(weight) is None:
+        return F.linear(h, weight)
     return _LinearWeightGradIntoBuffer.apply(h, weight)
 
 
 def embedding_grad_into_buffer(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.embedding(idx, weight)`` whose weight gradient lands in ``weight.grad_sink``'s buffer."""
+    """``F.embedding(idx, weight)`` whose weight gradient lands in ``weight.grad_sink``'s buffer (plain
+    ``F.embedding`` when there is none)."""
+    if grad_sink(weight) is None:
+        return F.embedding(idx, weight)
     return _EmbeddingGradIntoBuffer.apply(idx, weight)
 
 

@@ -298,7 +298,7 @@ class GPT(nn.Module):
         if self.tp_group is None and grad_sink(self.wte.weight) is not None:
             x = embedding_grad_into_buffer(idx, self.wte.weight)   # gradient rows land in the DP buffer
         else:
-            x = self.wte(idx)
+            x = self.wte(idx)                                       # the module (and its hooks) as is
         pos = torch.arange(s, device=idx.device)
         if self._tp.sp:
             pos = pos.chunk(self.tp_size)[self.tp_rank]   # this rank's positions
@@ -320,9 +320,7 @@ class GPT(nn.Module):
             # (under SP the gather's backward reduce-scatters, which sums and re-shards at once).
             h = (gather_from_sequence_parallel_region(h, self.tp_group, dim=1) if self._tp.sp
                  else copy_to_tensor_parallel_region(h, self.tp_group))
-        if grad_sink(self.wte.weight) is not None:      # the [V, d] weight gradient lands in the DP buffer
-            return linear_weight_grad_into_buffer(h, self.wte.weight)
-        return F.linear(h, self.wte.weight)
+        return linear_weight_grad_into_buffer(h, self.wte.weight)   # F.linear; under DP: grad into its buffer
 
     def loss(self, logits_shard: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
              inplace_backward: bool = True) -> torch.Tensor:
