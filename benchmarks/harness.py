@@ -232,7 +232,7 @@ def slowest_rank_ms(fn: Callable[[], object], group=None) -> float:
 
 
 def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900,
-              retain_memory: bool = False) -> List[object]:
+              retain_memory: bool = False, bind_cores: bool = False) -> List[object]:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo ranks (one thread each); return the per-rank
     results in rank order. ``fn`` must be a module-level function.
 
@@ -240,6 +240,10 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900
     reuse instead of faulting it back in every step, as a CPU training job should run: see
     ``parallel_layers.cpu_allocator``). The timing benchmarks set it, so ours and the torch baselines,
     which run in the same processes, both get it; the benchmarks that measure resident memory do not.
+
+    ``bind_cores``: each rank binds its threads to a core of its own where the machine has a core per
+    rank (``parallel_layers.cpu_affinity``), as a CPU training job should run; the torch baselines in the
+    same processes are bound too. Set by the benchmarks measured with it (pipeline).
 
     A one-shot ``parallel_layers.testing.WorkerPool``: fresh processes, so a benchmark's memory figures
     and environment (see :func:`environ`) start clean. A rank that raises, dies, or a run past
@@ -249,7 +253,7 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900
     from parallel_layers.cpu_allocator import RETAIN_ENV
     from parallel_layers.testing.workers import WorkerPool
 
-    with environ(RETAIN_ENV if retain_memory else {}), WorkerPool(world, pg_timeout_s=300) as pool:
+    with environ(RETAIN_ENV if retain_memory else {}), WorkerPool(world, pg_timeout_s=300, bind_cores=bind_cores) as pool:
         return pool.run(fn, *args, timeout=timeout_s)
 
 

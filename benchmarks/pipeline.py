@@ -33,8 +33,10 @@ on one core) carries the targets; "small" (d 128, seq 64, ~1-3 ms per stage op, 
 model) is reported too at p = 2, without pass/fail: there message latency and Python overhead are a
 large share of a step.
 Ranks keep freed memory for reuse (``harness.run_ranks(retain_memory=True)``, see
-``parallel_layers.cpu_allocator``), as a CPU training job should run; the torch baselines share the
-processes, so they get it too.
+``parallel_layers.cpu_allocator``) and, where the machine has a core per rank, each rank's threads are
+bound to a core of its own (``bind_cores=True``, see ``parallel_layers.cpu_affinity``; ``--no-bind-cores``
+to compare), as a CPU training job should run; the torch baselines share the processes, so they get
+both too. The bubble rows say how the ranks were bound.
 """
 from __future__ import annotations
 
@@ -208,7 +210,10 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                 path = png_base.replace(".png", f"_{n[5:]}_p{world}_m{m}.png")
                 out = variants[n][0].draw_timeline(path)
                 png = png or out
-        results[m] = {"times": times, "bubbles": bubbles, "busy": busy, "parts": parts, "mem": mems, "png": png}
+        cores = [None] * world       # each rank's affinity, for the rows (bound or free)
+        dist.all_gather_object(cores, sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
+        results[m] = {"times": times, "bubbles": bubbles, "busy": busy, "parts": parts, "mem": mems, "png": png,
+                      "cores": cores}
     return results if rank == 0 else None
 
 
@@ -227,7 +232,9 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
         model = overrides.get("model") or prof["runs"][0][0]
         pps = overrides.get("pps") or sorted({p for _, ps in prof["runs"] for p in ps})
         prof["runs"] = [(model, pps)]
-    prof.update({k: v for k, v in overrides.items() if v is not None and k in ("ms", "reps", "warmup", "png")})
+    prof["bind_cores"] = True     # see parallel_layers.cpu_affinity (measured there); --no-bind-cores to compare
+    prof.update({k: v for k, v in overrides.items()
+                 if v is not None and k in ("ms", "reps", "warmup", "png", "bind_cores")})
     common = dict(harness.common_fields(mode, torch.device("cpu"), 1), dtype="float32", backend="gloo")
     rows: List[dict] = []
     for run_i, (model, pps) in enumerate(prof["runs"]):
@@ -238,7 +245,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
             if progress:
                 progress(f"{model} p={p} m={','.join(map(str, prof['ms']))}")
             res = harness.run_ranks(_bench_rank, p, (cfgd, prof["ms"], prof["reps"], prof["warmup"], png_base),
-                                    timeout_s=1800, retain_memory=True)[0]
+                                    timeout_s=1800, retain_memory=True, bind_cores=prof["bind_cores"])[0]
             for m in prof["ms"]:
                 rows += _rows(common, res[m], p, m, cfgd, model not in REPORTED_MODELS)
             if res[max(prof["ms"])].get("png"):
@@ -267,6 +274,15 @@ def _breakdown_text(parts: List[dict]) -> str:
             f"{b['imbalance_jitter']:+.3f} + engine {b['engine_overhead']:+.3f} + messages {b['messages']:+.3f})")
 
 
+def _binding_text(cores: Optional[List[List[int]]]) -> str:
+    """Which cores each rank ran on: bound (``parallel_layers.cpu_affinity``) or free."""
+    if not cores or not all(cores):
+        return "core binding unknown"
+    if len({tuple(c) for c in cores}) == 1 and len(cores) > 1:
+        return f"ranks not bound (each free on {len(cores[0])} cores)"
+    return "ranks bound to cores " + "|".join(",".join(map(str, c)) for c in cores)
+
+
 def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict, judged: bool = True) -> List[dict]:
     """The CSV rows of one (p, m): step time of each schedule against torch, 1F1B's bubble against
     (p-1)/(m+p-1) with where it came from, interleaved's bubble against 1F1B's, activation memory
@@ -289,7 +305,8 @@ def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict, judged: bool = True
                      met=_judge(p, rel <= 0.15, judged),
                      baseline=f"measured {bub['1f1b']:.4f} {_breakdown_text(r['parts']['ours_1f1b'])}; "
                               f"rel diff {rel:.3f}; compute per rank ms "
-                              + "/".join(f"{x:.0f}" for x in stage_ms) + f" (imbalance {imbalance:.1%})"))
+                              + "/".join(f"{x:.0f}" for x in stage_ms) + f" (imbalance {imbalance:.1%}); "
+                              + _binding_text(r.get("cores"))))
     rows.append(dict(common, case="bubble_interleaved_vs_1f1b", sizes=sizes, target="below 1F1B",
                      met=_judge(p, bub["interleaved"] < bub["1f1b"], judged),
                      baseline=f"interleaved {bub['interleaved']:.4f} "
@@ -318,12 +335,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default=None)
     ap.add_argument("--csv", default=None, help=f"CSV to append to (default {os.path.relpath(CSV_PATH)})")
     ap.add_argument("--no-csv", action="store_true")
+    ap.add_argument("--no-bind-cores", action="store_true",
+                    help="leave the ranks free on every core (default: each bound to its own where cores suffice)")
     args = ap.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     ints = lambda s: None if s is None else [int(x) for x in s.split(",")]  # noqa: E731
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), pps=ints(args.pp), ms=ints(args.microbatches), reps=args.reps,
-                   warmup=args.warmup, model=args.model)
+                   warmup=args.warmup, model=args.model, bind_cores=False if args.no_bind_cores else None)
     print(f"({time.time() - t0:.1f} s)")
     harness.print_and_append(rows, None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH))
     return 0

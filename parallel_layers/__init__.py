@@ -4,6 +4,7 @@ Importing never fails because a kernel could not be built: ops fall back to thei
 with one warning that says why.
 """
 from . import ops, pipeline
+from .cpu_affinity import bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
 from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
 from .data_parallel import DataParallel
@@ -20,4 +21,4 @@ __all__ = ["ops", "pipeline", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnP
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
            "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "DataParallel",
            "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler", "clip_grad_norm_",
-           "retain_freed_memory", "__version__"]
+           "retain_freed_memory", "bind_rank_to_cores", "__version__"]

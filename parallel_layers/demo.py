@@ -4,7 +4,9 @@ the single-process model.
 Launching: without ``RANK``/``WORLD_SIZE`` in the environment the demo spawns ``dp * tp * pp`` processes
 itself (gloo on CPU, one thread each, a free local port). Under ``torchrun`` (those variables set) it
 spawns nothing: it initialises from the environment, with NCCL and one GPU per process
-(``LOCAL_RANK``) when CUDA is available, gloo otherwise.
+(``LOCAL_RANK``) when CUDA is available, gloo otherwise. CPU ranks bind their threads to cores of
+their own where the machine has at least one core per local rank (``parallel_layers.cpu_affinity``;
+``--no-bind-cores`` to keep them free); the demo's default 8 processes on a 2-core machine are not bound.
 
 Data: byte-level text (vocabulary 256) of the Python standard library's own ``.py`` sources, read in
 sorted path order (every machine has them). Each step draws a global batch of random windows from a
@@ -28,6 +30,7 @@ from typing import List, Optional
 
 import torch
 
+from .cpu_affinity import bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
 from .testing.workers import free_port
 
@@ -97,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo_out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
     p.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
+    p.add_argument("--no-bind-cores", action="store_true",
+                   help="leave CPU ranks free on every core (default: each bound to cores of its own where "
+                        "this machine has at least one per local rank; never on CUDA)")
     return p
 
 
@@ -189,7 +195,8 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -
     bubble = model.bubble_fraction() if rank == 0 else None
     per_rank = [None] * dist.get_world_size()
     info = {"rank": rank, "rss_mb": round(rss_mb(), 1),
-            "coord": {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank}}
+            "coord": {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank},
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
     if device is not None and device.type == "cuda":
         info["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     dist.all_gather_object(per_rank, info)
@@ -208,6 +215,8 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     retain_freed_memory()        # a CPU rank reuses freed activations instead of faulting them back in
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
+    if not args.no_bind_cores:   # after the process group, so gloo's threads are bound too
+        bind_rank_to_cores(rank, world)
     try:
         corpus = load_corpus(args.corpus_bytes)
         res = train_parallel(args, corpus, None)
@@ -294,6 +303,8 @@ def _run_torchrun(args) -> int:
     if not use_cuda:
         retain_freed_memory()
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
+    if not use_cuda and not args.no_bind_cores:
+        bind_rank_to_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     world = dist.get_world_size()
     if world != args.dp * args.tp * args.pp:
         raise SystemExit(f"demo: WORLD_SIZE={world} but dp x tp x pp = {args.dp * args.tp * args.pp}")

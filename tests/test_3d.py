@@ -186,6 +186,14 @@ def test_demo_end_to_end(tmp_path, zero):
     assert summary["config"]["dp"] == 2 and summary["config"]["tp"] == 2 and summary["config"]["pp"] == 2
     assert len(summary["memory_rss_mb"]) == 8 and summary["tokens_per_s"] > 0
     assert os.path.getsize(out / "timeline.png") > 1000
+    # 8 ranks: bound to cores of their own only where the machine has 8 (parallel_layers.cpu_affinity)
+    if hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        ranks = [r["cores"] for r in summary["per_rank"]]
+        if len(cores) < 8:
+            assert all(c == cores for c in ranks), ranks
+        else:
+            assert all(len(c) == len(cores) // 8 for c in ranks) and len({x for c in ranks for x in c}) == 8 * len(ranks[0])
 
 
 

@@ -69,7 +69,8 @@ def _detached(obj):
     return obj
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float, env: dict) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float, env: dict,
+            bind_cores: bool = False) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -79,6 +80,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
+    if bind_cores:    # after the process group, so gloo's threads are bound too
+        from parallel_layers.cpu_affinity import bind_rank_to_cores
+        bind_rank_to_cores(rank, world_size)
     while True:
         task = tasks.get()
         if task is None:
@@ -97,10 +101,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
 
 
 class WorkerPool:
-    """``world_size`` gloo ranks kept alive across calls. Use as a context manager or call ``close()``."""
+    """``world_size`` gloo ranks kept alive across calls. Use as a context manager or call ``close()``.
+    ``bind_cores``: each rank binds its threads to cores of its own where there are enough cores
+    (:func:`parallel_layers.cpu_affinity.bind_rank_to_cores`)."""
 
-    def __init__(self, world_size: int, *, pg_timeout_s: float = 60.0, env: dict | None = None):
+    def __init__(self, world_size: int, *, pg_timeout_s: float = 60.0, env: dict | None = None,
+                 bind_cores: bool = False):
         self.world_size = world_size
+        self.bind_cores = bind_cores
         self.pg_timeout_s = pg_timeout_s
         self.env = dict(env or {})
         self._procs: List = []
@@ -113,7 +121,8 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results,
-                                                         self.pg_timeout_s, self.env), daemon=True)
+                                                         self.pg_timeout_s, self.env, self.bind_cores),
+                                    daemon=True)
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
