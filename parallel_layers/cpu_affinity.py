@@ -7,9 +7,11 @@ a core that another rank's thread holds. Binding every thread of rank ``r`` to i
 cores keeps its caches and its gloo threads next to its compute.
 
 Measured on the 2-core benchmark VM (throwaway ``/tmp/pp7/pin_ab.py``: 1F1B, p=2, m=8, the pipeline
-benchmark's GPT, pinned and unpinned steps interleaved in the same two processes, 12 and 30 reps per
-variant, four runs): median bubble 0.1277 / 0.1270 / 0.1262 / 0.1220 bound against 0.1340 / 0.1292 /
-0.1301 / 0.1257 free, every run lower by 0.002-0.006, most of it in message latency.
+benchmark's GPT, bound and free steps interleaved in the same two processes, 12-30 reps per variant,
+five runs): median bubble 0.1277 / 0.1270 / 0.1262 / 0.1220 / 0.1238 bound against 0.1340 / 0.1292 /
+0.1301 / 0.1257 / 0.1247 free, lower in every run (the message-latency term in all five). It helps
+``torch.distributed.pipelining``'s schedules more (its 1F1B step at m=8: 559 -> 531 ms; ours 535 ->
+530 ms; ``python -m benchmarks.pipeline --pp 2 --no-csv`` with and without ``--no-bind-cores``).
 
 Only where every local rank gets at least one core: with more ranks than cores (the demo's 8
 processes on this machine) a fixed binding would stop the kernel from balancing them, so nothing is
