@@ -253,7 +253,8 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), timeout_s: float = 900
     from parallel_layers.cpu_allocator import RETAIN_ENV
     from parallel_layers.testing.workers import WorkerPool
 
-    with environ(RETAIN_ENV if retain_memory else {}), WorkerPool(world, pg_timeout_s=300, bind_cores=bind_cores) as pool:
+    pool = WorkerPool(world, pg_timeout_s=300, bind_cores=bind_cores)
+    with environ(RETAIN_ENV if retain_memory else {}), pool:
         return pool.run(fn, *args, timeout=timeout_s)
 
 

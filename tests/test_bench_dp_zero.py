@@ -28,7 +28,8 @@ def body_bench(rank, world, module, fn_name, *args):
 
 
 def _in_pools(monkeypatch, dist_pools):
-    def run_ranks(fn, world, args=(), timeout_s=900, retain_memory=False):  # noqa: ARG001 (the pools run as they are)
+    def run_ranks(fn, world, args=(), timeout_s=900, retain_memory=False, bind_cores=False):  # noqa: ARG001
+        # (the shared pools run as they are: fresh processes, binding and allocator settings are the real runs')
         return dist_pools(world).run(body_bench, fn.__module__.rsplit(".", 1)[-1], fn.__name__, *args,
                                      timeout=min(timeout_s, 300))
     monkeypatch.setattr(harness, "run_ranks", run_ranks)
@@ -78,6 +79,8 @@ def test_pipeline_smoke_rows_and_timeline_pngs(monkeypatch, dist_pools, tmp_path
     for r in rows:
         if r["case"].startswith("bubble"):
             assert "median rep" in r["baseline"] and "schedule" in r["baseline"], r["baseline"]
+        if r["case"] == "bubble_1f1b":    # the shared pools are not bound
+            assert "ranks not bound" in r["baseline"] or "binding unknown" in r["baseline"], r["baseline"]
     pngs = sorted(os.listdir(tmp_path))
     assert pngs == ["pipeline_timeline_1f1b_p2_m4.png", "pipeline_timeline_interleaved_p2_m4.png"], pngs
 
