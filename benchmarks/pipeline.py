@@ -144,6 +144,8 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
     def loss_fn(out, tgt):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
 
+    cores = [None] * world       # each rank's affinity, for the rows (bound or free); fixed for the run
+    dist.all_gather_object(cores, sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
     for m in ms:
         g = torch.Generator().manual_seed(0)
         B = m * cfgd["mbs"]
@@ -210,8 +212,6 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                 path = png_base.replace(".png", f"_{n[5:]}_p{world}_m{m}.png")
                 out = variants[n][0].draw_timeline(path)
                 png = png or out
-        cores = [None] * world       # each rank's affinity, for the rows (bound or free)
-        dist.all_gather_object(cores, sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
         results[m] = {"times": times, "bubbles": bubbles, "busy": busy, "parts": parts, "mem": mems, "png": png,
                       "cores": cores}
     return results if rank == 0 else None

@@ -13,9 +13,12 @@ it moves a message, and on a busy CPU that thread is sometimes descheduled holdi
 the engine (1F1B, p=2, m=8, 2 cores): a post took a median of 40-55 us and at worst 4-7 ms on the
 compute thread. A/B in the same processes (15 reps, p=2, m=8), bubble with the thread against without:
 1F1B 0.137 against 0.143 on the benchmark's representative model (d 256), 0.19 against 0.23 on its small
-one (d 128), interleaved 0.22 against 0.30 on the small one. Sends stay on the caller's thread (a gloo
-send is about 5 us to post when its receive is waiting): handing them to the thread as well measured
-worse for 1F1B (0.140 against 0.134), each message then waiting for the thread to wake.
+one (d 128), interleaved 0.22 against 0.30 on the small one. Sends stay on the caller's thread. When its
+receive is already waiting, gloo writes the message into the socket right there: for the benchmark's
+256 KB activation that took a median of 0.24-0.29 ms per send (1F1B, p=2, m=8, 10 steps). Handing
+sends to the thread as well measured worse for 1F1B (0.140 against 0.134), each message then waiting
+for the thread to wake; a separate sending thread was no clear gain in two A/B runs (0.1355 against
+0.1269, 0.1311 against 0.1339).
 
 Shapes travel once per step and link: before the first activation of a step on a link, the sender
 posts a small int64 header ``[ndim, dtype, *shape]``; the receiver allocates from it (gradients have the
