@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--checkpoint", nargs="?", type=int, const=-1, default=0, metavar="N",
+                   help="activation checkpointing: recompute every block in backward, or with N only the "
+                        "first N blocks of each pipeline stage (Megatron-LM's --recompute-method block)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument("--n-layer", type=int, default=4)
@@ -112,6 +115,11 @@ def model_config(args):
                      max_seq_len=args.seq_len, dropout=0.0, bias=False, tie_embeddings=True)
 
 
+def checkpoint_setting(args):
+    """``--checkpoint`` -> ``Parallel3D(checkpoint=)``: True (flag alone: every block), False (absent) or N."""
+    return True if args.checkpoint == -1 else args.checkpoint
+
+
 def check_args(args) -> None:
     world = args.dp * args.tp * args.pp
     chunks = 2 if args.schedule == "interleaved" else 1
@@ -130,6 +138,9 @@ def check_args(args) -> None:
     if args.precision in ("bf16", "fp16") and args.zero == 3:
         errs.append(f"--precision {args.precision} with --zero 3 is not supported (ZeRO-3 in the pipeline is "
                     f"fp32 only): use --zero 1 or --zero 2, or --precision fp32")
+    if args.checkpoint < -1:
+        errs.append(f"--checkpoint {args.checkpoint} must be a number of blocks >= 0 (or the flag alone for "
+                    f"every block)")
     if world < 1:
         errs.append("dp, tp and pp must be positive")
     if errs:
@@ -161,7 +172,8 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -
     model = Parallel3D(model_config(args), mesh, zero=args.zero, schedule=args.schedule,
                        num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
-                       record_timeline=True, seed=args.seed, device=device)
+                       record_timeline=True, seed=args.seed, device=device,
+                       checkpoint=checkpoint_setting(args))
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -248,6 +260,13 @@ def train_reference(args, corpus: torch.Tensor) -> List[float]:
     return losses
 
 
+def _checkpoint_text(args) -> str:
+    ckpt = checkpoint_setting(args)
+    if ckpt is True:
+        return ", checkpointing every block"
+    return f", checkpointing the first {ckpt} block(s) of each stage" if ckpt else ""
+
+
 def summarize(args, par: dict, ref: Optional[List[float]], corpus_bytes: int, launcher: str) -> dict:
     tol = {"fp32": FP32_RTOL, "bf16": BF16_RTOL, "fp16": FP16_RTOL}[args.precision]
     summary = {"config": {k: getattr(args, k) for k in vars(args)}, "launcher": launcher,
@@ -259,7 +278,8 @@ def summarize(args, par: dict, ref: Optional[List[float]], corpus_bytes: int, la
                "bubble_fraction": par["bubble_fraction"], "tolerance_rel_per_step": tol,
                "skipped_steps": par.get("skipped_steps"), "final_loss_scale": par.get("loss_scale")}
     print(f"\n3D run: dp={args.dp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
-          f"{args.microbatches} microbatches, {args.precision}: {par['tokens_per_s']:,.0f} tokens/s, "
+          f"{args.microbatches} microbatches, {args.precision}{_checkpoint_text(args)}: "
+          f"{par['tokens_per_s']:,.0f} tokens/s, "
           f"loss {par['losses'][0]:.4f} -> {par['losses'][-1]:.4f}")
     print("memory RSS per rank (MB): " + ", ".join(f"{m:.0f}" for m in summary["memory_rss_mb"]))
     if par.get("skipped_steps") is not None:

@@ -44,7 +44,7 @@ so the result matches the single-process model trained on the full batch.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,10 @@ class Parallel3D:
     ``1f1b`` or ``interleaved`` (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``:
     None disables clipping. ``seed``: the weights are those of ``torch.manual_seed(seed); GPT(config)``.
     ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16);
-    must be None for other dtypes.
+    must be None for other dtypes. ``checkpoint``: activation checkpointing, True for every block, an int
+    ``n`` for the first ``n`` blocks of each stage (Megatron-LM's ``--recompute-method block``); backward
+    recomputes them with the forward's RNG state (default generator and TP dropout stream), so dropout
+    masks replay exactly; with ZeRO-3 the recomputation uses the parameters kept gathered for the step.
     """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh, *, zero: int = 0, schedule: str = "1f1b",
@@ -79,7 +82,8 @@ class Parallel3D:
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: Optional[float] = 1.0, dtype: torch.dtype = torch.float32,
                  bucket_cap_mb: float = 25.0, record_timeline: bool = False, seed: int = 0,
-                 device: Optional[torch.device] = None, loss_scaler: Optional[DynamicLossScaler] = None):
+                 device: Optional[torch.device] = None, loss_scaler: Optional[DynamicLossScaler] = None,
+                 checkpoint: Union[bool, int] = False):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"Parallel3D: zero={zero!r} must be 0 (plain data parallel), 1, 2 or 3")
         if zero == 3 and dtype != torch.float32:
@@ -107,7 +111,7 @@ class Parallel3D:
         # every dtype starts from the fp32 model's weights.
         self.chunks: List[nn.Module] = build_gpt_stages(
             config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=self.tp_group,
-            require_divisible=schedule == "interleaved", dtype=dtype, device=device)
+            require_divisible=schedule == "interleaved", checkpoint=checkpoint, dtype=dtype, device=device)
         self.model = nn.ModuleList(self.chunks)
         self.dp = self.z = None
         if zero == 3:

@@ -162,6 +162,45 @@ def test_3d_zero3_matches_single_process(dist_pools, dims, schedule):
     assert names == set(GPT(GPTConfig(**CFG)).state_dict())      # every parameter checked somewhere
 
 
+# ---------------------------------------------------------------------- activation checkpointing, dropout on
+def body_3d_checkpointing(rank, world, dims, zero, sequence_parallel):
+    """Two steps with dropout on: plain, every block checkpointed, and plain with other dropout masks.
+    Checkpointing recomputes each block in backward with the forward's RNG state (the default
+    generator for replicated activations, the TP tracker's stream for sharded ones), so losses and
+    parameters must be bit-identical to the plain run's; a recompute counter proves it ran."""
+    dp, tp, pp = dims
+    mesh = cached_mesh(dp=dp, tp=tp, pp=pp)
+    runs = []
+    for ckpt, dropout_seed in ((False, 5), (True, 5), (False, 6)):
+        # dropout_seed: the default generator's (replicated activations) and the TP stream's (sharded ones)
+        cfg = GPTConfig(**CFG, dropout=0.2, sequence_parallel=sequence_parallel, seed=dropout_seed)
+        model = Parallel3D(cfg, mesh, zero=zero, schedule="1f1b", num_microbatches=2, lr=LR, betas=BETAS,
+                           eps=EPS, weight_decay=WD, max_grad_norm=CLIP, seed=0, checkpoint=ckpt)
+        calls = [0]
+        for chunk in model.chunks:
+            for block in chunk.blocks:
+                block.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        torch.manual_seed(dropout_seed)            # after the constructor (it seeds the weights)
+        losses = [model.train_step(x, y)["loss"] for x, y in _batches(2)]
+        runs.append((losses, model.dense_state_dict(), calls[0]))
+    (plain, plain_sd, plain_calls), (ck, ck_sd, ck_calls), (other, _, _) = runs
+    return {"same_loss": plain == ck, "other_loss_differs": plain != other,
+            "differing": [k for k in plain_sd if not torch.equal(plain_sd[k], ck_sd[k])],
+            "calls": (plain_calls, ck_calls)}
+
+
+@pytest.mark.parametrize("zero,sequence_parallel", [(1, True), (3, False)], ids=["zero1-sp", "zero3"])
+def test_3d_checkpointing_replays_dropout(dist_pools, zero, sequence_parallel):
+    """dp=2 x tp=2 x pp=2: checkpointed blocks inside TP regions (with sequence parallelism) and under
+    ZeRO-3 (recomputed on the parameters kept gathered for the step) train exactly like plain ones."""
+    for r, res in enumerate(dist_pools(8).run(body_3d_checkpointing, (2, 2, 2), zero, sequence_parallel,
+                                                timeout=240)):
+        assert res["same_loss"] and not res["differing"], (r, res)
+        assert res["other_loss_differs"], f"rank {r}: dropout had no effect (the test would prove nothing)"
+        # 2 blocks per stage x 2 microbatches x 2 steps; checkpointed: each also recomputed once
+        assert res["calls"] == (8, 16), (r, res["calls"])
+
+
 def test_3d_zero3_rejects_low_precision():
     for dtype in (torch.float16, torch.bfloat16):
         with pytest.raises(ValueError, match="zero=3 supports fp32 models only"):
@@ -176,6 +215,8 @@ def test_demo_end_to_end(tmp_path, zero):
     cmd = [sys.executable, "-m", "parallel_layers", "demo", "--steps", "3", "--n-layer", "2", "--d-model", "16",
            "--n-head", "2", "--seq-len", "16", "--batch-size", "8", "--microbatches", "2", "--corpus-bytes",
            "200000", "--out", str(out), "--no-progress", "--zero", str(zero)]
+    if zero == 3:
+        cmd.append("--checkpoint")                    # ZeRO-3 run with every block recomputed in backward
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -186,6 +227,7 @@ def test_demo_end_to_end(tmp_path, zero):
     assert summary["config"]["dp"] == 2 and summary["config"]["tp"] == 2 and summary["config"]["pp"] == 2
     assert len(summary["memory_rss_mb"]) == 8 and summary["tokens_per_s"] > 0
     assert os.path.getsize(out / "timeline.png") > 1000
+    assert ("checkpointing every block" in proc.stdout) == (zero == 3), proc.stdout
     # 8 ranks: bound to cores of their own only where the machine has 8 (parallel_layers.cpu_affinity)
     if hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
@@ -340,6 +382,14 @@ def test_3d_fp16_overflow_on_one_rank_skips_everywhere(dist_pools, zero):
         assert res["after_scales"] == [FP16_INIT_SCALE / 2, FP16_INIT_SCALE, FP16_INIT_SCALE], (r, res)
         assert res["moved"], r
         assert res["scaler"] == out[0]["scaler"], r
+
+
+def test_demo_checkpoint_arguments():
+    from parallel_layers import demo
+    parse = demo.build_parser().parse_args
+    assert [demo.checkpoint_setting(parse(a)) for a in ([], ["--checkpoint"], ["--checkpoint", "1"])] == [0, True, 1]
+    with pytest.raises(SystemExit, match="--checkpoint -2 must be a number of blocks"):
+        demo.check_args(parse(["--checkpoint", "-2"]))
 
 
 def test_demo_precision_fp16_arguments():

@@ -140,24 +140,42 @@ def test_pipeline_untied_embeddings(dist_pools):
 
 
 def body_checkpointing(rank, world):
+    """Gradients of one 1F1B step with dropout on: plain, every block checkpointed, the first block of
+    each stage checkpointed (Megatron's block method), and plain with other dropout masks. Also counts
+    each block's forward calls: a checkpointed block runs twice per microbatch (forward, recompute)."""
     mesh = cached_mesh(pp=world)
     cfg = _config(n_layer=4, dropout=0.2)
     idx, targets = _batch()
-    grads = []
-    for ckpt, step_seed in ((False, 5), (True, 5), (False, 6)):
+    grads, calls = [], []
+    for ckpt, step_seed in ((False, 5), (True, 5), (1, 5), (False, 6)):
         torch.manual_seed(0)
         chunks = build_gpt_stages(cfg, mesh.pp_rank, world, tied_group=_tied(mesh), checkpoint=ckpt)
+        count = [0] * len(chunks[0].blocks)
+        for i, block in enumerate(chunks[0].blocks):
+            block.register_forward_pre_hook(lambda *_, i=i: count.__setitem__(i, count[i] + 1))
         engine = PipelineEngine(chunks, mesh.pp_group, schedule="1f1b", num_microbatches=2)
         torch.manual_seed(step_seed)              # the dropout masks of this step
         engine.step(idx, targets)
         grads.append(torch.cat([p.grad.flatten() for p in chunks[0].parameters()]))
-    return torch.equal(grads[0], grads[1]), torch.equal(grads[0], grads[2])
+        calls.append(count)
+    return [torch.equal(grads[0], g) for g in grads[1:]], calls
 
 
 def test_activation_checkpointing_replays_dropout(dist_pools):
-    for r, (same, same_other_seed) in enumerate(dist_pools(2).run(body_checkpointing)):
-        assert same, f"rank {r}: checkpointed gradients differ from the plain ones"
-        assert not same_other_seed, f"rank {r}: dropout had no effect (test would prove nothing)"
+    for r, (same, calls) in enumerate(dist_pools(2).run(body_checkpointing)):
+        every, first, other_seed = same
+        assert every and first, f"rank {r}: checkpointed gradients differ from the plain ones {same}"
+        assert not other_seed, f"rank {r}: dropout had no effect (test would prove nothing)"
+        # 2 blocks per stage, 2 microbatches: recomputed blocks run 4 times, the others twice
+        assert calls == [[2, 2], [4, 4], [4, 2], [2, 2]], (r, calls)
+
+
+def test_checkpoint_setting_is_checked():
+    for bad in (-1, 1.5, "all"):
+        with pytest.raises(ValueError, match="checkpoint="):
+            build_gpt_stages(_config(n_layer=2), 0, 1, checkpoint=bad)
+    (stage,) = build_gpt_stages(_config(n_layer=4), 0, 2, checkpoint=9)
+    assert stage.checkpoint_blocks == 2          # more than a stage holds: every block
 
 
 def _short_group(seconds=3.0):

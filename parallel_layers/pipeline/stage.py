@@ -23,7 +23,7 @@ When one rank holds both ends (``p = 1``), the chunks share one module.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -99,11 +99,27 @@ def checkpointed(block: nn.Module, x: torch.Tensor, tracker=None) -> torch.Tenso
     return _torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
+def checkpointed_block_count(checkpoint: Union[bool, int], num_blocks: int, where: str = "build_gpt_stages") -> int:
+    """How many of a stage's ``num_blocks`` blocks (the first ones) run under activation checkpointing:
+    ``checkpoint=True`` every block, ``False`` none, an int ``n`` the first ``n`` (Megatron-LM's
+    ``--recompute-method block --recompute-num-layers n``: recomputing only some blocks trades less
+    memory saved for less recomputation; counted per stage, so each chunk of the interleaved schedule
+    recomputes its own first ``n``)."""
+    if isinstance(checkpoint, bool):
+        return num_blocks if checkpoint else 0
+    if not isinstance(checkpoint, int) or checkpoint < 0:
+        raise ValueError(f"{where}: checkpoint={checkpoint!r} must be True (every block), False (none) or a "
+                         f"number of blocks >= 0 to recompute per stage")
+    return min(checkpoint, num_blocks)
+
+
 class GPTStage(nn.Module):
     """One pipeline stage of the reference GPT: embeddings on stage 0, blocks ``layer_range``, final
     LayerNorm + LM head + loss on the last stage. ``forward(x, targets=None)``: token ids (first stage)
     or hidden states in; hidden states out, or on the last stage the logits shard (no targets) or the
-    mean loss. Built by :func:`build_gpt_stages` (which makes the weights equal the full GPT's)."""
+    mean loss. Built by :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
+    ``checkpoint``: see :func:`checkpointed_block_count`; in training mode only (eval keeps nothing for
+    backward anyway)."""
 
     # The pieces are GPT's own, so a stage computes exactly what the full model does.
     embed = GPT.embed
@@ -111,13 +127,12 @@ class GPTStage(nn.Module):
     loss = GPT.loss
 
     def __init__(self, config: GPTConfig, stage_index: int, num_stages: int, layer_range: Tuple[int, int],
-                 tp: _Parallel, modules: dict, *, checkpoint: bool = False, tied_group=None):
+                 tp: _Parallel, modules: dict, *, checkpoint: Union[bool, int] = False, tied_group=None):
         super().__init__()
         self.config, self.stage_index, self.num_stages = config, stage_index, num_stages
         self.layer_range = tuple(layer_range)
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self._tp, self.tp_group, self.tp_size, self.tp_rank = tp, tp.group, tp.size, tp.rank
-        self.checkpoint = checkpoint
         self.tied_group = tied_group
         if self.is_first or (self.is_last and config.tie_embeddings):
             self.wte = modules["wte"]
@@ -127,11 +142,14 @@ class GPTStage(nn.Module):
         if self.is_last:
             self.ln_f = modules["ln_f"]
             self.lm_head = modules["lm_head"]
+        self.checkpoint = checkpoint
+        self.checkpoint_blocks = checkpointed_block_count(checkpoint, len(self.blocks), "GPTStage")
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.embed(x) if self.is_first else x
-        for block in self.blocks:
-            h = checkpointed(block, h, self._tp.rng) if (self.checkpoint and self.training) else block(h)
+        recompute = self.checkpoint_blocks if self.training else 0
+        for i, block in enumerate(self.blocks):
+            h = checkpointed(block, h, self._tp.rng) if i < recompute else block(h)
         if not self.is_last:
             return h
         shard = self.head(h)
@@ -176,12 +194,15 @@ def tied_embedding_group(pp_group):
 
 def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
                      boundaries: Optional[Sequence[int]] = None, require_divisible: bool = False,
-                     tp_group=None, tied_group=None, checkpoint: bool = False, dtype=None,
+                     tp_group=None, tied_group=None, checkpoint: Union[bool, int] = False, dtype=None,
                      device=None) -> List[GPTStage]:
     """The stages (one per chunk) that pipeline rank ``pp_rank`` of ``pp_size`` owns, with the weights
     of ``GPT(config)`` built from the same seed (see the module docstring). ``boundaries``: explicit
     layer split points across all ``pp_size * num_chunks`` stages; ``tied_group``: from
-    :func:`tied_embedding_group` when ``config.tie_embeddings`` and ``pp_size > 1``."""
+    :func:`tied_embedding_group` when ``config.tie_embeddings`` and ``pp_size > 1``; ``checkpoint``:
+    activation checkpointing of every block (True) or of the first ``n`` blocks of each stage (an int),
+    see :func:`checkpointed_block_count`."""
+    checkpointed_block_count(checkpoint, 0)          # a bad value fails here, before anything is built
     S = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"build_gpt_stages: pp_rank={pp_rank} outside 0..{pp_size - 1}")
@@ -236,4 +257,4 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
 
 
 __all__ = ["partition_layers", "stage_ids", "GPTStage", "build_gpt_stages", "tied_embedding_group",
-           "checkpointed"]
+           "checkpointed", "checkpointed_block_count"]
