@@ -1,6 +1,6 @@
 """Pipeline parallelism on real gloo ranks, every rank checked: each schedule at pp = 2 and 4 against
-the unpipelined GPT (same seed, same full batch, float64), activation checkpointing with dropout on,
-and bad input that must end in a clear error on every rank, never a hang."""
+the unpipelined GPT (same seed, same full batch; float64 and float32), activation checkpointing with
+dropout on, and bad input that must end in a clear error on every rank, never a hang."""
 import datetime
 import os
 
@@ -33,19 +33,19 @@ def _batch(batch=8, seq=8, vocab=48):
     return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
 
 
-def body_parity(rank, world, schedule, m, v, tie, timeline_png):
+def body_parity(rank, world, schedule, m, v, tie, timeline_png, dtype=torch.float64):
     mesh = cached_mesh(pp=world)
     cfg = _config(n_layer=8, tie=tie)
     idx, targets = _batch()
     torch.manual_seed(0)
-    dense = GPT(cfg, dtype=torch.float64)
+    dense = GPT(cfg, dtype=dtype)
     _, ref_loss = dense(idx, targets)
     ref_loss.backward()
     ref = {n: p.grad for n, p in dense.named_parameters()}
 
     torch.manual_seed(0)
     chunks = build_gpt_stages(cfg, mesh.pp_rank, world, num_chunks=v, tied_group=_tied(mesh) if tie else None,
-                              dtype=torch.float64)
+                              dtype=dtype)
     engine = PipelineEngine(chunks, mesh.pp_group, schedule=schedule, num_microbatches=m,
                             record_timeline=bool(timeline_png))
     loss = engine.step(idx, targets)
@@ -66,15 +66,22 @@ def body_parity(rank, world, schedule, m, v, tie, timeline_png):
     return out
 
 
+# float64 shows the pipeline computes the same sums (up to reordering); float32 is the issue's bound
+TOLERANCES = {"float64": (1e-12, 1e-10), "float32": (1e-5, 1e-5)}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("schedule,m,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2)])
-def test_pipeline_matches_unpipelined_gpt(dist_pools, tmp_path, world, schedule, m, v):
-    png = str(tmp_path / "timeline.png") if (world == 2 and schedule == "1f1b" and m == 4) else None
-    out = dist_pools(world).run(body_parity, schedule, m, v, True, png)
+def test_pipeline_matches_unpipelined_gpt(dist_pools, tmp_path, world, schedule, m, v, dtype):
+    png = str(tmp_path / "timeline.png") if (world == 2 and schedule == "1f1b" and m == 4 and
+                                             dtype == "float64") else None
+    out = dist_pools(world).run(body_parity, schedule, m, v, True, png, getattr(torch, dtype))
     covered = set()
+    loss_tol, grad_tol = TOLERANCES[dtype]
     for r, res in enumerate(out):
-        assert res["loss_err"] < 1e-12, (r, res["loss_err"])
-        assert res["grad_err"] < 1e-10, (r, res["grad_err"])
+        assert res["loss_err"] < loss_tol, (r, res["loss_err"])
+        assert res["grad_err"] < grad_tol, (r, res["grad_err"])
         covered |= set(res["names"])
     cfg = _config(8)
     torch.manual_seed(0)
