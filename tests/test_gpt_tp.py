@@ -156,6 +156,35 @@ def test_dropout_runs_and_ranks_agree(dist_pools, sequence_parallel):
     assert out[0][0] != out[0][1]  # dropout did something in training mode
 
 
+def body_checkpoint_dropout(rank, world, sequence_parallel):
+    """One forward/backward at tp = 2 with dropout on: plain, every block checkpointed, the first block
+    checkpointed, and plain with other masks (both streams reseeded). Returns whether each run's local
+    gradients equal the plain run's, and each run's block forward count."""
+    group = cached_mesh(tp=world).tp_group
+    idx = torch.randint(0, SMALL["vocab_size"], (2, SMALL["max_seq_len"]), generator=torch.Generator().manual_seed(2))
+    grads, calls = [], []
+    for ckpt, seed in ((False, 5), (True, 5), (1, 5), (False, 6)):
+        cfg = GPTConfig(**{**SMALL, "dropout": 0.2, "sequence_parallel": sequence_parallel, "seed": seed})
+        torch.manual_seed(3)
+        model = GPT(cfg, tp_group=group, checkpoint=ckpt)
+        count = [0]
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        torch.manual_seed(seed)
+        model(idx, idx)[1].backward()
+        model.finish_grads()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        calls.append(count[0])
+    return [torch.equal(grads[0], g) for g in grads[1:]], calls
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_checkpointing_inside_tp_regions_replays_dropout(dist_pools, sequence_parallel):
+    for r, (same, calls) in enumerate(dist_pools(2).run(body_checkpoint_dropout, sequence_parallel)):
+        assert same == [True, True, False], (r, same)      # the last: other masks must change something
+        assert calls == [2, 4, 3, 2], (r, calls)           # 2 blocks; recomputed ones run twice
+
+
 def body_bad_inputs(rank, world):
     mesh = cached_mesh(tp=world)
     msgs = {}

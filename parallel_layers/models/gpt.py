@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .checkpointing import checkpointed_block_count, run_blocks
 from ..data_parallel.fused_grads import embedding_grad_into_buffer, grad_sink, linear_weight_grad_into_buffer
 from ..distributed import collectives as C
 from ..mesh import ParallelMesh
@@ -237,10 +238,16 @@ class GPT(nn.Module):
     full-vocabulary ``[b, s, vocab_size]`` (gathered, padding dropped) when no targets are given or
     ``return_logits=True``, else ``None``; ``loss`` is the mean cross entropy (computed on the
     vocabulary shards, logits never gathered) when targets are given, else ``None``.
+
+    ``checkpoint``: activation checkpointing in training mode, True for every block, an int ``n`` for the
+    first ``n`` (:mod:`parallel_layers.models.checkpointing`: dropout masks replay exactly, TP stream
+    included; works under ZeRO-3, which gathers a block's parameters again for its recomputation).
     """
 
-    def __init__(self, config: GPTConfig, *, tp_group=None, dtype=None, device=None):
+    def __init__(self, config: GPTConfig, *, tp_group=None, dtype=None, device=None,
+                 checkpoint: Union[bool, int] = False):
         super().__init__()
+        self.checkpoint_blocks = checkpointed_block_count(checkpoint, config.n_layer, "GPT")
         group = _resolve_group(tp_group)
         tp = _Parallel(group, config, draw_dtype(dtype), device)
         for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
@@ -342,8 +349,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 return_logits: Optional[bool] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         h = self.embed(idx)
-        for block in self.blocks:
-            h = block(h)
+        h = run_blocks(self.blocks, h, self.checkpoint_blocks if self.training else 0, self._tp.rng)
         shard = self.head(h)
         want_logits = targets is None or bool(return_logits)
         # In-place backward overwrites the logits' saved softmax; only safe when nobody else reads them.

@@ -22,15 +22,14 @@ When one rank holds both ends (``p = 1``), the chunks share one module.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ..distributed import collectives as C
+from ..models.checkpointing import checkpointed, checkpointed_block_count, run_blocks
 from ..models.gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group, draw_dtype, round_to
 
 
@@ -68,57 +67,13 @@ def stage_ids(pp_rank: int, pp_size: int, num_chunks: int = 1) -> List[int]:
     return [c * pp_size + pp_rank for c in range(num_chunks)]
 
 
-def _rng_context_fn(tracker):
-    """``context_fn`` for ``torch.utils.checkpoint``: the TP dropout stream (tracker) is restored on
-    recomputation like the default generator (which ``preserve_rng_state`` already handles)."""
-    saved = {}
-
-    @contextlib.contextmanager
-    def forward_ctx():
-        saved["states"] = tracker.get_states()
-        yield
-
-    @contextlib.contextmanager
-    def recompute_ctx():
-        current = tracker.get_states()
-        tracker.set_states(saved["states"])
-        try:
-            yield
-        finally:
-            tracker.set_states(current)
-
-    return forward_ctx(), recompute_ctx()
-
-
-def checkpointed(block: nn.Module, x: torch.Tensor, tracker=None) -> torch.Tensor:
-    """Run ``block(x)`` without keeping its activations; backward recomputes it with the same RNG
-    state (dropout masks replay exactly)."""
-    kwargs = {}
-    if tracker is not None:
-        kwargs["context_fn"] = lambda: _rng_context_fn(tracker)
-    return _torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=True, **kwargs)
-
-
-def checkpointed_block_count(checkpoint: Union[bool, int], num_blocks: int, where: str = "build_gpt_stages") -> int:
-    """How many of a stage's ``num_blocks`` blocks (the first ones) run under activation checkpointing:
-    ``checkpoint=True`` every block, ``False`` none, an int ``n`` the first ``n`` (Megatron-LM's
-    ``--recompute-method block --recompute-num-layers n``: recomputing only some blocks trades less
-    memory saved for less recomputation; counted per stage, so each chunk of the interleaved schedule
-    recomputes its own first ``n``)."""
-    if isinstance(checkpoint, bool):
-        return num_blocks if checkpoint else 0
-    if not isinstance(checkpoint, int) or checkpoint < 0:
-        raise ValueError(f"{where}: checkpoint={checkpoint!r} must be True (every block), False (none) or a "
-                         f"number of blocks >= 0 to recompute per stage")
-    return min(checkpoint, num_blocks)
-
-
 class GPTStage(nn.Module):
     """One pipeline stage of the reference GPT: embeddings on stage 0, blocks ``layer_range``, final
     LayerNorm + LM head + loss on the last stage. ``forward(x, targets=None)``: token ids (first stage)
     or hidden states in; hidden states out, or on the last stage the logits shard (no targets) or the
     mean loss. Built by :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
-    ``checkpoint``: see :func:`checkpointed_block_count`; in training mode only (eval keeps nothing for
+    ``checkpoint``: see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; in
+    training mode only (eval keeps nothing for
     backward anyway)."""
 
     # The pieces are GPT's own, so a stage computes exactly what the full model does.
@@ -147,9 +102,7 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.embed(x) if self.is_first else x
-        recompute = self.checkpoint_blocks if self.training else 0
-        for i, block in enumerate(self.blocks):
-            h = checkpointed(block, h, self._tp.rng) if i < recompute else block(h)
+        h = run_blocks(self.blocks, h, self.checkpoint_blocks if self.training else 0, self._tp.rng)
         if not self.is_last:
             return h
         shard = self.head(h)
@@ -201,8 +154,8 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     layer split points across all ``pp_size * num_chunks`` stages; ``tied_group``: from
     :func:`tied_embedding_group` when ``config.tie_embeddings`` and ``pp_size > 1``; ``checkpoint``:
     activation checkpointing of every block (True) or of the first ``n`` blocks of each stage (an int),
-    see :func:`checkpointed_block_count`."""
-    checkpointed_block_count(checkpoint, 0)          # a bad value fails here, before anything is built
+    see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`."""
+    checkpointed_block_count(checkpoint, 0, "build_gpt_stages")   # a bad value fails before anything is built
     S = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"build_gpt_stages: pp_rank={pp_rank} outside 0..{pp_size - 1}")
@@ -257,4 +210,4 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
 
 
 __all__ = ["partition_layers", "stage_ids", "GPTStage", "build_gpt_stages", "tied_embedding_group",
-           "checkpointed", "checkpointed_block_count"]
+           "checkpointed"]
