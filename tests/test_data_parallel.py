@@ -47,13 +47,13 @@ def _mean_over(group, x: float) -> float:
 
 
 # ---------------------------------------------------------------------- parity with single-process training
-def body_parity(rank, world, dp, tp, steps):
+def body_parity(rank, world, dp, tp, steps, checkpoint=False):
     mesh = cached_mesh(dp=dp, tp=tp)
     cfg = GPTConfig(**SMALL)
     torch.manual_seed(0)
     dense = GPT(cfg)
     torch.manual_seed(0 if tp > 1 or rank == 0 else 1000 + rank)   # dp rank 0 holds the oracle init
-    model = GPT(cfg, tp_group=mesh.tp_group if tp > 1 else None)
+    model = GPT(cfg, tp_group=mesh.tp_group if tp > 1 else None, checkpoint=checkpoint)
     if tp > 1:   # perturb so the broadcast matters here too (shards of dp rank 0 win)
         with torch.no_grad():
             for p in model.parameters():
@@ -81,9 +81,11 @@ def body_parity(rank, world, dp, tp, steps):
                 layout=layout, arrival=ddp.last_sync_timeline["arrival"])
 
 
-@pytest.mark.parametrize("world,dp,tp", [(2, 2, 1), (4, 4, 1), (4, 2, 2)], ids=["dp2", "dp4", "tp2xdp2"])
-def test_stage0_matches_single_process(dist_pools, world, dp, tp):
-    results = dist_pools(world).run(body_parity, dp, tp, 10)
+@pytest.mark.parametrize("world,dp,tp,checkpoint", [(2, 2, 1, False), (4, 4, 1, False), (4, 2, 2, False),
+                                                    (2, 2, 1, True)], ids=["dp2", "dp4", "tp2xdp2", "dp2-ckpt"])
+def test_stage0_matches_single_process(dist_pools, world, dp, tp, checkpoint):
+    # checkpoint: every block recomputed in backward, its gradients landing through the same hooks
+    results = dist_pools(world).run(body_parity, dp, tp, 10, checkpoint)
     for rank, out in enumerate(results):
         assert out["n_buckets"] >= 4
         for step, (ref, got) in enumerate(out["losses"]):
