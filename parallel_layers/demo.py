@@ -269,7 +269,9 @@ def _checkpoint_text(args) -> str:
 
 def summarize(args, par: dict, ref: Optional[List[float]], corpus_bytes: int, launcher: str) -> dict:
     tol = {"fp32": FP32_RTOL, "bf16": BF16_RTOL, "fp16": FP16_RTOL}[args.precision]
-    summary = {"config": {k: getattr(args, k) for k in vars(args)}, "launcher": launcher,
+    config = {k: getattr(args, k) for k in vars(args)}
+    config["checkpoint"] = checkpoint_setting(args)          # True (every block), or a block count
+    summary = {"config": config, "launcher": launcher,
                "corpus": {"source": "Python standard library .py sources", "bytes": corpus_bytes,
                           "vocab": 256},
                "losses": {"parallel": par["losses"], "single_process": ref},

@@ -228,6 +228,7 @@ def test_demo_end_to_end(tmp_path, zero):
     assert len(summary["memory_rss_mb"]) == 8 and summary["tokens_per_s"] > 0
     assert os.path.getsize(out / "timeline.png") > 1000
     assert ("checkpointing every block" in proc.stdout) == (zero == 3), proc.stdout
+    assert summary["config"]["checkpoint"] == (zero == 3), summary["config"]
     # 8 ranks: bound to cores of their own only where the machine has 8 (parallel_layers.cpu_affinity)
     if hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
