@@ -124,6 +124,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
 
+    from parallel_layers.cpu_affinity import available_cores
     from parallel_layers.models.gpt import GPTConfig
     from parallel_layers.pipeline import PipelineEngine, build_gpt_stages
 
@@ -145,7 +146,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
 
     cores = [None] * world       # each rank's affinity, for the rows (bound or free); fixed for the run
-    dist.all_gather_object(cores, sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [])
+    dist.all_gather_object(cores, available_cores())
     for m in ms:
         g = torch.Generator().manual_seed(0)
         B = m * cfgd["mbs"]

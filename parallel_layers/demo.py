@@ -30,7 +30,7 @@ from typing import List, Optional
 
 import torch
 
-from .cpu_affinity import bind_rank_to_cores
+from .cpu_affinity import available_cores, bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
 from .testing.workers import free_port
 
@@ -208,7 +208,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -
     per_rank = [None] * dist.get_world_size()
     info = {"rank": rank, "rss_mb": round(rss_mb(), 1),
             "coord": {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank},
-            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+            "cores": available_cores()}
     if device is not None and device.type == "cuda":
         info["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     dist.all_gather_object(per_rank, info)
