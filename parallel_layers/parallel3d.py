@@ -214,6 +214,27 @@ class Parallel3D:
             loss /= self.mesh.dp
         return {"loss": loss.item(), "grad_norm": None if norm is None else float(norm)}
 
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The mean loss over the GLOBAL batch ``inputs``/``targets`` (every rank passes the same one; each
+        takes its dp slice), forward only: validation between training steps. The pipeline runs its
+        forward-only schedule (:meth:`PipelineEngine.evaluate`: eval mode, no dropout, no gradients);
+        with ZeRO-3 the parameters are gathered once for it and resharded after. Gradients, optimizer
+        state, the loss scale and the last training step's timeline are left as they were. The same
+        float on every rank."""
+        x, y = self.local_batch(inputs), self.local_batch(targets)
+        if self.z is not None:
+            self.z.gather_all()
+        try:
+            loss = self.engine.evaluate(x, y)
+        finally:
+            if self.z is not None:
+                self.z.release_gathered()           # nothing to reduce: free the gathered parameters
+        loss = loss.detach().to(torch.float64).reshape(1)
+        if self.mesh.dp > 1:
+            C.all_reduce(loss, self.mesh.dp_group)
+            loss /= self.mesh.dp
+        return loss.item()
+
     def _zero3_grad_pieces(self) -> list:
         """This rank's slices of the fp32 gradient shard, one per parameter overlapping it, flagged
         ``tensor_parallel`` like the parameter; the last stage's tied embedding copy left out."""

@@ -50,6 +50,19 @@ def _reference_step(dense, opt, x, y):
     return loss.item(), norm
 
 
+def _eval_err(model, dense):
+    """Relative error of ``model.evaluate`` on a held-out batch of another shape (16 x 6) against the
+    dense model's eval-mode loss at the same weights."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(0, CFG["vocab_size"], (2 * BATCH, SEQ - 1), generator=gen)
+    dense.eval()
+    with torch.no_grad():
+        _, ref = dense(x[:, :-1], x[:, 1:])
+    dense.train()
+    got = model.evaluate(x[:, :-1].contiguous(), x[:, 1:].contiguous())
+    return abs(got - ref.item()) / ref.item()
+
+
 def _step_errs(out, ref_loss, ref_norm):
     """Relative errors of a train_step's loss and gradient norm against the oracle's."""
     return abs(out["loss"] - ref_loss) / abs(ref_loss), abs(out["grad_norm"] - ref_norm) / ref_norm
@@ -61,18 +74,20 @@ def body_3d(rank, world, zero, schedule):
     dense, ref_opt = _reference()
     model = Parallel3D(cfg, mesh, zero=zero, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
                        weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=0)
-    loss_errs, norm_errs, clipped = [], [], []
-    for x, y in _batches(STEPS):
+    loss_errs, norm_errs, clipped, eval_errs = [], [], [], []
+    for i, (x, y) in enumerate(_batches(STEPS)):
         ref_loss, ref_norm = _reference_step(dense, ref_opt, x, y)
         out = model.train_step(x, y)
         loss_err, norm_err = _step_errs(out, ref_loss, ref_norm)
         loss_errs.append(loss_err)
         norm_errs.append(norm_err)
         clipped.append(ref_norm > CLIP)
+        if i in (0, 2):                  # validation between steps; the later steps must not notice it
+            eval_errs.append(_eval_err(model, dense))
     ref = dense.state_dict()
     got = model.dense_state_dict()
     param_errs = {k: _rel(v, ref[k]) for k, v in got.items()}
-    return {"loss": loss_errs, "norm": norm_errs, "clipped": clipped, "params": param_errs}
+    return {"loss": loss_errs, "norm": norm_errs, "clipped": clipped, "params": param_errs, "eval": eval_errs}
 
 
 @pytest.mark.parametrize("zero,schedule", [(0, "1f1b"), (1, "gpipe"), (2, "interleaved")])
@@ -82,6 +97,7 @@ def test_3d_matches_single_process(dist_pools, zero, schedule):
     for r, res in enumerate(out):
         assert max(res["loss"]) < 1e-5, (r, res["loss"])
         assert max(res["norm"]) < 1e-5, (r, res["norm"])
+        assert len(res["eval"]) == 2 and max(res["eval"]) < 1e-5, (r, res["eval"])
         assert any(res["clipped"]), "clipping never active: the test would prove little"
         worst = max(res["params"].items(), key=lambda kv: kv[1])
         assert worst[1] < 1e-5, (r, worst)
@@ -112,7 +128,8 @@ def body_3d_zero3(rank, world, dims, schedule):
             launches.append(u.index)
         return orig_gather(u, prefetch)
     z._gather = counting_gather
-    for x, y in _batches(STEPS):
+    eval_errs, after_eval = [], []
+    for i, (x, y) in enumerate(_batches(STEPS)):
         ref_loss, ref_norm = _reference_step(dense, ref_opt, x, y)
         launches.clear()
         out = model.train_step(x, y)
@@ -123,6 +140,9 @@ def body_3d_zero3(rank, world, dims, schedule):
         clipped.append(ref_norm > CLIP)
         resident.append(sum(p.untyped_storage().nbytes() for p in model.model.parameters())
                         + sum(p.grad is not None for p in model.model.parameters()))
+        if i == 1:                       # validation between steps: gathered for it, resharded after
+            eval_errs.append(_eval_err(model, dense))
+            after_eval.append(sum(p.untyped_storage().nbytes() for p in model.model.parameters()))
     rep = model.memory_report()
     z._gather = orig_gather
     ref = dense.state_dict()
@@ -131,6 +151,7 @@ def body_3d_zero3(rank, world, dims, schedule):
     param_errs = {k: _rel(v, ref[k]) for k, v in got.items()}
     return {"loss": loss_errs, "norm": norm_errs, "clipped": clipped, "params": param_errs,
             "resident": resident, "after_sd": after_sd, "gathers": gathers, "units": len(z.units),
+            "eval": eval_errs, "after_eval": after_eval,
             "stage_numel": stage_numel, "rep": {k: rep[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes",
                                                                    "gathered_bytes", "dp_size", "num_params")}}
 
@@ -151,6 +172,7 @@ def test_3d_zero3_matches_single_process(dist_pools, dims, schedule):
         assert res["gathers"] == [list(range(res["units"]))] * STEPS, (r, res["gathers"])
         # between steps (and after dense_state_dict): no full parameter or gradient storage on this rank
         assert res["resident"] == [0] * STEPS and res["after_sd"] == 0, (r, res["resident"], res["after_sd"])
+        assert max(res["eval"]) < 1e-5 and res["after_eval"] == [0], (r, res["eval"], res["after_eval"])
         rep = res["rep"]
         assert rep["gathered_bytes"] == 0 and rep["num_params"] == res["stage_numel"], (r, rep)
         full = 4 * res["stage_numel"]

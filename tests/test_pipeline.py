@@ -141,6 +141,67 @@ def test_pipeline_batch_shape_changes_between_steps(dist_pools, world, schedule,
         assert [s[2] for s in out[1]] == [m - 1] + [m] * 5, out[1]
 
 
+def body_evaluate(rank, world, schedule, m, v, dropout):
+    """Forward-only evaluation against the dense model in eval mode, between training steps, on batches
+    of other shapes than the training ones. With dropout on, only eval mode gives the dense loss."""
+    mesh = cached_mesh(pp=world)
+    cfg = _config(n_layer=8, dropout=dropout)
+    torch.manual_seed(0)
+    dense = GPT(cfg, dtype=torch.float64)
+    torch.manual_seed(0)
+    chunks = build_gpt_stages(cfg, mesh.pp_rank, world, num_chunks=v, tied_group=_tied(mesh), dtype=torch.float64)
+    engine = PipelineEngine(chunks, mesh.pp_group, schedule=schedule, num_microbatches=m, record_timeline=True)
+    out = []
+    for kind, (batch, seq) in (("train", (8, 8)), ("eval", (16, 6)), ("train", (8, 8)), ("eval", (8, 8))):
+        idx, targets = _batch(batch, seq)
+        if kind == "eval":
+            dense.eval()
+            with torch.no_grad():
+                _, ref_loss = dense(idx, targets)
+            before = [p.grad.clone() for c in chunks for p in c.parameters()]
+            events = list(engine.timeline.events)
+            loss = engine.evaluate(idx, targets)
+            untouched = all(torch.equal(a, p.grad) for a, p in zip(before, (p for c in chunks for p in c.parameters())))
+            out.append({"kind": kind, "loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+                        "grads_untouched": untouched, "train_mode": all(c.training for c in chunks),
+                        "timeline_kept": engine.timeline.events == events, "requires_grad": loss.requires_grad})
+            continue
+        if dropout:                            # training masks differ from the dense model's: run it only
+            for c in chunks:
+                c.zero_grad()
+            engine.step(idx, targets)
+            continue
+        dense.train()
+        dense.zero_grad()
+        _, ref_loss = dense(idx, targets)
+        ref_loss.backward()
+        ref = {n: p.grad for n, p in dense.named_parameters()}
+        for c in chunks:
+            c.zero_grad()
+        loss = engine.step(idx, targets)
+        worst = max(((p.grad - ref[c.dense_name(n)]).norm() / ref[c.dense_name(n)].norm()).item()
+                    for c in chunks for n, p in c.named_parameters())
+        out.append({"kind": kind, "loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+                    "grad_err": worst})
+    return out
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("world,schedule,m,v", [(2, "gpipe", 4, 1), (2, "1f1b", 4, 1), (2, "interleaved", 4, 2),
+                                                (4, "1f1b", 4, 1), (4, "interleaved", 4, 2)])
+def test_pipeline_evaluate_matches_dense_eval_loss(dist_pools, world, schedule, m, v, dropout):
+    out = dist_pools(world).run(body_evaluate, schedule, m, v, dropout)
+    for r, steps in enumerate(out):
+        assert [s["kind"] for s in steps] == (["eval", "eval"] if dropout else ["train", "eval", "train", "eval"])
+        for i, s in enumerate(steps):
+            assert s["loss_err"] < 1e-12, (r, i, s)
+            if s["kind"] == "train":
+                assert s["grad_err"] < 1e-10, (r, i, s)
+            else:
+                assert s["grads_untouched"] and s["train_mode"] and s["timeline_kept"], (r, i, s)
+                assert not s["requires_grad"], (r, i, s)
+
+
 def test_pipeline_untied_embeddings(dist_pools):
     for res in dist_pools(2).run(body_parity, "1f1b", 2, 1, False, None):
         assert res["loss_err"] < 1e-12 and res["grad_err"] < 1e-10

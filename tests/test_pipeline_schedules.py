@@ -104,6 +104,37 @@ def test_compute_orders_reach_the_ideal_bubble_in_the_timing_model(p, m):
     assert slow > ideal and heavy > ideal
 
 
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_forward_only_schedule_runs_every_forward_once_and_no_backward(schedule, p, m, v):
+    # evaluation: the same layout, forwards only; no gradient messages, nothing held for a backward
+    streams = build_all(schedule, p, m, v, forward_only=True)
+    stats = simulate(streams, num_chunks=v, forward_only=True)
+    S = p * v
+    for r, stream in enumerate(streams):
+        comp = computes(stream)
+        assert {i.op for i in comp} == {"F"}
+        assert sorted((i.mb, i.chunk) for i in comp) == sorted(itertools.product(range(m), range(v)))
+        assert all(i.op in ("SEND_ACT", "RECV_ACT") for i in messages(stream))
+    assert stats["forwards"] == [m * v] * p and stats["backwards"] == [0] * p
+    n_sends = sum(i.op == "SEND_ACT" for st in streams for i in messages(st))
+    assert n_sends == (m * (S - 1) if p > 1 else 0)
+    # the training simulator rejects it (microbatches never run backward), and the forward-only one
+    # rejects a training schedule: the flag is checked, not ignored
+    with pytest.raises(ScheduleError, match="never ran backward"):
+        simulate(streams, num_chunks=v)
+    with pytest.raises(ScheduleError, match="forward-only"):
+        simulate(build_all(schedule, p, m, v), num_chunks=v, forward_only=True)
+
+
+def test_forward_only_order_of_virtual_stages():
+    # p=2, v=2, m=4: groups of p microbatches through chunk 0, then chunk 1 (the interleaved forward order)
+    ops = [f"{i.mb}.{i.chunk}" for i in computes(build_schedule("interleaved", 2, 4, rank=1, num_chunks=2,
+                                                                 forward_only=True))]
+    assert ops == ["0.0", "1.0", "0.1", "1.1", "2.0", "3.0", "2.1", "3.1"]
+    ops = [i.mb for i in computes(build_schedule("1f1b", 4, 6, rank=2, forward_only=True))]
+    assert ops == list(range(6))
+
+
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="1F1B needs at least as many microbatches as stages"):
         build_schedule("1f1b", 4, 3, rank=0)

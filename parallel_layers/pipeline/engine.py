@@ -6,7 +6,8 @@ accumulated gradients in the chunks' parameters (call ``zero_grad`` before, the 
 last stage's loss of every microbatch is scaled by ``1 / m`` before its backward, so for a mean loss
 over equal microbatches the accumulated gradients equal the full batch's. Returns the mean loss over
 microbatches (on every pipeline rank when ``broadcast_loss``, else on the last stage only, None
-elsewhere).
+elsewhere). ``engine.evaluate(inputs, targets)`` returns the same mean loss from a forward-only pass
+(validation: eval mode, no gradients, nothing kept between microbatches).
 
 A chunk is any module ``chunk(x, targets=None)``: stage 0 receives the microbatch of ``inputs``; the
 last stage receives ``targets`` and returns a scalar loss; every other stage maps a tensor to a tensor.
@@ -39,6 +40,25 @@ from .schedules import Instr, build_schedule, check_schedule_args, format_schedu
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 
 
+class _Program:
+    """One instruction list of this rank and what the engine derives from it once: the first activation
+    receive of each chunk (its link needs a shape header), in schedule order, and the index of the
+    communication step after each communication step."""
+
+    def __init__(self, steps: List):
+        self.steps = steps
+        self.forward_only = not any(isinstance(st, Instr) and st.op == "B" for st in steps)
+        self.header_links: Dict[int, Instr] = {}
+        for st in steps:
+            if not isinstance(st, Instr):
+                for ins in st:
+                    if ins.op == "RECV_ACT" and ins.chunk not in self.header_links:
+                        self.header_links[ins.chunk] = ins
+        comm = [i for i, st in enumerate(steps) if not isinstance(st, Instr)]
+        self.next_comm: Dict[int, Optional[int]] = {a: b for a, b in zip(comm, comm[1:] + [None])}
+        self.first_comm: Optional[int] = comm[0] if comm else None
+
+
 class PipelineEngine:
     def __init__(self, chunks: Sequence[nn.Module], pp_group, *, schedule: str = "1f1b", num_microbatches: int,
                  tensor_shape: Optional[Sequence[int]] = None, broadcast_loss: bool = True,
@@ -58,23 +78,15 @@ class PipelineEngine:
         self.record_timeline = record_timeline
         self.device = device
         self.p2p = P2P(pp_group, device) if self.p > 1 else None
-        # the first activation receive of each chunk (its link needs a shape header), in schedule order
-        self._header_links: Dict[int, Instr] = {}
-        for st in self.steps:
-            if not isinstance(st, Instr):
-                for ins in st:
-                    if ins.op == "RECV_ACT" and ins.chunk not in self._header_links:
-                        self._header_links[ins.chunk] = ins
+        self._train = _Program(self.steps)
+        self._eval: Optional[_Program] = None          # built on the first evaluate()
+        self._header_links = self._train.header_links  # of the program running now
         self._hdr_in: Dict[int, Tuple[object, torch.Tensor, Instr]] = {}
         # chunk -> (shape, dtype) of the activations its link carried in the last step, as received
         # (from the header) and as sent; both ends update them from the same headers, so they agree on
         # whether the link's first receive was posted ahead in that shape
         self._link_meta: Dict[int, Tuple[tuple, torch.dtype]] = {}
         self._sent_meta: Dict[int, Tuple[tuple, torch.dtype]] = {}
-        # index of the communication step after each communication step (None after the last)
-        comm = [i for i, st in enumerate(self.steps) if not isinstance(st, Instr)]
-        self._next_comm: Dict[int, Optional[int]] = {a: b for a, b in zip(comm, comm[1:] + [None])}
-        self._first_comm: Optional[int] = comm[0] if comm else None
         self.timeline = Timeline(self.rank)
         self.last_timelines: Optional[List[Timeline]] = None
         self.prefetched_receives = 0
@@ -106,9 +118,36 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None):
+        """One training step: forward and backward of every microbatch (see the module docstring)."""
+        return self._run(self._train, inputs, targets)
+
+    def evaluate(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None):
+        """The mean loss over the microbatches of ``inputs``/``targets``, forward only (Megatron-LM's
+        ``forward_only``, DeepSpeed's ``eval_batch``): the schedule's forward-only instruction list
+        (:func:`~parallel_layers.pipeline.schedules.build_schedule`), under ``torch.no_grad`` with the
+        chunks in eval mode (no dropout; their modes are restored after). No gradient is touched and
+        nothing is kept between microbatches. The batch may differ in size from the training batches
+        (a multiple of ``num_microbatches``). The timeline of the last training step is kept. A
+        collective over the pipeline group, like :meth:`step`; returns the loss where :meth:`step` does."""
+        if self._eval is None:
+            self._eval = _Program(build_schedule(self.schedule, self.p, self.m, self.rank, self.v, forward_only=True))
+        modes = [c.training for c in self.chunks]
+        kept, self.timeline = self.timeline, Timeline(self.rank)
+        try:
+            for c in self.chunks:
+                c.eval()
+            with torch.no_grad():
+                return self._run(self._eval, inputs, targets)
+        finally:
+            for c, mode in zip(self.chunks, modes):
+                c.train(mode)
+            self.timeline = kept
+
+    def _run(self, prog: _Program, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
         holds_first, holds_last = 0 in map(self.stage, range(self.v)), self.S - 1 in map(self.stage, range(self.v))
         mb_inputs = self._split(inputs, "inputs", holds_first)
         mb_targets = self._split(targets, "targets", holds_last)
+        train = not prog.forward_only
         inputs_of: Dict[Tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> input (requires grad)
         outputs: Dict[Tuple[int, int], torch.Tensor] = {}     # (mb, chunk) -> output, or scaled loss
         out_grads: Dict[Tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> d loss / d output
@@ -118,20 +157,21 @@ class PipelineEngine:
         losses: List[torch.Tensor] = []
         prefetched: Dict[Instr, Tuple[object, torch.Tensor]] = {}  # receive -> (work, buffer), posted early
         self._guessed: Dict[Instr, Tuple[tuple, torch.dtype]] = {}  # first receives posted in last step's shape
+        self._header_links = prog.header_links
         self.prefetched_receives = 0                                 # how many, this step (tests, tuning)
         self.timeline.start()
-        if self._header_links:
+        if prog.header_links:
             # Every shape header this rank will receive, posted now (own tag, first-in-first-out per peer
             # in the order the schedule first needs each link, which is the order the peer sends them):
             # a header then lands as soon as it is sent, and the first activation of a link can be
             # prefetched like the others once its header is in.
             ops = [("recv", torch.empty(HEADER_LEN, dtype=torch.int64), ins.peer, f"receive header {ins}")
-                   for ins in self._header_links.values()]
+                   for ins in prog.header_links.values()]
             works = self.p2p.post(ops, tag=HEADER_TAG)
-            self._hdr_in = {c: (w, op[1], ins) for (c, ins), op, w in zip(self._header_links.items(), ops, works)}
-            self._prefetch(self.steps[self._first_comm], outputs, recv_shape, prefetched)
+            self._hdr_in = {c: (w, op[1], ins) for (c, ins), op, w in zip(prog.header_links.items(), ops, works)}
+            self._prefetch(prog.steps[prog.first_comm], outputs, recv_shape, prefetched)
 
-        for i, step in enumerate(self.steps):
+        for i, step in enumerate(prog.steps):
             if isinstance(step, Instr):
                 mb, c = step.mb, step.chunk
                 s = self.stage(c)
@@ -139,14 +179,18 @@ class PipelineEngine:
                     if s == 0:
                         x = mb_inputs[mb]
                     elif self.p == 1:              # previous stage on this rank: local hand-off
-                        x = outputs[(mb, c - 1)].detach().requires_grad_()
+                        x = outputs.pop((mb, c - 1)).detach() if not train else \
+                            outputs[(mb, c - 1)].detach().requires_grad_()
                         inputs_of[(mb, c)] = x
                     else:
                         x = inputs_of[(mb, c)]
+                    if not train:                  # nothing is kept for a backward
+                        inputs_of.pop((mb, c), None)
                     if s == self.S - 1:
                         loss = self._timed("F", mb, c, lambda: self.chunks[c](x, mb_targets[mb]))
                         losses.append(loss.detach())
-                        outputs[(mb, c)] = loss / self.m
+                        if train:
+                            outputs[(mb, c)] = loss / self.m
                     else:
                         outputs[(mb, c)] = self._timed("F", mb, c, lambda: self.chunks[c](x))
                 else:
@@ -160,16 +204,17 @@ class PipelineEngine:
                         else:
                             in_grads[(mb, c)] = x.grad
                 continue
-            self._communicate(step, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched)
-            nxt = self._next_comm[i]
+            self._communicate(step, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched,
+                              train)
+            nxt = prog.next_comm[i]
             if nxt is not None:
-                self._prefetch(self.steps[nxt], outputs, recv_shape, prefetched)
+                self._prefetch(prog.steps[nxt], outputs, recv_shape, prefetched)
 
         if self.p2p is not None:
             self.p2p.drain()
         self.timeline.stop()
         seen = set()
-        for chunk in self.chunks:
+        for chunk in self.chunks if train else ():
             if hasattr(chunk, "finish_grads") and id(chunk) not in seen:
                 seen.add(id(chunk))
                 chunk.finish_grads()
@@ -244,11 +289,13 @@ class PipelineEngine:
                 prefetched[ins] = (work, buf)
             self.prefetched_receives += len(ops)
 
-    def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched):
+    def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched,
+                     train: bool = True):
         """One batch of messages. Activation shapes travel in a header (first message of a link in
         this step, on its own tag; the receives for them are posted at the start of the step), then the
         data; only receives are waited for. Receives posted ahead by :meth:`_prefetch` are not posted
-        again."""
+        again. ``train=False`` (forward only): an output is dropped once sent, and a received activation
+        does not require grad."""
         t0 = time.perf_counter()
         hdr_ops, reshaped = [], {}   # reshaped: first send of a link whose shape changed -> last step's meta
         for ins in batch:
@@ -292,7 +339,7 @@ class PipelineEngine:
                 received.append((ins, buf))
                 continue
             if ins.op == "SEND_ACT":
-                out = outputs[key].detach()
+                out = (outputs[key] if train else outputs.pop(key)).detach()
                 if tuple(out.shape) != recv_shape.get(("sent", ins.chunk), tuple(out.shape)):
                     raise ValueError(f"pipeline stage {self.stage(ins.chunk)}: microbatch {ins.mb} output has shape "
                                      f"{tuple(out.shape)} but earlier microbatches had "
@@ -317,7 +364,7 @@ class PipelineEngine:
         for ins, buf in received:
             key = (ins.mb, ins.chunk)
             if ins.op == "RECV_ACT":
-                inputs_of[key] = buf.requires_grad_(buf.is_floating_point())
+                inputs_of[key] = buf.requires_grad_(train and buf.is_floating_point())
             else:
                 out_grads[key] = buf
         if received:

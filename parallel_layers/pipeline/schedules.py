@@ -16,6 +16,13 @@ for all: between two compute steps, the sends of the previous one and the receiv
 form one batch (Megatron's ``send_forward_recv_backward``). The engine posts a batch at once and waits
 only for its receives; sends complete in the background (interleaved 1F1B deadlocks if a rank must wait
 for its send to the wrap-around neighbour before it may post the receive that neighbour waits on).
+
+Evaluation runs the *forward-only* list of a schedule (``build_schedule(..., forward_only=True)``,
+Megatron-LM's ``forward_only``, DeepSpeed's ``eval_batch``): every forward in the training order's
+sequence, no backward and no gradient message. Without backward nothing is held between microbatches,
+so the order only has to respect the layout: microbatch by microbatch for one chunk per rank, and for
+virtual stages the interleaved schedule's forward order (groups of ``p`` microbatches through chunk 0,
+then chunk 1, ...), so a rank never waits on a chunk its neighbour reaches later.
 """
 from __future__ import annotations
 
@@ -94,16 +101,21 @@ def one_f_one_b_order(p: int, m: int, rank: int) -> List[Instr]:
     return order
 
 
+def _interleaved_unit(k: int, p: int, v: int, forward: bool) -> Tuple[int, int]:
+    """(microbatch, chunk) of the ``k``-th forward (or backward) of the interleaved order."""
+    group, pos = divmod(k, p * v)          # each group of p*v units covers p microbatches x v chunks
+    chunk = pos // p
+    mb = group * p + pos % p
+    return mb, (chunk if forward else v - 1 - chunk)
+
+
 def interleaved_order(p: int, m: int, rank: int, v: int) -> List[Instr]:
     """Megatron-LM's interleaved 1F1B: microbatches go through the ``v`` chunks in groups of ``p``;
     warm-up ``2 (p - rank - 1) + (v - 1) p`` forwards, then 1F1B over (microbatch, chunk) pairs."""
     total = m * v
 
     def unit(k: int, forward: bool) -> Tuple[int, int]:
-        group, pos = divmod(k, p * v)          # each group of p*v units covers p microbatches x v chunks
-        chunk = pos // p
-        mb = group * p + pos % p
-        return mb, (chunk if forward else v - 1 - chunk)
+        return _interleaved_unit(k, p, v, forward)
 
     if m == p:
         warmup = total                          # Megatron: with m == p everything warms up first
@@ -114,6 +126,14 @@ def interleaved_order(p: int, m: int, rank: int, v: int) -> List[Instr]:
         order += [Forward(*unit(warmup + k, True)), Backward(*unit(k, False))]
     order += [Backward(*unit(k, False)) for k in range(total - warmup, total)]
     return order
+
+
+def forward_only_order(p: int, m: int, rank: int, v: int = 1) -> List[Instr]:
+    """Every forward of this rank and no backward (evaluation): microbatch order for one chunk per
+    rank, the interleaved forward order for ``v`` chunks (``m`` a multiple of ``p``)."""
+    if v == 1:
+        return [Forward(i) for i in range(m)]
+    return [Forward(*_interleaved_unit(k, p, v, True)) for k in range(m * v)]
 
 
 def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1) -> List[Step]:
@@ -154,13 +174,16 @@ def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1) -> 
 
 
 def build_schedule(schedule: str, num_stages: int, num_microbatches: int, rank: int,
-                   num_chunks: int = 1) -> List[Step]:
-    """The instruction list of pipeline rank ``rank``."""
+                   num_chunks: int = 1, forward_only: bool = False) -> List[Step]:
+    """The instruction list of pipeline rank ``rank``; ``forward_only``: the evaluation list (see the
+    module docstring), for the same arguments."""
     check_schedule_args(schedule, num_stages, num_microbatches, num_chunks)
     p, m, v = num_stages, num_microbatches, num_chunks
     if not 0 <= rank < p:
         raise ValueError(f"pipeline: rank {rank} outside 0..{p - 1}")
-    if schedule == "gpipe":
+    if forward_only:
+        order = forward_only_order(p, m, rank, v)
+    elif schedule == "gpipe":
         order = gpipe_order(p, m, rank)
     elif schedule == "1f1b":
         order = one_f_one_b_order(p, m, rank)
@@ -169,8 +192,10 @@ def build_schedule(schedule: str, num_stages: int, num_microbatches: int, rank: 
     return add_communication(order, p, rank, v)
 
 
-def build_all(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> List[List[Step]]:
-    return [build_schedule(schedule, num_stages, num_microbatches, r, num_chunks) for r in range(num_stages)]
+def build_all(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1,
+              forward_only: bool = False) -> List[List[Step]]:
+    return [build_schedule(schedule, num_stages, num_microbatches, r, num_chunks, forward_only)
+            for r in range(num_stages)]
 
 
 def format_schedule(steps: Sequence[Step]) -> str:
@@ -185,14 +210,15 @@ class ScheduleError(AssertionError):
     """A schedule that cannot run: deadlock, mismatched messages or a missing dependency."""
 
 
-def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1) -> Dict[str, object]:
+def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_only: bool = False) -> Dict[str, object]:
     """Run every rank's instruction stream against the others the way the engine executes it: a
     message moves only when both ends have posted it (rendezvous, as gloo's send/recv do), messages
     match first-in-first-out per (sender, receiver) pair, sends are posted without waiting and a
     communication step ends when its receives have arrived. Raises :class:`ScheduleError` on
     deadlock, on a message whose two ends disagree about (kind, microbatch, stage), on a forward whose
     input is not there, or a backward before its forward. Returns statistics (max in-flight per rank,
-    number of rounds)."""
+    number of rounds). ``forward_only``: evaluation streams (:func:`forward_only_order`): a backward or a
+    gradient message is an error, and microbatches are not expected to run backward."""
     p, v = len(streams), num_chunks
     S = p * v
     pos = [0] * p
@@ -220,6 +246,8 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1) -> Dict[str
                 if isinstance(step, Instr):
                     s = stage(r, step.chunk)
                     key = (step.mb, s)
+                    if forward_only and step.op != "F":
+                        raise ScheduleError(f"rank {r}: {step} in a forward-only schedule")
                     if step.op == "F":
                         local_prev = p == 1 and s > 0 and (step.mb, s - 1) in done_f[r]
                         if s > 0 and key not in have_act[r] and not local_prev:
@@ -241,6 +269,8 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1) -> Dict[str
                 if posted_batches[r] is None:          # post every op of the batch at once
                     posted_batches[r] = step
                     for ins in step:
+                        if forward_only and ins.op.endswith("GRAD"):
+                            raise ScheduleError(f"rank {r}: {ins} in a forward-only schedule")
                         if ins.op.startswith("SEND"):
                             if ins.op == "SEND_ACT" and (ins.mb, stage(r, ins.chunk)) not in done_f[r]:
                                 raise ScheduleError(f"rank {r}: {ins} before its forward")
@@ -279,7 +309,7 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1) -> Dict[str
     if unmatched:
         raise ScheduleError(f"sends never received: {unmatched}")
     for r in range(p):
-        if in_flight[r] != 0:
+        if in_flight[r] != 0 and not forward_only:
             raise ScheduleError(f"rank {r}: {in_flight[r]} microbatches never ran backward")
     return {"max_in_flight": max_in_flight, "rounds": rounds, "forwards": [len(d) for d in done_f],
             "backwards": [len(d) for d in done_b]}
@@ -339,4 +369,5 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
 
 
 __all__ = ["Instr", "Forward", "Backward", "SCHEDULES", "build_schedule", "build_all", "format_schedule",
-           "simulate", "simulate_timing", "ScheduleError", "check_schedule_args", "add_communication"]
+           "simulate", "simulate_timing", "ScheduleError", "check_schedule_args", "add_communication",
+           "forward_only_order"]
