@@ -66,7 +66,8 @@ PROFILES = {
 
 def demo_argv(dp: int, tp: int, pp: int, zero: int, steps: int, extra: List[str], out_dir: str) -> List[str]:
     return ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--zero", str(zero), "--steps", str(steps),
-            "--batch-size", str(BATCH), "--no-reference", "--no-progress", "--out", out_dir] + list(extra)
+            "--batch-size", str(BATCH), "--no-reference", "--no-progress", "--eval-iters", "0",
+            "--out", out_dir] + list(extra)      # training throughput: no validation passes in between
 
 
 def run_layout(dp, tp, pp, zero, steps, extra, out_dir) -> dict:

@@ -11,6 +11,10 @@ their own where the machine has at least one core per local rank (``parallel_lay
 Data: byte-level text (vocabulary 256) of the Python standard library's own ``.py`` sources, read in
 sorted path order (every machine has them). Each step draws a global batch of random windows from a
 generator seeded by ``(seed, step)``, so every rank and the single-process reference see the same data.
+Validation (Megatron-LM's ``--eval-interval`` / ``--eval-iters``): the bytes that follow the training
+text in the same file order (a tenth as many, never trained on) give ``--eval-iters`` fixed batches; every
+``--eval-interval`` steps and after the last one the model's mean loss on them is computed forward only
+(:meth:`Parallel3D.evaluate`: the pipeline's forward-only schedule, eval mode) and compared too.
 
 At the end the loss curve is compared with the single-process ``GPT`` of the same config, seed, data and
 optimizer (``torch.optim.AdamW`` + ``torch.nn.utils.clip_grad_norm_``), run in the launcher (or on rank
@@ -67,6 +71,34 @@ def load_corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
 
 
+def load_splits(train_bytes: int, seq_len: int):
+    """``(train, validation)``: the first ``train_bytes`` bytes of :func:`load_corpus` (exactly what
+    ``load_corpus(train_bytes)`` gives) and the bytes after them, a tenth as many (at least 4 windows). A
+    machine with less Python source holds out the last tenth of what there is instead."""
+    val_bytes = max(train_bytes // 10, 4 * (seq_len + 1))
+    blob = load_corpus(train_bytes + val_bytes)
+    cut = train_bytes if blob.numel() >= train_bytes + seq_len + 2 else blob.numel() * 9 // 10
+    return blob[:cut], blob[cut:]
+
+
+def eval_steps(args) -> List[int]:
+    """The steps (1-based) after which the validation loss is computed: every ``--eval-interval`` and
+    the last; none with ``--eval-iters 0``."""
+    if args.eval_iters == 0 or args.steps == 0:
+        return []
+    every = set(range(args.eval_interval, args.steps + 1, args.eval_interval)) if args.eval_interval else set()
+    return sorted(every | {args.steps})
+
+
+# validation batches draw from their own generator stream, apart from the training steps'
+VAL_STREAM = 1 << 40
+
+
+def validation_batches(val: torch.Tensor, args):
+    """The ``--eval-iters`` fixed global batches of the validation text (the same at every evaluation)."""
+    return [get_batch(val, VAL_STREAM + i, args.batch_size, args.seq_len, args.seed) for i in range(args.eval_iters)]
+
+
 def get_batch(corpus: torch.Tensor, step: int, batch: int, seq: int, seed: int):
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=gen)
@@ -99,7 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    p.add_argument("--corpus-bytes", type=int, default=4_000_000, help="training text (the validation text "
+                   "is the next tenth as many bytes)")
+    p.add_argument("--eval-interval", type=int, default=10, metavar="N",
+                   help="validation loss every N steps (and after the last); 0: after the last only")
+    p.add_argument("--eval-iters", type=int, default=2, metavar="K",
+                   help="validation batches (global batch size each); 0 turns validation off")
     p.add_argument("--out", default="demo_out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
     p.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
@@ -141,6 +178,8 @@ def check_args(args) -> None:
     if args.checkpoint < -1:
         errs.append(f"--checkpoint {args.checkpoint} must be a number of blocks >= 0 (or the flag alone for "
                     f"every block)")
+    if args.eval_interval < 0 or args.eval_iters < 0:
+        errs.append(f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} must be >= 0")
     if world < 1:
         errs.append("dp, tp and pp must be positive")
     if errs:
@@ -160,8 +199,10 @@ def rss_mb() -> float:
 
 
 # ---------------------------------------------------------------------- the parallel run
-def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -> Optional[dict]:
-    """Runs on every rank of an initialised process group; returns the results on rank 0."""
+def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
+                   val: Optional[torch.Tensor] = None) -> Optional[dict]:
+    """Runs on every rank of an initialised process group; returns the results on rank 0. ``val``: the
+    validation text (None: no validation)."""
     import torch.distributed as dist
 
     from .mesh import ParallelMesh
@@ -179,9 +220,11 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -
         from tqdm import tqdm
         bar = tqdm(total=args.steps, desc=f"3D dp={args.dp} tp={args.tp} pp={args.pp}", unit="step",
                    dynamic_ncols=True)
-    losses, step_times, skipped = [], [], 0
+    losses, step_times, skipped, val_losses = [], [], 0, []
     tokens_per_step = args.batch_size * args.seq_len
     mem = torch.zeros(1, dtype=torch.float64, device=device)
+    evals = set(eval_steps(args)) if val is not None else set()
+    val_batches = validation_batches(val, args) if evals else []
     for step in range(args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
         if device is not None:
@@ -200,6 +243,13 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -
         elif rank == 0:
             print(f"step {step + 1}/{args.steps}  loss {out['loss']:.5f}  tokens/s {tps:,.0f}  "
                   f"max RSS/rank {mem.item():.0f} MB", flush=True)
+        if step + 1 in evals:
+            vl = sum(model.evaluate(*(t.to(device) if device is not None else t for t in b))
+                     for b in val_batches) / len(val_batches)
+            val_losses.append([step + 1, vl])
+            if rank == 0:
+                line = f"validation after step {step + 1}: loss {vl:.5f}"
+                bar.write(line) if bar is not None else print(line, flush=True)
     if bar is not None:
         bar.close()
     os.makedirs(args.out, exist_ok=True)
@@ -218,6 +268,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device]) -
     return {"losses": losses, "tokens_per_s": tokens_per_step * len(timed) / sum(timed),
             "step_time_s": sum(timed) / len(timed), "per_rank": per_rank, "timeline_png": png,
             "bubble_fraction": bubble, "skipped_steps": skipped if args.precision == "fp16" else None,
+            "val_losses": val_losses,
             "loss_scale": out["loss_scale"] if args.precision == "fp16" and args.steps else None}
 
 
@@ -230,8 +281,8 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     if not args.no_bind_cores:   # after the process group, so gloo's threads are bound too
         bind_rank_to_cores(rank, world)
     try:
-        corpus = load_corpus(args.corpus_bytes)
-        res = train_parallel(args, corpus, None)
+        corpus, val = load_splits(args.corpus_bytes, args.seq_len)
+        res = train_parallel(args, corpus, None, val)
         if res is not None:
             with open(os.path.join(args.out, "_parallel.json"), "w") as f:
                 json.dump(res, f)
@@ -241,13 +292,16 @@ def _worker(rank: int, world: int, args, port: int) -> None:
 
 
 # ---------------------------------------------------------------------- the reference
-def train_reference(args, corpus: torch.Tensor) -> List[float]:
+def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = None):
+    """The single-process run: ``(losses, val_losses)`` (``[[step, loss], ...]``, empty without ``val``)."""
     from .models.gpt import GPT
     torch.manual_seed(args.seed)
     model = GPT(model_config(args))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=args.weight_decay, foreach=False)
-    losses = []
+    losses, val_losses = [], []
+    evals = set(eval_steps(args)) if val is not None else set()
+    val_batches = validation_batches(val, args) if evals else []
     for step in range(args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
         _, loss = model(x, y)
@@ -257,7 +311,13 @@ def train_reference(args, corpus: torch.Tensor) -> List[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+        if step + 1 in evals:
+            model.eval()
+            with torch.no_grad():
+                vl = sum(model(x, y)[1].item() for x, y in val_batches) / len(val_batches)
+            model.train()
+            val_losses.append([step + 1, vl])
+    return losses, val_losses
 
 
 def _checkpoint_text(args) -> str:
@@ -267,14 +327,19 @@ def _checkpoint_text(args) -> str:
     return f", checkpointing the first {ckpt} block(s) of each stage" if ckpt else ""
 
 
-def summarize(args, par: dict, ref: Optional[List[float]], corpus_bytes: int, launcher: str) -> dict:
+def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher: str) -> dict:
+    """Prints the run and its comparison with the single-process one (``ref``: ``(losses, val_losses)``
+    from :func:`train_reference`, or None) and writes ``summary.json``."""
     tol = {"fp32": FP32_RTOL, "bf16": BF16_RTOL, "fp16": FP16_RTOL}[args.precision]
     config = {k: getattr(args, k) for k in vars(args)}
     config["checkpoint"] = checkpoint_setting(args)          # True (every block), or a block count
+    ref_losses, ref_val = ref if ref is not None else (None, None)
+    val = par.get("val_losses") or []
     summary = {"config": config, "launcher": launcher,
                "corpus": {"source": "Python standard library .py sources", "bytes": corpus_bytes,
                           "vocab": 256},
-               "losses": {"parallel": par["losses"], "single_process": ref},
+               "losses": {"parallel": par["losses"], "single_process": ref_losses},
+               "val_losses": {"parallel": val, "single_process": ref_val},
                "tokens_per_s": par["tokens_per_s"], "step_time_s": par["step_time_s"],
                "memory_rss_mb": [r["rss_mb"] for r in par["per_rank"]], "per_rank": par["per_rank"],
                "bubble_fraction": par["bubble_fraction"], "tolerance_rel_per_step": tol,
@@ -282,7 +347,8 @@ def summarize(args, par: dict, ref: Optional[List[float]], corpus_bytes: int, la
     print(f"\n3D run: dp={args.dp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
           f"{args.microbatches} microbatches, {args.precision}{_checkpoint_text(args)}: "
           f"{par['tokens_per_s']:,.0f} tokens/s, "
-          f"loss {par['losses'][0]:.4f} -> {par['losses'][-1]:.4f}")
+          f"loss {par['losses'][0]:.4f} -> {par['losses'][-1]:.4f}"
+          + (f", validation loss {val[-1][1]:.4f}" if val else ""))
     print("memory RSS per rank (MB): " + ", ".join(f"{m:.0f}" for m in summary["memory_rss_mb"]))
     if par.get("skipped_steps") is not None:
         print(f"fp16 dynamic loss scaling: {par['skipped_steps']} of {args.steps} steps skipped (inf/nan), "
@@ -293,19 +359,26 @@ def summarize(args, par: dict, ref: Optional[List[float]], corpus_bytes: int, la
         summary["agree"], summary["max_rel_diff"] = None, None
         print("single-process comparison skipped (--no-reference)")
     else:
-        diffs = [abs(a - b) / abs(b) for a, b in zip(par["losses"], ref)]
-        worst = max(diffs)
+        diffs = [abs(a - b) / abs(b) for a, b in zip(par["losses"], ref_losses)]
+        if [s for s, _ in val] != [s for s, _ in ref_val]:
+            raise RuntimeError(f"demo: validation ran after steps {[s for s, _ in val]} in the 3D run but "
+                               f"{[s for s, _ in ref_val]} in the single process")
+        val_diffs = [abs(a - b) / abs(b) for (_, a), (_, b) in zip(val, ref_val)]
+        worst = max(diffs + val_diffs)
         agree = worst <= tol
         summary["agree"], summary["max_rel_diff"] = agree, worst
-        summary["rel_diff_per_step"] = diffs
+        summary["rel_diff_per_step"], summary["val_rel_diff"] = diffs, val_diffs
         print(f"{'step':>5} {'3D loss':>12} {'1-process':>12} {'rel diff':>10}")
-        for i, (a, b, d) in enumerate(zip(par["losses"], ref, diffs)):
+        for i, (a, b, d) in enumerate(zip(par["losses"], ref_losses, diffs)):
             print(f"{i + 1:>5} {a:>12.6f} {b:>12.6f} {d:>10.2e}")
+        for (step, a), (_, b), d in zip(val, ref_val, val_diffs):
+            print(f"{'val ' + str(step):>5} {a:>12.6f} {b:>12.6f} {d:>10.2e}")
+        what = "losses" + (" and validation losses" if val else "")
         if agree:
-            print(f"losses agree with the single-process run: max relative difference {worst:.2e} per step "
+            print(f"{what} agree with the single-process run: max relative difference {worst:.2e} "
                   f"<= tolerance {tol:g} ({args.precision})")
         else:
-            print(f"losses DISAGREE with the single-process run: max relative difference {worst:.2e} per step "
+            print(f"{what} DISAGREE with the single-process run: max relative difference {worst:.2e} "
                   f"> tolerance {tol:g} ({args.precision})")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
@@ -331,11 +404,11 @@ def _run_torchrun(args) -> int:
     if world != args.dp * args.tp * args.pp:
         raise SystemExit(f"demo: WORLD_SIZE={world} but dp x tp x pp = {args.dp * args.tp * args.pp}")
     try:
-        corpus = load_corpus(args.corpus_bytes)
-        par = train_parallel(args, corpus, device)
+        corpus, val = load_splits(args.corpus_bytes, args.seq_len)
+        par = train_parallel(args, corpus, device, val)
         code = 0
         if par is not None:
-            ref = None if args.no_reference else train_reference(args, corpus)
+            ref = None if args.no_reference else train_reference(args, corpus, val)
             summary = summarize(args, par, ref, corpus.numel(), "torchrun")
             code = 0 if summary["agree"] in (True, None) else 1
         flag = torch.tensor([code], device=device)
@@ -363,13 +436,13 @@ def main(argv=None) -> int:
     with open(part) as f:
         par = json.load(f)
     os.remove(part)
-    corpus = load_corpus(args.corpus_bytes)
+    corpus, val = load_splits(args.corpus_bytes, args.seq_len)
     ref = None
     if not args.no_reference:
         print("single-process reference run ...", flush=True)
-        ref = train_reference(args, corpus)
+        ref = train_reference(args, corpus, val)
     summary = summarize(args, par, ref, corpus.numel(), f"torch.multiprocessing.spawn ({wall:.1f}s)")
     return 0 if summary["agree"] in (True, None) else 1
 
 
-__all__ = ["main", "load_corpus", "get_batch", "train_reference", "build_parser"]
+__all__ = ["main", "load_corpus", "load_splits", "get_batch", "train_reference", "build_parser"]

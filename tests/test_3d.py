@@ -239,6 +239,8 @@ def test_demo_end_to_end(tmp_path, zero):
            "200000", "--out", str(out), "--no-progress", "--zero", str(zero)]
     if zero == 3:
         cmd.append("--checkpoint")                    # ZeRO-3 run with every block recomputed in backward
+    else:
+        cmd += ["--eval-interval", "2"]               # validation after step 2 and after the last
     env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -251,6 +253,13 @@ def test_demo_end_to_end(tmp_path, zero):
     assert os.path.getsize(out / "timeline.png") > 1000
     assert ("checkpointing every block" in proc.stdout) == (zero == 3), proc.stdout
     assert summary["config"]["checkpoint"] == (zero == 3), summary["config"]
+    # held-out validation, forward only through the pipeline, against the single process in eval mode
+    val_steps = [3] if zero == 3 else [2, 3]
+    assert [s for s, _ in summary["val_losses"]["parallel"]] == val_steps, summary["val_losses"]
+    assert [s for s, _ in summary["val_losses"]["single_process"]] == val_steps, summary["val_losses"]
+    assert max(summary["val_rel_diff"]) <= summary["tolerance_rel_per_step"], summary["val_rel_diff"]
+    assert "losses and validation losses agree" in proc.stdout, proc.stdout
+    assert all(f"validation after step {s}: loss" in proc.stdout for s in val_steps), proc.stdout
     # 8 ranks: bound to cores of their own only where the machine has 8 (parallel_layers.cpu_affinity)
     if hasattr(os, "sched_getaffinity"):
         cores = sorted(os.sched_getaffinity(0))
@@ -415,6 +424,24 @@ def test_demo_checkpoint_arguments():
         demo.check_args(parse(["--checkpoint", "-2"]))
 
 
+def test_demo_validation_split_and_steps():
+    from parallel_layers import demo
+    parse = demo.build_parser().parse_args
+    train, val = demo.load_splits(50_000, 16)
+    assert torch.equal(train, demo.load_corpus(50_000))       # training text unchanged by the hold-out
+    assert val.numel() == 5_000 and torch.equal(torch.cat([train, val]), demo.load_corpus(55_000))
+    assert demo.eval_steps(parse(["--steps", "30"])) == [10, 20, 30]
+    assert demo.eval_steps(parse(["--steps", "25", "--eval-interval", "0"])) == [25]
+    assert demo.eval_steps(parse(["--steps", "7", "--eval-interval", "3"])) == [3, 6, 7]
+    assert demo.eval_steps(parse(["--steps", "7", "--eval-iters", "0"])) == []
+    args = parse(["--eval-iters", "3", "--batch-size", "4", "--seq-len", "8"])
+    batches = demo.validation_batches(val, args)
+    assert len(batches) == 3 and batches[0][0].shape == (4, 8)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, demo.validation_batches(val, args)))   # fixed
+    with pytest.raises(SystemExit, match="--eval-interval -1 and --eval-iters 2 must be >= 0"):
+        demo.check_args(parse(["--eval-interval", "-1"]))
+
+
 def test_demo_precision_fp16_arguments():
     from parallel_layers import demo
     args = demo.build_parser().parse_args(["--precision", "fp16", "--zero", "1"])
@@ -438,7 +465,7 @@ def test_demo_fp16_end_to_end(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "losses agree" in proc.stdout and "(fp16)" in proc.stdout, proc.stdout
+    assert "losses and validation losses agree" in proc.stdout and "(fp16)" in proc.stdout, proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["agree"] is True and summary["skipped_steps"] == 0 and summary["final_loss_scale"] > 0
     assert summary["tolerance_rel_per_step"] == 5e-2
