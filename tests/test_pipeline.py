@@ -100,6 +100,20 @@ def test_pipeline_matches_unpipelined_gpt(dist_pools, tmp_path, world, schedule,
         assert all(res.get("png") is None for res in out[1:])
 
 
+def _train_step_errs(dense, chunks, engine, idx, targets):
+    """One engine step against the dense model on the same batch: (loss rel. error, worst grad rel. error)."""
+    dense.zero_grad()
+    _, ref_loss = dense(idx, targets)
+    ref_loss.backward()
+    ref = {n: p.grad for n, p in dense.named_parameters()}
+    for chunk in chunks:
+        chunk.zero_grad()
+    loss = engine.step(idx, targets)
+    worst = max(((p.grad - ref[c.dense_name(n)]).norm() / ref[c.dense_name(n)].norm()).item()
+                for c in chunks for n, p in c.named_parameters())
+    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), worst
+
+
 def body_changing_shapes(rank, world, schedule, m, v):
     """Several steps on one engine whose batch shape changes between steps (sequence length, then batch
     size), each step against the unpipelined model: the first activation of a link is received in the
@@ -115,17 +129,8 @@ def body_changing_shapes(rank, world, schedule, m, v):
     out = []
     for i, (batch, seq) in enumerate(((8, 8), (8, 8), (8, 6), (8, 6), (16, 6), (8, 8))):
         engine.p2p.background = i % 3 != 2     # receives posted on gloo's behalf by a thread, or inline
-        idx, targets = _batch(batch, seq)
-        dense.zero_grad()
-        _, ref_loss = dense(idx, targets)
-        ref_loss.backward()
-        ref = {n: p.grad for n, p in dense.named_parameters()}
-        for chunk in chunks:
-            chunk.zero_grad()
-        loss = engine.step(idx, targets)
-        worst = max(((p.grad - ref[c.dense_name(n)]).norm() / ref[c.dense_name(n)].norm()).item()
-                    for c in chunks for n, p in c.named_parameters())
-        out.append((abs(loss.item() - ref_loss.item()) / ref_loss.item(), worst, engine.prefetched_receives))
+        loss_err, grad_err = _train_step_errs(dense, chunks, engine, *_batch(batch, seq))
+        out.append((loss_err, grad_err, engine.prefetched_receives))
     return out
 
 
@@ -172,17 +177,8 @@ def body_evaluate(rank, world, schedule, m, v, dropout):
             engine.step(idx, targets)
             continue
         dense.train()
-        dense.zero_grad()
-        _, ref_loss = dense(idx, targets)
-        ref_loss.backward()
-        ref = {n: p.grad for n, p in dense.named_parameters()}
-        for c in chunks:
-            c.zero_grad()
-        loss = engine.step(idx, targets)
-        worst = max(((p.grad - ref[c.dense_name(n)]).norm() / ref[c.dense_name(n)].norm()).item()
-                    for c in chunks for n, p in c.named_parameters())
-        out.append({"kind": kind, "loss_err": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
-                    "grad_err": worst})
+        loss_err, grad_err = _train_step_errs(dense, chunks, engine, idx, targets)
+        out.append({"kind": kind, "loss_err": loss_err, "grad_err": grad_err})
     return out
 
 
