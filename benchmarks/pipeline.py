@@ -13,7 +13,10 @@ For each (p, m), in the same processes on the same data, timed steps interleaved
   which the caller holds for the whole step whatever the schedule, excluded); target 1F1B <= p/m of GPipe;
 * step time against ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B,
   ScheduleInterleaved1F1B) on the same split and microbatches (target ours/torch <= 1.0). Ours runs
-  with ``broadcast_loss=False``: torch's schedules leave the loss on the last stage only, too.
+  with ``broadcast_loss=False``: torch's schedules leave the loss on the last stage only, too;
+* forward-only evaluation of the same batch: ``PipelineEngine.evaluate`` against the same torch
+  schedule's ``eval`` (called as a user would for validation: chunks in eval mode, under
+  ``torch.no_grad``), timed interleaved after the training reps (reported: the issue sets no target).
 A step's time is the slowest rank's (all-reduce MAX outside the timed region), median of the reps.
 p = 4 runs 4 processes on this 2-core machine: its idle times are distorted by oversubscription, so
 (as the issue sets the targets at p = 2) its rows are reported without pass/fail where the machine
@@ -180,7 +183,25 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
             else:
                 obj.step()
 
+        def run_eval(name):
+            obj, chunks = variants[name]
+            if name.startswith("ours"):              # eval mode and no_grad inside evaluate()
+                obj.evaluate(idx if rank == 0 else None, tgt if rank == world - 1 else None)
+                return
+            for c in chunks:
+                c.eval()
+            with torch.no_grad():
+                if rank == 0:
+                    obj.eval(idx)
+                elif rank == world - 1:
+                    obj.eval(target=tgt, losses=[])
+                else:
+                    obj.eval()
+            for c in chunks:
+                c.train()
+
         times = {n: [] for n in variants}
+        eval_times = {n: [] for n in variants}
         bubbles = {n: [] for n in variants if n.startswith("ours")}
         busy = {n: [] for n in bubbles}          # per rep: each rank's compute (F + B) time, ms
         parts = {n: [] for n in bubbles}         # per rep: engine.bubble_breakdown()
@@ -196,6 +217,14 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                             bubbles[n].append(variants[n][0].bubble_fraction())
                             busy[n].append([tl.busy * 1e3 for tl in tls])
                             parts[n].append(variants[n][0].bubble_breakdown())
+        # evaluation after all training reps, as validation runs (several batches in a row): torch's
+        # schedules re-initialise their stages when switching between step() and eval(), which must
+        # not land in the training rows above
+        for i in range(warmup + reps):
+            for n in (list(variants) if i % 2 == 0 else list(reversed(variants))):
+                eval_ms = harness.slowest_rank_ms(lambda: run_eval(n))
+                if i >= warmup:
+                    eval_times[n].append(eval_ms)
         # activation memory of one step, GPipe vs 1F1B, this rank's stage
         mem = {}
         for n in ("ours_gpipe", "ours_1f1b"):
@@ -213,7 +242,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                 path = png_base.replace(".png", f"_{n[5:]}_p{world}_m{m}.png")
                 out = variants[n][0].draw_timeline(path)
                 png = png or out
-        results[m] = {"times": times, "bubbles": bubbles, "busy": busy, "parts": parts, "mem": mems, "png": png,
+        results[m] = {"times": times, "eval_times": eval_times, "bubbles": bubbles, "busy": busy, "parts": parts, "mem": mems, "png": png,
                       "cores": cores}
     return results if rank == 0 else None
 
@@ -298,6 +327,11 @@ def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict, judged: bool = True
         rows.append(harness.comparison_row(
             common, f"step_{sched}", ours, base, sizes=sizes, target="speedup>=1.0", met=_judge(p, ok, judged),
             baseline=f"torch.distributed.pipelining {sched}; our bubble {bub[sched]:.3f}"))
+    for sched in SCHEDS:     # the issue sets no target for evaluation: reported beside the steps
+        rows.append(harness.comparison_row(
+            common, f"eval_{sched}", r["eval_times"][f"ours_{sched}"], r["eval_times"][f"torch_{sched}"],
+            sizes=sizes, target="none (reported)", met="reported",
+            baseline=f"torch.distributed.pipelining {sched} .eval() under no_grad, eval mode"))
     # compute per rank (median over reps): the ideal bubble assumes equal stages
     stage_ms = [statistics.median(b[k] for b in r["busy"]["ours_1f1b"]) for k in range(p)]
     imbalance = max(stage_ms) / min(stage_ms) - 1

@@ -48,7 +48,7 @@ def _check(rows, cases, mode="smoke"):
             assert r["base_median_ms"] > 0 and r["speedup"] > 0
             assert r["ours_p20_ms"] <= r["ours_median_ms"] <= r["ours_p80_ms"]
         if r.get("target"):
-            assert r["met"] in ("yes", "no", "-")
+            assert r["met"] in ("yes", "no", "-", "reported")
 
 
 def test_dp_and_zero_smoke_rows(monkeypatch, dist_pools):
@@ -73,9 +73,10 @@ def test_pipeline_smoke_rows_and_timeline_pngs(monkeypatch, dist_pools, tmp_path
     _in_pools(monkeypatch, dist_pools)
     monkeypatch.setattr(harness, "RESULTS_DIR", str(tmp_path))
     rows = pipeline.collect("smoke", CPU, ms=[2, 4], png=True)
-    per_m = [f"step_{s}" for s in pipeline.SCHEDS] + ["bubble_1f1b", "bubble_interleaved_vs_1f1b",
-                                                      "act_memory_1f1b_over_gpipe"]
+    per_m = [f"step_{s}" for s in pipeline.SCHEDS] + [f"eval_{s}" for s in pipeline.SCHEDS] + [
+        "bubble_1f1b", "bubble_interleaved_vs_1f1b", "act_memory_1f1b_over_gpipe"]
     _check(rows, per_m * 2)
+    assert all(r["met"] == "reported" and r["speedup"] > 0 for r in rows if r["case"].startswith("eval_"))
     for r in rows:
         if r["case"].startswith("bubble"):
             assert "median rep" in r["baseline"] and "schedule" in r["baseline"], r["baseline"]
