@@ -81,15 +81,32 @@ def body_parity(rank, world, ckpt):
     z, opt = _wrap(model, group)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     batches = _batches(10)
-    losses, ref_losses = [], []
-    for x, y in batches:
+    held_out = _batches(11)[10]
+    losses, ref_losses, evals = [], [], []
+
+    def evaluate(m, x, y):                        # validation: eval mode, no autograd graph
+        m.eval()
+        with torch.no_grad():
+            _, loss = m(x, y)
+        m.train()
+        return loss.item()
+
+    for i, (x, y) in enumerate(batches):
         _, loss = ref(x, y)
         loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
-    _train(z, opt, batches, rank, world, losses)
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        if i == 4:
+            evals.append(evaluate(ref, *held_out))
+    # halfway, a forward without autograd (the hooks gather and reshard each unit; no backward follows)
+    _train(z, opt, batches[:5], rank, world, losses)
+    x, y = held_out
+    evals.append(evaluate(z, x, y))              # the whole held-out batch on every rank
+    after_eval = opt.memory_report()["gathered_bytes"]
+    _train(z, opt, batches[5:], rank, world, losses)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses + evals[1:], ref_losses + evals[:1]))
+    assert after_eval == 0, f"rank {rank}: {after_eval} bytes left gathered after a no_grad forward"
     full = z.full_state_dict()
     param_err = max(_rel(full[n], p.detach()) for n, p in ref.named_parameters())
     rep = opt.memory_report()
