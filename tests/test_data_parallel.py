@@ -63,7 +63,15 @@ def body_parity(rank, world, dp, tp, steps, checkpoint=False):
     per = BATCH // dp
     sl = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
     losses, errs, versions = [], [], []
-    for idx, tgt in _batches(steps, cfg):
+    for step, (idx, tgt) in enumerate(_batches(steps, cfg)):
+        if step == 2:    # validation between steps: an eval-mode forward under no_grad through the wrapper
+            for m in (dense, ddp):
+                m.eval()
+            with torch.no_grad():
+                val = (dense(idx, tgt)[1].item(), _mean_over(mesh.dp_group, ddp(idx[sl], tgt[sl])[1].item()))
+            for m in (dense, ddp):
+                m.train()
+            losses.append(val)
         for o in opts:
             o.zero_grad()
         _, ref_loss = dense(idx, tgt)

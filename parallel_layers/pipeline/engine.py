@@ -126,8 +126,8 @@ class PipelineEngine:
         ``forward_only``, DeepSpeed's ``eval_batch``): the schedule's forward-only instruction list
         (:func:`~parallel_layers.pipeline.schedules.build_schedule`), under ``torch.no_grad`` with the
         chunks in eval mode (no dropout; their modes are restored after). No gradient is touched and
-        nothing is kept between microbatches. The batch may differ in size from the training batches
-        (a multiple of ``num_microbatches``). The timeline of the last training step is kept. A
+        nothing is kept between microbatches. The batch may differ in shape from the training batches
+        (a multiple of ``num_microbatches``; the declared ``tensor_shape``, if any, still holds). The timeline of the last training step is kept. A
         collective over the pipeline group, like :meth:`step`; returns the loss where :meth:`step` does."""
         if self._eval is None:
             self._eval = _Program(build_schedule(self.schedule, self.p, self.m, self.rank, self.v, forward_only=True))
