@@ -247,9 +247,11 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
             vl = sum(model.evaluate(*(t.to(device) if device is not None else t for t in b))
                      for b in val_batches) / len(val_batches)
             val_losses.append([step + 1, vl])
-            if rank == 0:
-                line = f"validation after step {step + 1}: loss {vl:.5f}"
-                bar.write(line) if bar is not None else print(line, flush=True)
+            line = f"validation after step {step + 1}: loss {vl:.5f}"
+            if bar is not None:
+                bar.write(line)              # above the progress bar
+            elif rank == 0:
+                print(line, flush=True)
     if bar is not None:
         bar.close()
     os.makedirs(args.out, exist_ok=True)
