@@ -131,7 +131,7 @@ class PipelineEngine:
         collective over the pipeline group, like :meth:`step`; returns the loss where :meth:`step` does."""
         if self._eval is None:
             self._eval = _Program(build_schedule(self.schedule, self.p, self.m, self.rank, self.v, forward_only=True))
-        modes = [c.training for c in self.chunks]
+        modes = [(m, m.training) for c in self.chunks for m in c.modules()]   # each module's own, restored
         kept, self.timeline = self.timeline, Timeline(self.rank)
         try:
             for c in self.chunks:
@@ -139,8 +139,8 @@ class PipelineEngine:
             with torch.no_grad():
                 return self._run(self._eval, inputs, targets)
         finally:
-            for c, mode in zip(self.chunks, modes):
-                c.train(mode)
+            for m, mode in modes:
+                m.training = mode
             self.timeline = kept
 
     def _run(self, prog: _Program, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
