@@ -314,7 +314,7 @@ class _Boom(nn.Module):
         raise RuntimeError("deliberate failure in stage 1")
 
 
-def body_rank_raises(rank, world):
+def body_rank_raises(rank, world, mode):
     group = _short_group(2.0)
     torch.manual_seed(0)
     chunks = build_gpt_stages(_config(n_layer=2), rank, world)
@@ -322,13 +322,15 @@ def body_rank_raises(rank, world):
         chunks = [_Boom(chunks[0])]
     engine = PipelineEngine(chunks, group, schedule="1f1b", num_microbatches=2)
     idx, targets = _batch()
-    engine.step(idx, targets)
+    getattr(engine, mode)(idx, targets)
 
 
-def test_a_rank_that_raises_fails_every_rank_within_the_timeout(dist_pools):
-    # Last in the file: the pool is restarted after a failure.
+@pytest.mark.parametrize("mode", ["step", "evaluate"])
+def test_a_rank_that_raises_fails_every_rank_within_the_timeout(dist_pools, mode):
+    # Last in the file: the pool is restarted after a failure. Under evaluate the first stage receives
+    # nothing from the failed one: its pending sends (and the loss broadcast) are what time out.
     with pytest.raises(RankFailure) as info:
-        dist_pools(2).run(body_rank_raises, timeout=60)
+        dist_pools(2).run(body_rank_raises, mode, timeout=60)
     msg = str(info.value)
     assert "--- rank 1 raised" in msg and "deliberate failure in stage 1" in msg
     assert "--- rank 0 raised" in msg and "pipeline rank 0" in msg    # the other rank: by the timeout

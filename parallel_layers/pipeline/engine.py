@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..distributed import collectives as C
-from .p2p import HEADER_LEN, HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header
+from .p2p import HEADER_LEN, HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header, peer_failure
 from .schedules import Instr, build_schedule, check_schedule_args, format_schedule
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 
@@ -125,10 +125,11 @@ class PipelineEngine:
         """The mean loss over the microbatches of ``inputs``/``targets``, forward only (Megatron-LM's
         ``forward_only``, DeepSpeed's ``eval_batch``): the schedule's forward-only instruction list
         (:func:`~parallel_layers.pipeline.schedules.build_schedule`), under ``torch.no_grad`` with the
-        chunks in eval mode (no dropout; their modes are restored after). No gradient is touched and
-        nothing is kept between microbatches. The batch may differ in shape from the training batches
-        (a multiple of ``num_microbatches``; the declared ``tensor_shape``, if any, still holds). The timeline of the last training step is kept. A
-        collective over the pipeline group, like :meth:`step`; returns the loss where :meth:`step` does."""
+        chunks in eval mode (no dropout; every module's own mode is restored after). No gradient is
+        touched and nothing is kept between microbatches. The batch may differ in shape from the
+        training batches (a multiple of ``num_microbatches``; a declared ``tensor_shape`` still holds).
+        The timeline of the last training step is kept. A collective over the pipeline group, like
+        :meth:`step`; returns the loss where :meth:`step` does."""
         if self._eval is None:
             self._eval = _Program(build_schedule(self.schedule, self.p, self.m, self.rank, self.v, forward_only=True))
         modes = [(m, m.training) for c in self.chunks for m in c.modules()]   # each module's own, restored
@@ -221,7 +222,10 @@ class PipelineEngine:
         loss = torch.stack(losses).mean() if losses else None
         if self.broadcast_loss and self.p > 1:
             buf = loss.clone() if loss is not None else torch.zeros((), dtype=self._loss_dtype())
-            C.broadcast(buf, self.p - 1, self.group)   # stage S - 1 lives on pipeline rank p - 1
+            try:
+                C.broadcast(buf, self.p - 1, self.group)   # stage S - 1 lives on pipeline rank p - 1
+            except Exception as exc:  # noqa: BLE001 - forward-only, the first stage may wait only here
+                raise peer_failure(self.rank, "the loss broadcast from the last stage", exc) from exc
             loss = buf
         return loss
 

@@ -61,6 +61,13 @@ def decode_header(h: torch.Tensor) -> Tuple[Tuple[int, ...], torch.dtype]:
     return tuple(int(x) for x in h[2:2 + ndim]), _DTYPES[code]
 
 
+def peer_failure(pp_rank: int, what: str, exc: BaseException) -> RuntimeError:
+    """The error a pipeline rank raises when a message or collective with its neighbours fails or times
+    out: it names the rank and what it waited for, and points at the usual cause."""
+    return RuntimeError(f"pipeline rank {pp_rank} (global rank {dist.get_rank()}): {what} failed or timed out: "
+                        f"{exc}. A neighbouring stage probably raised first; see its error.")
+
+
 class _Posted:
     """A send or receive handed to the posting thread: waits for its posting, then for the c10d work."""
 
@@ -145,8 +152,7 @@ class P2P:
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - re-raised with the pipeline context
-            raise RuntimeError(f"pipeline rank {self.rank} (global rank {dist.get_rank()}): {what} failed or timed "
-                               f"out: {exc}. A neighbouring stage probably raised first; see its error.") from exc
+            raise peer_failure(self.rank, what, exc) from exc
 
     def _reap(self) -> None:
         """Forget sends that have completed, freeing their buffers early. (A gloo work reports completion
@@ -161,4 +167,4 @@ class P2P:
             self._wait_one(work, what)
 
 
-__all__ = ["P2P", "encode_header", "decode_header", "HEADER_LEN", "HEADER_TAG", "RESHAPE_TAG"]
+__all__ = ["P2P", "encode_header", "decode_header", "peer_failure", "HEADER_LEN", "HEADER_TAG", "RESHAPE_TAG"]
