@@ -43,6 +43,7 @@ so the result matches the single-process model trained on the full batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, Optional, Union
 
@@ -100,7 +101,7 @@ class Parallel3D:
         self.scaler = loss_scaler
         if num_chunks is None:
             num_chunks = 2 if schedule == "interleaved" else 1
-        self.config, self.mesh, self.zero = config, mesh, zero
+        self.config, self.mesh, self.zero, self.dtype = config, mesh, zero, dtype
         self.max_grad_norm = max_grad_norm
         self.num_microbatches = num_microbatches
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
@@ -280,6 +281,54 @@ class Parallel3D:
         # every gradient is scaled, the last stage's tied copy included (it was only left out of the norm)
         torch._foreach_mul_([p.main_grad for p in self.dp.buffer.params], coef.to(self.dp.buffer.grad_dtype))
         return norm, coef
+
+    # ------------------------------------------------------------------ checkpoints (resume)
+    def state_dict(self) -> dict:
+        """This rank's part of the training state, to resume from: its stages' parameters (its shard
+        under ZeRO-3), its optimizer state (its shard under ZeRO), the loss scaler, the random states
+        dropout draws from (default generator and the TP tracker's streams), and the layout they belong
+        to. Every rank saves its own (``torch.save``, one file per rank, as Megatron-LM and DeepSpeed
+        do) and loads it back on the same mesh with :meth:`load_state_dict`; training then continues
+        bit for bit. To move weights to another layout, use :meth:`dense_state_dict`."""
+        if self.z is not None:
+            model = self.z.state_dict()
+        else:
+            model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        tracker = self.chunks[0]._tp.rng
+        return {"layout": self._checkpoint_layout(), "model": model, "optimizer": self.optimizer.state_dict(),
+                "scaler": None if self.scaler is None else self.scaler.state_dict(),
+                "rng": {"default": torch.get_rng_state(),
+                        "tracker": None if tracker is None else tracker.get_states()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what :meth:`state_dict` saved on this same rank of a run with the same mesh, ZeRO stage,
+        schedule layout, model config and dtype (a collective over dp with ZeRO 1/2 when the gradient
+        bucket layout has changed since: call it on every rank). A checkpoint of another rank or run is
+        a ``ValueError`` naming what differs, before anything is loaded."""
+        mine, saved = self._checkpoint_layout(), state.get("layout") or {}
+        differ = [k for k in mine if saved.get(k) != mine[k]]
+        if differ:
+            raise ValueError("Parallel3D.load_state_dict: the checkpoint does not belong to this rank of this "
+                             "run; " + "; ".join(f"{k}: saved {saved.get(k)}, here {mine[k]}" for k in differ)
+                             + ". Load each rank's own file on the same mesh and settings (to change the layout, "
+                             "start from dense_state_dict())")
+        if self.z is not None:
+            self.z.load_state_dict(state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["default"])
+        tracker = self.chunks[0]._tp.rng
+        if tracker is not None:
+            tracker.set_states(state["rng"]["tracker"])
+
+    def _checkpoint_layout(self) -> dict:
+        m, e = self.mesh, self.engine
+        return {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "rank (dp, tp, pp)": [m.dp_rank, m.tp_rank, m.pp_rank],
+                "zero": self.zero, "schedule chunks": e.v, "dtype": str(self.dtype),
+                "config": dataclasses.asdict(self.config)}
 
     # ------------------------------------------------------------------ inspection
     def dense_state_dict(self) -> dict:

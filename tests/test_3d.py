@@ -12,7 +12,7 @@ import torch
 
 from parallel_layers.models.gpt import GPT, GPTConfig
 from parallel_layers.parallel3d import Parallel3D
-from parallel_layers.testing import cached_mesh
+from parallel_layers.testing import WorkerPool, cached_mesh
 
 CFG = dict(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=8, bias=False)
 LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 0.5
@@ -221,6 +221,78 @@ def test_3d_checkpointing_replays_dropout(dist_pools, zero, sequence_parallel):
         assert res["other_loss_differs"], f"rank {r}: dropout had no effect (the test would prove nothing)"
         # 2 blocks per stage x 2 microbatches x 2 steps; checkpointed: each also recomputed once
         assert res["calls"] == (8, 16), (r, res["calls"])
+
+
+# ---------------------------------------------------------------------- checkpoint and resume
+RESUME_CASES = {"dp-1f1b": (0, "1f1b", torch.float32), "zero2-interleaved-fp16": (2, "interleaved", torch.float16),
+                "zero3-gpipe": (3, "gpipe", torch.float32)}
+
+
+def _resume_model(case, seed):
+    zero, schedule, dtype = RESUME_CASES[case]
+    mesh = cached_mesh(dp=2, tp=2, pp=2)
+    cfg = GPTConfig(**dict(CFG, dropout=0.1))           # dropout on: resuming must restore the random streams
+    if dtype == torch.float16:
+        model = _fp16_model(mesh, cfg, zero=zero, schedule=schedule)
+        model.scaler.growth_interval = 2                # the scale changes during the run
+        return model
+    return Parallel3D(cfg, mesh, zero=zero, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
+                      weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=seed, dtype=dtype)
+
+
+def _resume_result(model, losses):
+    scaler = None if model.scaler is None else model.scaler.state_dict()
+    return {"losses": losses, "params": model.dense_state_dict(), "scaler": scaler,
+            "optimizer": model.optimizer.state_dict()}
+
+
+def body_train_and_save(rank, world, case, path):
+    model = _resume_model(case, seed=0)
+    batches = _batches(STEPS)
+    for x, y in batches[:2]:
+        model.train_step(x, y)
+    torch.save(model.state_dict(), f"{path}/rank{rank}.pt")
+    return _resume_result(model, [model.train_step(x, y)["loss"] for x, y in batches[2:]])
+
+
+def body_load_and_resume(rank, world, case, path):
+    model = _resume_model(case, seed=99)                # another init: everything must come from the files
+    try:                                                # a neighbour's file is refused before anything loads
+        model.load_state_dict(torch.load(f"{path}/rank{(rank + 1) % world}.pt", weights_only=False))
+        wrong = None
+    except ValueError as e:
+        wrong = str(e)
+    model.load_state_dict(torch.load(f"{path}/rank{rank}.pt", weights_only=False))
+    out = _resume_result(model, [model.train_step(x, y)["loss"] for x, y in _batches(STEPS)[2:]])
+    out["wrong"] = wrong
+    return out
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_3d_checkpoint_resumes_bit_identically_in_fresh_processes(dist_pools, tmp_path, case):
+    """dp 2 x tp 2 x pp 2, dropout on: 2 steps, every rank saves Parallel3D.state_dict(), 3 more steps;
+    8 new processes build the model from another seed, load their files and take the same 3 steps."""
+    straight = dist_pools(8).run(body_train_and_save, case, str(tmp_path), timeout=240)
+    with WorkerPool(8) as pool:                         # new processes, new process groups
+        resumed = pool.run(body_load_and_resume, case, str(tmp_path), timeout=240)
+    for r, (a, b) in enumerate(zip(straight, resumed)):
+        assert a["losses"] == b["losses"], (r, a["losses"], b["losses"])
+        assert _same(a["params"], b["params"]), f"rank {r}: parameters differ after resuming"
+        assert _same(a["optimizer"], b["optimizer"]), f"rank {r}: optimizer state differs after resuming"
+        assert a["scaler"] == b["scaler"], (r, a["scaler"], b["scaler"])
+        assert "does not belong to this rank of this run" in b["wrong"] and "rank (dp, tp, pp)" in b["wrong"], b
+    if RESUME_CASES[case][2] == torch.float16:          # the scaler really moved, and was restored
+        assert straight[0]["scaler"]["scale"] != FP16_INIT_SCALE, straight[0]["scaler"]
 
 
 def test_3d_zero3_rejects_low_precision():
