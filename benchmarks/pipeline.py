@@ -170,33 +170,31 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
             schedule = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=loss_fn)
             variants[f"torch_{sched}"] = (schedule, tchunks)
 
-        def run(name):
-            obj, chunks = variants[name]
-            for c in chunks:
-                c.zero_grad(set_to_none=False)
+        def call(name, ours_method, torch_method):
+            """One step or evaluation of a variant, each rank passing what its stage takes."""
+            obj = variants[name][0]
             if name.startswith("ours"):
-                obj.step(idx if rank == 0 else None, tgt if rank == world - 1 else None)
+                getattr(obj, ours_method)(idx if rank == 0 else None, tgt if rank == world - 1 else None)
             elif rank == 0:
-                obj.step(idx)
+                getattr(obj, torch_method)(idx)
             elif rank == world - 1:
-                obj.step(target=tgt, losses=[])
+                getattr(obj, torch_method)(target=tgt, losses=[])
             else:
-                obj.step()
+                getattr(obj, torch_method)()
+
+        def run(name):
+            for c in variants[name][1]:
+                c.zero_grad(set_to_none=False)
+            call(name, "step", "step")
 
         def run_eval(name):
-            obj, chunks = variants[name]
             if name.startswith("ours"):              # eval mode and no_grad inside evaluate()
-                obj.evaluate(idx if rank == 0 else None, tgt if rank == world - 1 else None)
-                return
+                return call(name, "evaluate", None)
+            chunks = variants[name][1]
             for c in chunks:
                 c.eval()
             with torch.no_grad():
-                if rank == 0:
-                    obj.eval(idx)
-                elif rank == world - 1:
-                    obj.eval(target=tgt, losses=[])
-                else:
-                    obj.eval()
+                call(name, None, "eval")
             for c in chunks:
                 c.train()
 
