@@ -183,11 +183,7 @@ class Parallel3D:
             self.optimizer.step(clip_coef=coef)
         else:
             self.optimizer.step()
-        loss = loss.detach().to(torch.float64).reshape(1)
-        if self.mesh.dp > 1:
-            C.all_reduce(loss, self.mesh.dp_group)
-            loss /= self.mesh.dp
-        out = {"loss": loss.item(), "grad_norm": None if norm is None else float(norm)}
+        out = {"loss": self._mean_over_dp(loss), "grad_norm": None if norm is None else float(norm)}
         if self.scaler is not None:
             out["skipped"] = bool(found_inf.item())     # same on every rank (agreed by the all-reduce)
             out["loss_scale"] = float(self.scaler.scale.item())
@@ -209,11 +205,7 @@ class Parallel3D:
         self.z.reduce_scatter_and_free()             # once per step, over dp; reshard
         norm, coef = self._clip()
         self.optimizer.step(clip_coef=coef)
-        loss = loss.detach().to(torch.float64).reshape(1)
-        if self.mesh.dp > 1:
-            C.all_reduce(loss, self.mesh.dp_group)
-            loss /= self.mesh.dp
-        return {"loss": loss.item(), "grad_norm": None if norm is None else float(norm)}
+        return {"loss": self._mean_over_dp(loss), "grad_norm": None if norm is None else float(norm)}
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """The mean loss over the GLOBAL batch ``inputs``/``targets`` (every rank passes the same one; each
@@ -230,6 +222,10 @@ class Parallel3D:
         finally:
             if self.z is not None:
                 self.z.release_gathered()           # nothing to reduce: free the gathered parameters
+        return self._mean_over_dp(loss)
+
+    def _mean_over_dp(self, loss: torch.Tensor) -> float:
+        """This replica's mean loss averaged over the dp group (in float64): the global batch's, on every rank."""
         loss = loss.detach().to(torch.float64).reshape(1)
         if self.mesh.dp > 1:
             C.all_reduce(loss, self.mesh.dp_group)

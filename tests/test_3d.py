@@ -232,10 +232,8 @@ def _resume_model(case, seed):
     zero, schedule, dtype = RESUME_CASES[case]
     mesh = cached_mesh(dp=2, tp=2, pp=2)
     cfg = GPTConfig(**dict(CFG, dropout=0.1))           # dropout on: resuming must restore the random streams
-    if dtype == torch.float16:
-        model = _fp16_model(mesh, cfg, zero=zero, schedule=schedule)
-        model.scaler.growth_interval = 2                # the scale changes during the run
-        return model
+    if dtype == torch.float16:                          # growth_interval 2: the scale changes during the run
+        return _fp16_model(mesh, cfg, zero=zero, schedule=schedule, seed=seed, growth_interval=2)
     return Parallel3D(cfg, mesh, zero=zero, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
                       weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=seed, dtype=dtype)
 
@@ -383,8 +381,8 @@ def _fp16_model(mesh, cfg, **kw):
     scaler = DynamicLossScaler(init_scale=FP16_INIT_SCALE, growth_interval=kw.pop("growth_interval", 3),
                                hysteresis=1)
     return Parallel3D(cfg, mesh, zero=kw.pop("zero", 1), schedule=kw.pop("schedule", "1f1b"), num_microbatches=2,
-                      lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=0,
-                      dtype=torch.float16, loss_scaler=scaler)
+                      lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002,
+                      seed=kw.pop("seed", 0), dtype=torch.float16, loss_scaler=scaler)
 
 
 def body_3d_fp16(rank, world):

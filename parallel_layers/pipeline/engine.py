@@ -180,13 +180,12 @@ class PipelineEngine:
                     if s == 0:
                         x = mb_inputs[mb]
                     elif self.p == 1:              # previous stage on this rank: local hand-off
-                        x = outputs.pop((mb, c - 1)).detach() if not train else \
-                            outputs[(mb, c - 1)].detach().requires_grad_()
-                        inputs_of[(mb, c)] = x
+                        if train:
+                            x = inputs_of[(mb, c)] = outputs[(mb, c - 1)].detach().requires_grad_()
+                        else:                      # nothing is kept for a backward
+                            x = outputs.pop((mb, c - 1)).detach()
                     else:
-                        x = inputs_of[(mb, c)]
-                    if not train:                  # nothing is kept for a backward
-                        inputs_of.pop((mb, c), None)
+                        x = inputs_of[(mb, c)] if train else inputs_of.pop((mb, c))
                     if s == self.S - 1:
                         loss = self._timed("F", mb, c, lambda: self.chunks[c](x, mb_targets[mb]))
                         losses.append(loss.detach())

@@ -73,8 +73,7 @@ class GPTStage(nn.Module):
     or hidden states in; hidden states out, or on the last stage the logits shard (no targets) or the
     mean loss. Built by :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
     ``checkpoint``: see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; in
-    training mode only (eval keeps nothing for
-    backward anyway)."""
+    training mode only (eval keeps nothing for backward anyway)."""
 
     # The pieces are GPT's own, so a stage computes exactly what the full model does.
     embed = GPT.embed
