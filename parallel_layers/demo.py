@@ -99,6 +99,12 @@ def validation_batches(val: torch.Tensor, args):
     return [get_batch(val, VAL_STREAM + i, args.batch_size, args.seq_len, args.seed) for i in range(args.eval_iters)]
 
 
+def validation_plan(val: Optional[torch.Tensor], args):
+    """``(steps, batches)``: after which steps to validate, on which batches (none without ``val``)."""
+    steps = set(eval_steps(args)) if val is not None else set()
+    return steps, (validation_batches(val, args) if steps else [])
+
+
 def get_batch(corpus: torch.Tensor, step: int, batch: int, seq: int, seed: int):
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, corpus.numel() - seq - 1, (batch,), generator=gen)
@@ -223,8 +229,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     losses, step_times, skipped, val_losses = [], [], 0, []
     tokens_per_step = args.batch_size * args.seq_len
     mem = torch.zeros(1, dtype=torch.float64, device=device)
-    evals = set(eval_steps(args)) if val is not None else set()
-    val_batches = validation_batches(val, args) if evals else []
+    evals, val_batches = validation_plan(val, args)
     for step in range(args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
         if device is not None:
@@ -302,8 +307,7 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=args.weight_decay, foreach=False)
     losses, val_losses = [], []
-    evals = set(eval_steps(args)) if val is not None else set()
-    val_batches = validation_batches(val, args) if evals else []
+    evals, val_batches = validation_plan(val, args)
     for step in range(args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
         _, loss = model(x, y)
