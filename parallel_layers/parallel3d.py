@@ -236,14 +236,12 @@ class Parallel3D:
         """This rank's slices of the fp32 gradient shard, one per parameter overlapping it, flagged
         ``tensor_parallel`` like the parameter; the last stage's tied embedding copy left out."""
         items = []
-        for u in self.z.units:
-            for p, o in zip(u.params, u.offsets):
-                a, b = max(o, u.lo), min(o + p.numel(), u.hi)
-                if a >= b or id(p) in self._dup:
-                    continue
-                piece = u.grad_shard[a - u.lo:b - u.lo]
-                piece.tensor_parallel = bool(getattr(p, "tensor_parallel", False))
-                items.append(piece)
+        for p, _, start, n in self.optimizer.shard_pieces():
+            if id(p) in self._dup:
+                continue
+            piece = self.z.grad_buffer[start:start + n]
+            piece.tensor_parallel = bool(getattr(p, "tensor_parallel", False))
+            items.append(piece)
         return items
 
     def _clip(self, found_inf: Optional[torch.Tensor] = None):
@@ -285,7 +283,8 @@ class Parallel3D:
         dropout draws from (default generator and the TP tracker's streams), and the layout they belong
         to. Every rank saves its own (``torch.save``, one file per rank, as Megatron-LM and DeepSpeed
         do) and loads it back on the same mesh with :meth:`load_state_dict`; training then continues
-        bit for bit. To move weights to another layout, use :meth:`dense_state_dict`."""
+        bit for bit. To resume on another mesh (or in a single process), save a universal checkpoint
+        instead (:func:`parallel_layers.universal_checkpoint.save_universal`)."""
         if self.z is not None:
             model = self.z.state_dict()
         else:
@@ -307,7 +306,7 @@ class Parallel3D:
             raise ValueError("Parallel3D.load_state_dict: the checkpoint does not belong to this rank of this "
                              "run; " + "; ".join(f"{k}: saved {saved.get(k)}, here {mine[k]}" for k in differ)
                              + ". Load each rank's own file on the same mesh and settings (to change the layout, "
-                             "start from dense_state_dict())")
+                             "save with parallel_layers.universal_checkpoint.save_universal and load_universal)")
         if self.z is not None:
             self.z.load_state_dict(state["model"])
         else:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import difflib
 from fnmatch import fnmatchcase
-from typing import Dict, Mapping, Union
+from typing import Dict, Mapping, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -133,6 +133,30 @@ def _gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return full.movedim(0, dim)
 
 
+def tp_partitions(model: nn.Module) -> Dict[str, Tuple[int, object, int]]:
+    """Every tensor-parallel parameter of ``model`` (``named_parameters`` names, duplicates kept):
+    ``(partition_dim, tp_group, dense_size)``, the dimension it is split along, over which group, and
+    its dense size along it (``VocabParallelEmbedding``: the true vocabulary, without the padding).
+    Parameters absent from the map are replicated."""
+    out = {}
+    for mname, module in model.named_modules():
+        if not hasattr(module, "tp_group"):
+            continue
+        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            dim = getattr(p, "partition_dim", None)
+            if dim is None:
+                continue
+            size = (module.num_embeddings if isinstance(module, VocabParallelEmbedding)
+                    else p.shape[dim] * C.world_size(module.tp_group))
+            out[f"{mname}.{pname}" if mname else pname] = (dim, module.tp_group, size)
+    return out
+
+
+def gather_partition(t: torch.Tensor, dim: int, group, dense_size: int) -> torch.Tensor:
+    """The dense tensor of the TP shards ``t`` (a collective over ``group``), its padding dropped."""
+    return _gather_dim(t, dim, group).narrow(dim, 0, dense_size)
+
+
 def gather_dense_state_dict(model: nn.Module, *, grads: bool = False) -> Dict[str, torch.Tensor]:
     """The dense model's ``state_dict`` (``grads=True``: its gradients) gathered from the TP shards.
 
@@ -141,30 +165,18 @@ def gather_dense_state_dict(model: nn.Module, *, grads: bool = False) -> Dict[st
     dropped; everything else is copied as is. Every rank gets the full tensors. A collective: every TP
     rank must call it. A parameter without a gradient maps to ``None`` with ``grads=True``.
     """
-    owners = {}
-    for mname, module in model.named_modules():
-        for pname, _ in module.named_parameters(recurse=False, remove_duplicate=False):
-            owners[f"{mname}.{pname}" if mname else pname] = module
+    parts = tp_partitions(model)
     source = ({n: p.grad for n, p in model.named_parameters(remove_duplicate=False)} if grads
               else {n: t for n, t in model.state_dict(keep_vars=True).items()})
-    params = dict(model.named_parameters(remove_duplicate=False))
     out: Dict[str, torch.Tensor] = {}
     for name, tensor in source.items():
-        module = owners.get(name)
-        param = params.get(name)
-        dim = getattr(param, "partition_dim", None) if param is not None else None
         if tensor is None:
             out[name] = None
-            continue
-        tensor = tensor.detach()
-        if dim is None or module is None or not hasattr(module, "tp_group"):
-            out[name] = tensor.clone()
-            continue
-        full = _gather_dim(tensor, dim, module.tp_group)
-        if isinstance(module, VocabParallelEmbedding):
-            full = full[:module.num_embeddings]
-        out[name] = full
+        elif name in parts:
+            out[name] = gather_partition(tensor.detach(), *parts[name])
+        else:
+            out[name] = tensor.detach().clone()
     return out
 
 
-__all__ = ["parallelize", "gather_dense_state_dict"]
+__all__ = ["parallelize", "gather_dense_state_dict", "tp_partitions", "gather_partition"]

@@ -320,6 +320,23 @@ class ZeroOptimizer:
         self.dp.zero_grad()
 
     # ------------------------------------------------------------------ checkpoints
+    def shard_pieces(self) -> List[Tuple[torch.nn.Parameter, int, int, int]]:
+        """Where each parameter's state lives on this rank: ``(param, start in the parameter's flat view,
+        start in this rank's flat state (master, exp_avg, exp_avg_sq), length)`` for every piece of a
+        parameter in this rank's shard (the universal checkpoint reads and writes the state through it)."""
+        self._check_layout()
+        return [(p, start_p, off + start_s, n) for b, off in zip(self._bucket_list, self._offsets)
+                for p, start_p, start_s, n in b.param_shard_overlaps(self.dp_rank)]
+
+    @property
+    def steps_taken(self) -> int:
+        return int(self._step.item())
+
+    def set_steps_taken(self, n: int) -> None:
+        """Resume the step count (AdamW's bias correction) at ``n``; the state counts as learned."""
+        self._step.fill_(n)
+        self._started = True
+
     def state_dict(self) -> dict:
         """This rank's shard of the state (clones) and the layout it belongs to. Save one per rank."""
         self._check_layout()

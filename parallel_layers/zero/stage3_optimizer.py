@@ -15,7 +15,7 @@ skips the step with parameters, states and the step count bit-identical, without
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -102,6 +102,27 @@ class ZeroStage3Optimizer:
         self.z.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ checkpoints
+    def shard_pieces(self) -> List[Tuple[torch.nn.Parameter, int, int, int]]:
+        """Where each parameter's state lives on this rank: ``(param, start in the parameter's flat view,
+        start in this rank's flat state (master, exp_avg, exp_avg_sq, and the module's ``shard_buffer``
+        and ``grad_buffer``), length)`` for every piece of a parameter in this rank's shard."""
+        out, pos = [], 0
+        for u in self.z.units:
+            for p, o in zip(u.params, u.offsets):
+                a, b = max(o, u.lo), min(o + p.numel(), u.hi)
+                if a < b:
+                    out.append((p, a - o, pos + a - u.lo, b - a))
+            pos += u.shard_numel
+        return out
+
+    @property
+    def steps_taken(self) -> int:
+        return int(self._step.item())
+
+    def set_steps_taken(self, n: int) -> None:
+        """Resume the step count (AdamW's bias correction) at ``n``."""
+        self._step.fill_(n)
+
     def state_dict(self) -> dict:
         """This rank's optimizer shard (clones). Save it with the module's ``state_dict()``, per rank."""
         return {"dp_size": self.z.dp_size, "dp_rank": self.z.dp_rank, "layout": self.z._layout(),

@@ -1,0 +1,150 @@
+"""Universal checkpoints: a Parallel3D run trains 2 steps on one mesh and saves; fresh processes on
+ANOTHER mesh (other dp, tp, pp, ZeRO stage, schedule), built from another seed, load it and train 3
+more steps. Losses, gradient norms and final weights must be the single-process GPT's over the same 5
+steps (every rank checked), and the checkpoint must resume that GPT in a single process too."""
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from parallel_layers.models.gpt import GPT, GPTConfig
+from parallel_layers.parallel3d import Parallel3D
+from parallel_layers.testing import WorkerPool, cached_mesh
+from parallel_layers.universal_checkpoint import (check_config, load_dense_adamw, load_universal, read_meta,
+                                                  read_universal, save_universal)
+
+CFG = dict(vocab_size=63, n_layer=4, n_head=2, d_model=16, max_seq_len=8, bias=False)   # 63: vocab padded at tp 2
+# (no linear biases: the key bias gets a zero gradient in exact arithmetic, so AdamW steps it on rounding noise)
+LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 0.5
+BATCH, SEQ, SAVED_AT, STEPS = 8, 8, 2, 5
+TOL = 1e-5
+
+# name -> (saving layout, resuming layout); a layout is ((dp, tp, pp), zero, schedule, tied embeddings)
+CASES = {
+    "3d-zero1-to-dp2pp2-zero3": (((2, 2, 2), 1, "1f1b", True), ((2, 1, 2), 3, "gpipe", True)),
+    "dp2pp2-zero3-interleaved-to-3d-zero2": (((2, 1, 2), 3, "interleaved", True), ((2, 2, 2), 2, "1f1b", True)),
+    "3d-dp-untied-to-tp2pp2-interleaved": (((2, 2, 2), 0, "1f1b", False), ((1, 2, 2), 0, "interleaved", False)),
+    "dp2pp4-zero2-to-dp4pp2-dp": (((2, 1, 4), 2, "gpipe", True), ((4, 1, 2), 0, "1f1b", True)),
+}
+
+
+def _cfg(tied):
+    return GPTConfig(**CFG, tie_embeddings=tied)
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randint(0, CFG["vocab_size"], (BATCH, SEQ + 1), generator=gen)
+        out.append((x[:, :-1].contiguous(), x[:, 1:].contiguous()))
+    return out
+
+
+def _model(layout, seed):
+    dims, zero, schedule, tied = layout
+    return Parallel3D(_cfg(tied), cached_mesh(*dims), zero=zero, schedule=schedule, num_microbatches=2, lr=LR,
+                      betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=seed)
+
+
+def body_save(rank, world, layout, path):
+    model = _model(layout, seed=0)
+    steps = [model.train_step(x, y) for x, y in _batches()[:SAVED_AT]]
+    save_universal(model, path)
+    return steps
+
+
+def body_resume(rank, world, layout, path):
+    model = _model(layout, seed=99)          # another init: every weight and moment must come from the files
+    meta = load_universal(model, path)
+    steps = [model.train_step(x, y) for x, y in _batches()[meta["iteration"]:]]
+    return {"steps": steps, "params": model.dense_state_dict(), "meta_step": meta["step"]}
+
+
+def _reference(tied):
+    torch.manual_seed(0)
+    dense = GPT(_cfg(tied))
+    return dense, torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+
+
+def _train(dense, opt, batches):
+    """Single-process steps: [(loss, gradient norm before clipping)]."""
+    out = []
+    for x, y in batches:
+        _, loss = dense(x, y)
+        loss.backward()
+        out.append((loss.item(), torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def _rel_t(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _world(layout):
+    dp, tp, pp = layout[0]
+    return dp * tp * pp
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case):
+    saving, resuming = CASES[case]
+    path = str(tmp_path / "ckpt")
+    saved = dist_pools(_world(saving)).run(body_save, saving, path, timeout=240)
+    with WorkerPool(_world(resuming)) as pool:        # new processes, new process groups, another mesh
+        resumed = pool.run(body_resume, resuming, path, timeout=240)
+
+    dense, opt = _reference(saving[3])
+    ref = _train(dense, opt, _batches()[:SAVED_AT])
+    ckpt = read_universal(path)
+    assert ckpt["step"] == SAVED_AT and ckpt["saved from"]["mesh (dp, tp, pp)"] == list(saving[0]), ckpt["saved from"]
+    # the checkpoint is the single-process model after 2 steps: weights and both moments, every parameter
+    names = [n for n, _ in dense.named_parameters()]
+    assert sorted(ckpt["model"]) == sorted(names)
+    for n, p in dense.named_parameters():
+        st = opt.state[p]
+        assert _rel_t(ckpt["model"][n], p.detach()) < TOL, n
+        assert _rel_t(ckpt["exp_avg"][n], st["exp_avg"]) < TOL, n
+        assert _rel_t(ckpt["exp_avg_sq"][n], st["exp_avg_sq"]) < TOL, n
+    ref += _train(dense, opt, _batches()[SAVED_AT:])
+    final = dense.state_dict()
+    for r, (a, b) in enumerate(zip(saved, resumed)):
+        assert b["meta_step"] == SAVED_AT
+        got = [(s["loss"], s["grad_norm"]) for s in a + b["steps"]]
+        for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, ref)):
+            assert _rel(loss, ref_loss) < TOL and _rel(norm, ref_norm) < TOL, (r, i, loss, ref_loss, norm, ref_norm)
+        worst = max((_rel_t(t, final[n]), n) for n, t in b["params"].items())
+        assert worst[0] < TOL, (r, worst)
+
+    # and in a single process: GPT + torch AdamW from the same files continue like the reference
+    single, single_opt = _reference(saving[3])
+    single.load_state_dict(ckpt["model"])
+    load_dense_adamw(single_opt, single, ckpt)
+    cont = _train(single, single_opt, _batches()[SAVED_AT:])
+    for (loss, norm), (ref_loss, ref_norm) in zip(cont, ref[SAVED_AT:]):
+        assert _rel(loss, ref_loss) < TOL and _rel(norm, ref_norm) < TOL
+    assert max(_rel_t(t, final[n]) for n, t in single.state_dict().items()) < TOL
+
+
+def test_universal_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no meta.json"):
+        read_meta(str(tmp_path))
+    meta = {"format": "parallel_layers.universal/1", "step": 3, "files": [],
+            "config": dict(dataclasses.asdict(_cfg(True)), n_layer=6)}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"another model: n_layer: saved 6, here 4"):
+        check_config(_cfg(True), read_meta(str(tmp_path)), str(tmp_path))
+    check_config(_cfg(True), dict(meta, config=dataclasses.asdict(_cfg(True))), str(tmp_path))     # same config: accepted
+    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, format="other/9")))
+    with pytest.raises(ValueError, match="format 'other/9'"):
+        read_meta(str(tmp_path))
+    shutil.rmtree(tmp_path)
