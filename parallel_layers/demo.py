@@ -16,6 +16,10 @@ text in the same file order (a tenth as many, never trained on) give ``--eval-it
 ``--eval-interval`` steps and after the last one the model's mean loss on them is computed forward only
 (:meth:`Parallel3D.evaluate`: the pipeline's forward-only schedule, eval mode) and compared too.
 
+Checkpoints (Megatron-LM's ``--save`` / ``--save-interval`` / ``--load``): universal ones
+(:mod:`parallel_layers.universal_checkpoint`) under ``DIR/iter_NNNNNNN``, so a run saved on one layout
+resumes on any other; a resumed run trains from the saved iteration to ``--steps`` on the same data.
+
 At the end the loss curve is compared with the single-process ``GPT`` of the same config, seed, data and
 optimizer (``torch.optim.AdamW`` + ``torch.nn.utils.clip_grad_norm_``), run in the launcher (or on rank
 0 under torchrun); ``summary.json`` and ``timeline.png`` (the last step's pipeline schedule) go to
@@ -143,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validation loss every N steps (and after the last); 0: after the last only")
     p.add_argument("--eval-iters", type=int, default=2, metavar="K",
                    help="validation batches (global batch size each); 0 turns validation off")
+    p.add_argument("--save", metavar="DIR", help="save universal checkpoints under DIR (DIR/iter_NNNNNNN, Megatron-"
+                   "LM's layout) after the last step and every --save-interval steps; any layout can --load them")
+    p.add_argument("--save-interval", type=int, default=0, metavar="N", help="with --save: also every N steps")
+    p.add_argument("--load", metavar="DIR", help="resume from a universal checkpoint (DIR/iter_NNNNNNN, or a --save "
+                   "DIR: its latest) saved with any --dp/--tp/--pp/--zero/--schedule/--precision, and train up to "
+                   "--steps; the comparison covers the resumed steps")
     p.add_argument("--out", default="demo_out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
     p.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
@@ -184,12 +194,46 @@ def check_args(args) -> None:
     if args.checkpoint < -1:
         errs.append(f"--checkpoint {args.checkpoint} must be a number of blocks >= 0 (or the flag alone for "
                     f"every block)")
+    if args.save_interval < 0 or (args.save_interval and not args.save):
+        errs.append(f"--save-interval {args.save_interval} needs --save DIR and must be >= 0")
     if args.eval_interval < 0 or args.eval_iters < 0:
         errs.append(f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} must be >= 0")
     if world < 1:
         errs.append("dp, tp and pp must be positive")
     if errs:
         raise SystemExit("demo: " + "; ".join(errs))
+
+
+# the demo's training recipe: a resumed run must use the saved one for its data and single-process comparison
+RECIPE = ("seed", "batch_size", "seq_len", "lr", "weight_decay", "max_grad_norm", "corpus_bytes")
+
+
+def check_resume(args) -> int:
+    """The iteration ``--load`` resumes from (0 without it), checked before any process starts: the
+    checkpoint must hold this model, come from the same recipe (:data:`RECIPE`) and leave steps to train."""
+    if not args.load:
+        return 0
+    from .universal_checkpoint import check_config, read_meta, resolve_checkpoint
+    try:
+        path = resolve_checkpoint(args.load)
+        meta = read_meta(path)
+        check_config(model_config(args), meta, path)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"demo: --load {args.load}: {e}")
+    saved = {}
+    if os.path.exists(os.path.join(path, "demo_recipe.json")):
+        with open(os.path.join(path, "demo_recipe.json")) as f:
+            saved = json.load(f)
+    differ = [k for k in RECIPE if k in saved and saved[k] != getattr(args, k)]
+    if differ:
+        raise SystemExit(f"demo: --load {path} was trained with " + ", ".join(
+            f"--{k.replace('_', '-')} {saved[k]}" for k in differ) + " (here " + ", ".join(
+            f"{getattr(args, k)}" for k in differ) + "); pass the same values, so the data and the "
+            "single-process comparison continue the saved run")
+    if meta["iteration"] >= args.steps:
+        raise SystemExit(f"demo: --load {path} is at iteration {meta['iteration']}: --steps {args.steps} leaves "
+                         f"nothing to train; pass --steps > {meta['iteration']}")
+    return meta["iteration"]
 
 
 def rss_mb() -> float:
@@ -213,6 +257,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
 
     from .mesh import ParallelMesh
     from .parallel3d import Parallel3D
+    from .universal_checkpoint import load_universal, resolve_checkpoint, save_iteration
     rank = dist.get_rank()
     mesh = ParallelMesh(args.dp, args.tp, args.pp)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
@@ -221,16 +266,19 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
                        record_timeline=True, seed=args.seed, device=device,
                        checkpoint=checkpoint_setting(args))
+    start, saved = 0, []
+    if args.load:
+        start = load_universal(model, resolve_checkpoint(args.load))["iteration"]
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
-        bar = tqdm(total=args.steps, desc=f"3D dp={args.dp} tp={args.tp} pp={args.pp}", unit="step",
-                   dynamic_ncols=True)
+        bar = tqdm(total=args.steps, initial=start, desc=f"3D dp={args.dp} tp={args.tp} pp={args.pp}",
+                   unit="step", dynamic_ncols=True)
     losses, step_times, skipped, val_losses = [], [], 0, []
     tokens_per_step = args.batch_size * args.seq_len
     mem = torch.zeros(1, dtype=torch.float64, device=device)
     evals, val_batches = validation_plan(val, args)
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
         if device is not None:
             x, y = x.to(device), y.to(device)
@@ -257,6 +305,11 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                 bar.write(line)              # above the progress bar
             elif rank == 0:
                 print(line, flush=True)
+        if args.save and (step + 1 == args.steps or (args.save_interval and (step + 1) % args.save_interval == 0)):
+            saved.append(save_iteration(model, args.save, step + 1))
+            if rank == 0:
+                with open(os.path.join(saved[-1], "demo_recipe.json"), "w") as f:
+                    json.dump({k: getattr(args, k) for k in RECIPE}, f)
     if bar is not None:
         bar.close()
     os.makedirs(args.out, exist_ok=True)
@@ -275,7 +328,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     return {"losses": losses, "tokens_per_s": tokens_per_step * len(timed) / sum(timed),
             "step_time_s": sum(timed) / len(timed), "per_rank": per_rank, "timeline_png": png,
             "bubble_fraction": bubble, "skipped_steps": skipped if args.precision == "fp16" else None,
-            "val_losses": val_losses,
+            "val_losses": val_losses, "first_step": start + 1, "saved": saved,
             "loss_scale": out["loss_scale"] if args.precision == "fp16" and args.steps else None}
 
 
@@ -339,17 +392,23 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
     tol = {"fp32": FP32_RTOL, "bf16": BF16_RTOL, "fp16": FP16_RTOL}[args.precision]
     config = {k: getattr(args, k) for k in vars(args)}
     config["checkpoint"] = checkpoint_setting(args)          # True (every block), or a block count
+    start = par.get("first_step", 1) - 1                    # > 0: resumed (--load); the reference ran from 0
     ref_losses, ref_val = ref if ref is not None else (None, None)
+    if ref is not None:
+        ref_losses, ref_val = ref_losses[start:], [v for v in ref_val if v[0] > start]
     val = par.get("val_losses") or []
     summary = {"config": config, "launcher": launcher,
                "corpus": {"source": "Python standard library .py sources", "bytes": corpus_bytes,
                           "vocab": 256},
+               "first_step": start + 1, "saved_checkpoints": par.get("saved") or [],
                "losses": {"parallel": par["losses"], "single_process": ref_losses},
                "val_losses": {"parallel": val, "single_process": ref_val},
                "tokens_per_s": par["tokens_per_s"], "step_time_s": par["step_time_s"],
                "memory_rss_mb": [r["rss_mb"] for r in par["per_rank"]], "per_rank": par["per_rank"],
                "bubble_fraction": par["bubble_fraction"], "tolerance_rel_per_step": tol,
                "skipped_steps": par.get("skipped_steps"), "final_loss_scale": par.get("loss_scale")}
+    if start:
+        print(f"\nresumed from {args.load} at step {start} (a universal checkpoint: any layout loads it)")
     print(f"\n3D run: dp={args.dp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
           f"{args.microbatches} microbatches, {args.precision}{_checkpoint_text(args)}: "
           f"{par['tokens_per_s']:,.0f} tokens/s, "
@@ -357,7 +416,7 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
           + (f", validation loss {val[-1][1]:.4f}" if val else ""))
     print("memory RSS per rank (MB): " + ", ".join(f"{m:.0f}" for m in summary["memory_rss_mb"]))
     if par.get("skipped_steps") is not None:
-        print(f"fp16 dynamic loss scaling: {par['skipped_steps']} of {args.steps} steps skipped (inf/nan), "
+        print(f"fp16 dynamic loss scaling: {par['skipped_steps']} of {args.steps - start} steps skipped (inf/nan), "
               f"final loss scale {par['loss_scale']:g}")
     if par["bubble_fraction"] is not None:
         print(f"pipeline bubble (last step, measured): {par['bubble_fraction']:.1%}")
@@ -376,7 +435,7 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
         summary["rel_diff_per_step"], summary["val_rel_diff"] = diffs, val_diffs
         print(f"{'step':>5} {'3D loss':>12} {'1-process':>12} {'rel diff':>10}")
         for i, (a, b, d) in enumerate(zip(par["losses"], ref_losses, diffs)):
-            print(f"{i + 1:>5} {a:>12.6f} {b:>12.6f} {d:>10.2e}")
+            print(f"{start + i + 1:>5} {a:>12.6f} {b:>12.6f} {d:>10.2e}")
         for (step, a), (_, b), d in zip(val, ref_val, val_diffs):
             print(f"{'val ' + str(step):>5} {a:>12.6f} {b:>12.6f} {d:>10.2e}")
         what = "losses" + (" and validation losses" if val else "")
@@ -389,6 +448,8 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    for path in par.get("saved") or []:
+        print(f"saved a universal checkpoint: {path}")
     print(f"wrote {os.path.join(args.out, 'summary.json')} and {os.path.join(args.out, 'timeline.png')}")
     return summary
 
@@ -427,6 +488,7 @@ def _run_torchrun(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    check_resume(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_torchrun(args)
     import torch.multiprocessing as mp

@@ -8,8 +8,8 @@ form is the dense model itself, so nothing needs converting:
 
 * every parameter under the full ``GPT``'s name, in fp32 (a bf16/fp16 run saves its fp32 master
   weights), and its AdamW moments ``exp_avg`` / ``exp_avg_sq`` in the parameter's dense shape;
-* in ``meta.json``: the optimizer's step count, the caller's iteration, the model config, the loss scaler's state, the layout and
-  hyperparameters it was saved with, and the files that hold the tensors.
+* in ``meta.json``: the optimizer's step count, the caller's iteration, the model config, the loss
+  scaler's state, the layout and hyperparameters it was saved with, and the files holding the tensors.
 
 :func:`save_universal` (a collective over the world): the ZeRO shards of each stage are summed over dp
 (each element is held by exactly one rank, every other adds zero) and the TP shards gathered over tp;
@@ -45,6 +45,7 @@ from .tensor_parallel.random import shard
 
 FORMAT = "parallel_layers.universal/1"
 META = "meta.json"
+LATEST = "latest_checkpointed_iteration.txt"
 STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -148,7 +149,38 @@ def save_universal(model, directory: str, iteration: Optional[int] = None) -> No
     dist.barrier()
 
 
+def iteration_dir(root: str, iteration: int) -> str:
+    """Megatron-LM's layout: one directory per saved iteration, ``root/iter_0000020``."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def save_iteration(model, root: str, iteration: int) -> str:
+    """:func:`save_universal` into ``iteration_dir(root, iteration)``, then rank 0 points ``root``'s
+    ``latest_checkpointed_iteration.txt`` at it (Megatron-LM's name). A collective; returns the path."""
+    path = iteration_dir(root, iteration)
+    save_universal(model, path, iteration=iteration)
+    if dist.get_rank() == 0:
+        latest = os.path.join(root, LATEST)
+        with open(latest + ".tmp", "w") as f:
+            f.write(f"{iteration}\n")
+        os.replace(latest + ".tmp", latest)
+    return path
+
+
 # ---------------------------------------------------------------------- loading
+def resolve_checkpoint(path: str) -> str:
+    """``path`` itself if it is a universal checkpoint, else the latest iteration saved under it by
+    :func:`save_iteration`."""
+    if os.path.exists(os.path.join(path, META)):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.exists(latest):
+        with open(latest) as f:
+            return iteration_dir(path, int(f.read().strip()))
+    raise FileNotFoundError(f"universal checkpoint: {path!r} holds neither a {META} (a checkpoint) nor a {LATEST} "
+                            f"(a directory of them, from save_iteration)")
+
+
 def read_meta(directory: str) -> dict:
     path = os.path.join(directory, META)
     if not os.path.exists(path):
@@ -247,4 +279,4 @@ def load_dense_adamw(optimizer: torch.optim.Optimizer, model: nn.Module, ckpt: d
 
 
 __all__ = ["save_universal", "load_universal", "read_universal", "read_meta", "check_config", "load_dense_adamw",
-           "dense_states"]
+           "dense_states", "iteration_dir", "save_iteration", "resolve_checkpoint"]

@@ -143,8 +143,44 @@ def test_universal_checkpoint_errors(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"another model: n_layer: saved 6, here 4"):
         check_config(_cfg(True), read_meta(str(tmp_path)), str(tmp_path))
-    check_config(_cfg(True), dict(meta, config=dataclasses.asdict(_cfg(True))), str(tmp_path))     # same config: accepted
+    check_config(_cfg(True), dict(meta, config=dataclasses.asdict(_cfg(True))), str(tmp_path))   # same: accepted
     (tmp_path / "meta.json").write_text(json.dumps(dict(meta, format="other/9")))
     with pytest.raises(ValueError, match="format 'other/9'"):
         read_meta(str(tmp_path))
     shutil.rmtree(tmp_path)
+
+
+def _demo(tmp_path, *extra):
+    import os
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "parallel_layers", "demo", "--n-layer", "2", "--d-model", "16", "--n-head", "2",
+           "--seq-len", "16", "--batch-size", "8", "--microbatches", "2", "--corpus-bytes", "200000", "--no-progress",
+           "--eval-interval", "2", *extra]
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_demo_saves_and_resumes_on_another_layout(tmp_path):
+    """``demo --save`` on dp2 x tp2 x pp2 ZeRO-1 (checkpoints after steps 2 and 4), then ``demo --load`` of
+    the step-2 one on dp2 x pp2 ZeRO-3 GPipe: steps 3-4 repeat the first run's and agree with the
+    single-process run; a resume with nothing left to train is refused before any process starts."""
+    ckpt = tmp_path / "ckpt"
+    first = _demo(tmp_path, "--steps", "4", "--zero", "1", "--save", str(ckpt), "--save-interval", "2",
+                  "--out", str(tmp_path / "first"))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert read_meta(str(ckpt / "iter_0000002"))["iteration"] == 2
+    resumed = _demo(tmp_path, "--steps", "4", "--dp", "2", "--tp", "1", "--pp", "2", "--zero", "3", "--schedule",
+                    "gpipe", "--load", str(ckpt / "iter_0000002"), "--out", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "losses agree" in resumed.stdout, resumed.stdout
+    a = json.loads((tmp_path / "first" / "summary.json").read_text())
+    b = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert b["first_step"] == 3 and b["agree"] is True and len(b["losses"]["parallel"]) == 2
+    for x, y in zip(a["losses"]["parallel"][2:], b["losses"]["parallel"]):
+        assert abs(x - y) <= 1e-6 * abs(x), (a["losses"], b["losses"])
+    assert [s for s, _ in b["val_losses"]["parallel"]] == [4]
+    done = _demo(tmp_path, "--steps", "4", "--load", str(ckpt), "--out", str(tmp_path / "done"))
+    assert done.returncode != 0 and "is at iteration 4" in done.stdout + done.stderr
