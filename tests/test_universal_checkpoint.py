@@ -12,8 +12,8 @@ import torch
 from parallel_layers.models.gpt import GPT, GPTConfig
 from parallel_layers.parallel3d import Parallel3D
 from parallel_layers.testing import WorkerPool, cached_mesh
-from parallel_layers.universal_checkpoint import (check_config, load_dense_adamw, load_universal, read_meta,
-                                                  read_universal, save_universal)
+from parallel_layers.universal_checkpoint import (STATES, check_config, dense_states, load_dense_adamw,
+                                                  load_universal, read_meta, read_universal, save_universal)
 
 CFG = dict(vocab_size=63, n_layer=4, n_head=2, d_model=16, max_seq_len=8, bias=False)   # 63: vocab padded at tp 2
 # (no linear biases: the key bias gets a zero gradient in exact arithmetic, so AdamW steps it on rounding noise)
@@ -59,8 +59,22 @@ def body_save(rank, world, layout, path):
 def body_resume(rank, world, layout, path):
     model = _model(layout, seed=99)          # another init: every weight and moment must come from the files
     meta = load_universal(model, path)
+    loaded, step = dense_states(model)       # read back through this layout: the files' tensors exactly
     steps = [model.train_step(x, y) for x, y in _batches()[meta["iteration"]:]]
-    return {"steps": steps, "params": model.dense_state_dict(), "meta_step": meta["step"]}
+    return {"steps": steps, "params": model.dense_state_dict(), "meta_step": meta["step"], "loaded": loaded,
+            "loaded_step": step}
+
+
+def _assert_loaded_exactly(resumed, ckpt):
+    """Every rank's stages, read back from the resumed model, are the checkpoint's tensors bit for bit."""
+    seen = set()
+    for r, res in enumerate(resumed):
+        assert res["loaded_step"] == ckpt["step"], r
+        for name, states in res["loaded"].items():
+            seen.add(name)
+            for k, src in zip(STATES, ("model", "exp_avg", "exp_avg_sq")):
+                assert torch.equal(states[k], ckpt[src][name]), (r, name, k)
+    assert seen == set(ckpt["model"]), sorted(set(ckpt["model"]) - seen)
 
 
 def _reference(tied):
@@ -115,6 +129,7 @@ def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case
         assert _rel_t(ckpt["model"][n], p.detach()) < TOL, n
         assert _rel_t(ckpt["exp_avg"][n], st["exp_avg"]) < TOL, n
         assert _rel_t(ckpt["exp_avg_sq"][n], st["exp_avg_sq"]) < TOL, n
+    _assert_loaded_exactly(resumed, ckpt)
     ref += _train(dense, opt, _batches()[SAVED_AT:])
     final = dense.state_dict()
     for r, (a, b) in enumerate(zip(saved, resumed)):
@@ -133,6 +148,49 @@ def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case
     for (loss, norm), (ref_loss, ref_norm) in zip(cont, ref[SAVED_AT:]):
         assert _rel(loss, ref_loss) < TOL and _rel(norm, ref_norm) < TOL
     assert max(_rel_t(t, final[n]) for n, t in single.state_dict().items()) < TOL
+
+
+def _fp16_model(dims, zero, seed):
+    from parallel_layers.amp import DynamicLossScaler
+    scaler = DynamicLossScaler(init_scale=2.0 ** 10, growth_interval=1, hysteresis=1)   # grows every step
+    return Parallel3D(_cfg(True), cached_mesh(*dims), zero=zero, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
+                      weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=seed, dtype=torch.float16,
+                      loss_scaler=scaler)
+
+
+def body_fp16_save(rank, world, path):
+    model = _fp16_model((2, 2, 2), 2, seed=0)
+    for x, y in _batches()[:SAVED_AT]:
+        model.train_step(x, y)
+    save_universal(model, path)
+    return model.scaler.state_dict()
+
+
+def body_fp16_resume(rank, world, path):
+    model = _fp16_model((2, 1, 2), 1, seed=99)
+    load_universal(model, path)
+    loaded, step = dense_states(model)
+    scaler = model.scaler.state_dict()
+    fp16 = model.dense_state_dict()          # the parameters the forward uses
+    out = model.train_step(*_batches()[SAVED_AT])
+    return {"loaded": loaded, "loaded_step": step, "scaler": scaler, "loss": out["loss"], "fp16": fp16}
+
+
+def test_universal_checkpoint_fp16_carries_master_weights_and_scaler(dist_pools, tmp_path):
+    """An fp16 run (ZeRO-2, dp2 x tp2 x pp2) saves its fp32 master weights, moments and loss scaler; an
+    fp16 ZeRO-1 run on dp2 x pp2 loads them bit for bit (the fp16 copy rounded from them) and trains on."""
+    path = str(tmp_path / "ckpt")
+    saved = dist_pools(8).run(body_fp16_save, path, timeout=240)
+    with WorkerPool(4) as pool:
+        resumed = pool.run(body_fp16_resume, path, timeout=240)
+    ckpt = read_universal(path)
+    assert ckpt["scaler"] == saved[0] and ckpt["scaler"]["scale"] > 2.0 ** 10, ckpt["scaler"]   # it moved
+    assert all(t.dtype == torch.float32 for t in ckpt["model"].values())
+    _assert_loaded_exactly(resumed, ckpt)
+    for res in resumed:
+        assert res["scaler"] == ckpt["scaler"] and 0 < res["loss"] < 10
+        for name, t in res["fp16"].items():      # the fp16 copy is the saved master rounded
+            assert t.dtype == torch.float16 and torch.equal(t, ckpt["model"][name].half()), name
 
 
 def test_universal_checkpoint_errors(tmp_path):
