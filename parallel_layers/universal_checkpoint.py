@@ -131,15 +131,20 @@ def save_universal(model, directory: str, iteration: Optional[int] = None) -> No
         os.remove(meta_path)                         # the directory is incomplete until the new meta is in
     dist.barrier()
     files = [f"stage{k}-of-{m.pp}.pt" for k in range(m.pp)]
-    if m.dp_rank == 0 and m.tp_rank == 0:
+    writer = m.dp_rank == 0 and m.tp_rank == 0
+    if writer:
         path = os.path.join(directory, files[m.pp_rank])
-        torch.save({"format": FORMAT, **{k: {n: s[k] for n, s in states.items()} for k in STATES}}, path + ".tmp")
+        torch.save({"format": FORMAT, **{k: {n: s[k].cpu() for n, s in states.items()} for k in STATES}},
+                   path + ".tmp")
         os.replace(path + ".tmp", path)
-    dist.barrier()
+    # which file holds which parameter, so that a loading rank reads only the files of its own stages
+    written = [None] * dist.get_world_size()
+    dist.all_gather_object(written, (files[m.pp_rank], sorted(states)) if writer else None)
     if rank == 0:
         group = model.optimizer.param_groups[0]
         meta = {"format": FORMAT, "step": step, "iteration": step if iteration is None else iteration,
                 "config": dataclasses.asdict(model.config), "files": files,
+                "index": {n: w[0] for w in written if w is not None for n in w[1]},
                 "saved from": _layout(model),
                 "optimizer": {k: group[k] for k in ("lr", "eps", "weight_decay")} | {"betas": list(group["betas"])},
                 "scaler": None if model.scaler is None else model.scaler.state_dict()}
@@ -193,15 +198,22 @@ def read_meta(directory: str) -> dict:
     return meta
 
 
+def _read_files(directory: str, files) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{"param" | "exp_avg" | "exp_avg_sq": {name: tensor}}`` of ``files``, memory-mapped: only the
+    tensors a caller touches are read from disk."""
+    merged = {k: {} for k in STATES}
+    for name in files:
+        data = torch.load(os.path.join(directory, name), weights_only=True, map_location="cpu", mmap=True)
+        for k in STATES:
+            merged[k].update(data[k])
+    return merged
+
+
 def read_universal(directory: str) -> dict:
     """The whole dense checkpoint: ``meta.json``'s fields plus ``model`` (a ``GPT`` state dict in fp32),
     ``exp_avg`` and ``exp_avg_sq`` (by the same names)."""
     meta = read_meta(directory)
-    merged = {k: {} for k in STATES}
-    for name in meta["files"]:
-        data = torch.load(os.path.join(directory, name), weights_only=True, map_location="cpu")
-        for k in STATES:
-            merged[k].update(data[k])
+    merged = _read_files(directory, meta["files"])
     return dict(meta, model=merged["param"], exp_avg=merged["exp_avg"], exp_avg_sq=merged["exp_avg_sq"])
 
 
@@ -216,11 +228,14 @@ def check_config(config, meta: dict, directory: str) -> None:
 
 
 def _local_slice(model, chunk, name: str, p: nn.Parameter, dense: torch.Tensor, parts: dict) -> torch.Tensor:
-    """This rank's TP slice of a dense tensor, in the shape of ``p`` (vocabulary padding: zero rows)."""
+    """This rank's TP slice of a dense tensor (a copy: the file is memory-mapped), in the shape of ``p``
+    (vocabulary padding: zero rows)."""
     if name in parts:
         dim, group, _ = parts[name]
         tp = C.world_size(group)
         dense = shard(dense, dim, C.rank(group), tp, padded_size=p.shape[dim] * tp)
+    else:
+        dense = dense.clone()
     if dense.shape != p.shape:
         raise ValueError(f"universal checkpoint: {chunk.dense_name(name)} is {tuple(dense.shape)} in the "
                          f"checkpoint but {tuple(p.shape)} on this rank")
@@ -231,24 +246,22 @@ def _local_slice(model, chunk, name: str, p: nn.Parameter, dense: torch.Tensor, 
 def load_universal(model, directory: str) -> dict:
     """Load a universal checkpoint into ``model`` (a ``Parallel3D`` of any mesh, ZeRO stage, schedule or
     dtype built with the same model config); returns its ``meta.json`` (``meta["step"]``: the
-    optimizer steps taken). Every rank reads the files; no collective."""
-    ckpt = read_universal(directory)
-    check_config(model.config, ckpt, directory)
+    optimizer steps taken). Every rank reads the files holding its stages; no collective."""
+    meta = read_meta(directory)
+    check_config(model.config, meta, directory)
+    mine = _named_params(model)
+    missing = sorted({chunk.dense_name(n) for chunk, n, _ in mine} - set(meta["index"]))
+    if missing:
+        raise ValueError(f"universal checkpoint {directory!r}: {len(missing)} parameters of this rank's stages "
+                         f"are in none of its files {meta['files']}: {missing[:5]}")
+    tensors = _read_files(directory, sorted({meta["index"][chunk.dense_name(n)] for chunk, n, _ in mine}))
     local = {}
-    missing = []
     for chunk in model.chunks:
         parts = tp_partitions(chunk)
         for name, p in chunk.named_parameters():
             dn = chunk.dense_name(name)
-            if dn not in ckpt["model"]:
-                missing.append(dn)
-                continue
-            local[id(p)] = (p, {k: _local_slice(model, chunk, name, p, ckpt[s][dn], parts)
-                                for k, s in zip(STATES, ("model", "exp_avg", "exp_avg_sq"))})
-    if missing:
-        raise ValueError(f"universal checkpoint {directory!r}: {len(missing)} parameters of this rank's stages "
-                         f"are in none of its files {ckpt['files']}: {missing[:5]}")
-    step, opt = ckpt["step"], model.optimizer
+            local[id(p)] = (p, {k: _local_slice(model, chunk, name, p, tensors[k][dn], parts) for k in STATES})
+    step, opt = meta["step"], model.optimizer
     if model.zero != 3:      # ZeRO-3 holds no full parameter between steps: its shard is written below
         for p, st in local.values():
             p.copy_(st["param"].to(p.dtype))
@@ -265,9 +278,9 @@ def load_universal(model, directory: str) -> dict:
         if opt.low is not None:                      # bf16/fp16 (ZeRO 1/2): the copy the all-gather sends
             opt.low.copy_(opt.master)
         opt.set_steps_taken(step)                    # ZeRO-3 is fp32 only: its master is the shard itself
-    if model.scaler is not None and ckpt.get("scaler") is not None:
-        model.scaler.load_state_dict(ckpt["scaler"])
-    return {k: v for k, v in ckpt.items() if k not in ("model", "exp_avg", "exp_avg_sq")}
+    if model.scaler is not None and meta.get("scaler") is not None:
+        model.scaler.load_state_dict(meta["scaler"])
+    return meta
 
 
 def load_dense_adamw(optimizer: torch.optim.Optimizer, model: nn.Module, ckpt: dict) -> None:

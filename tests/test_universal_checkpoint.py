@@ -123,7 +123,9 @@ def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case
     assert ckpt["step"] == SAVED_AT and ckpt["saved from"]["mesh (dp, tp, pp)"] == list(saving[0]), ckpt["saved from"]
     # the checkpoint is the single-process model after 2 steps: weights and both moments, every parameter
     names = [n for n, _ in dense.named_parameters()]
-    assert sorted(ckpt["model"]) == sorted(names)
+    assert sorted(ckpt["model"]) == sorted(names) == sorted(ckpt["index"])
+    for n, f in ckpt["index"].items():       # the index a loading rank reads only its own stages' files by
+        assert n in torch.load(str(tmp_path / "ckpt" / f), weights_only=True, mmap=True)["param"], (n, f)
     for n, p in dense.named_parameters():
         st = opt.state[p]
         assert _rel_t(ckpt["model"][n], p.detach()) < TOL, n
