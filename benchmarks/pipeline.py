@@ -240,8 +240,8 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                 path = png_base.replace(".png", f"_{n[5:]}_p{world}_m{m}.png")
                 out = variants[n][0].draw_timeline(path)
                 png = png or out
-        results[m] = {"times": times, "eval_times": eval_times, "bubbles": bubbles, "busy": busy, "parts": parts, "mem": mems, "png": png,
-                      "cores": cores}
+        results[m] = {"times": times, "eval_times": eval_times, "bubbles": bubbles, "busy": busy, "parts": parts,
+                      "mem": mems, "png": png, "cores": cores}
     return results if rank == 0 else None
 
 
@@ -302,6 +302,13 @@ def _breakdown_text(parts: List[dict]) -> str:
             f"{b['imbalance_jitter']:+.3f} + engine {b['engine_overhead']:+.3f} + messages {b['messages']:+.3f})")
 
 
+def _paired_text(ours: List[float], base: List[float]) -> str:
+    """Torch's time over ours rep by rep (the two ran back to back in each rep, so drift of the machine
+    between reps cancels): the median and the 20th-80th percentile range of those ratios."""
+    ratios = harness.Stats.of([b / a for a, b in zip(ours, base)])
+    return f"torch/ours paired per rep {ratios.median_ms:.3f} (p20-p80 {ratios.p20_ms:.3f}-{ratios.p80_ms:.3f})"
+
+
 def _binding_text(cores: Optional[List[List[int]]]) -> str:
     """Which cores each rank ran on: bound (``parallel_layers.cpu_affinity``) or free."""
     if not cores or not all(cores):
@@ -324,7 +331,7 @@ def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict, judged: bool = True
         ok = statistics.median(ours) <= statistics.median(base)
         rows.append(harness.comparison_row(
             common, f"step_{sched}", ours, base, sizes=sizes, target="speedup>=1.0", met=_judge(p, ok, judged),
-            baseline=f"torch.distributed.pipelining {sched}; our bubble {bub[sched]:.3f}"))
+            baseline=f"torch.distributed.pipelining {sched}; our bubble {bub[sched]:.3f}; {_paired_text(ours, base)}"))
     for sched in SCHEDS:     # the issue sets no target for evaluation: reported beside the steps
         rows.append(harness.comparison_row(
             common, f"eval_{sched}", r["eval_times"][f"ours_{sched}"], r["eval_times"][f"torch_{sched}"],
