@@ -227,7 +227,7 @@ def check_config(config, meta: dict, directory: str) -> None:
                          + ". Build the resuming run with the saved config (meta.json, 'config')")
 
 
-def _local_slice(model, chunk, name: str, p: nn.Parameter, dense: torch.Tensor, parts: dict) -> torch.Tensor:
+def _local_slice(chunk, name: str, p: nn.Parameter, dense: torch.Tensor, parts: dict) -> torch.Tensor:
     """This rank's TP slice of a dense tensor (a copy: the file is memory-mapped), in the shape of ``p``
     (vocabulary padding: zero rows)."""
     if name in parts:
@@ -260,7 +260,7 @@ def load_universal(model, directory: str) -> dict:
         parts = tp_partitions(chunk)
         for name, p in chunk.named_parameters():
             dn = chunk.dense_name(name)
-            local[id(p)] = (p, {k: _local_slice(model, chunk, name, p, tensors[k][dn], parts) for k in STATES})
+            local[id(p)] = (p, {k: _local_slice(chunk, name, p, tensors[k][dn], parts) for k in STATES})
     step, opt = meta["step"], model.optimizer
     if model.zero != 3:      # ZeRO-3 holds no full parameter between steps: its shard is written below
         for p, st in local.values():
@@ -274,7 +274,7 @@ def load_universal(model, directory: str) -> dict:
         for p, start_p, start_s, n in opt.shard_pieces():
             st = local[id(p)][1]
             for k, dst in zip(STATES, targets):
-                dst[start_s:start_s + n] = st[k].reshape(-1)[start_p:start_p + n]
+                dst[start_s:start_s + n] = st[k].reshape(-1)[start_p:start_p + n].to(dst.device)
         if opt.low is not None:                      # bf16/fp16 (ZeRO 1/2): the copy the all-gather sends
             opt.low.copy_(opt.master)
         opt.set_steps_taken(step)                    # ZeRO-3 is fp32 only: its master is the shard itself
