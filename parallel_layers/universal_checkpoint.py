@@ -42,6 +42,7 @@ import torch.nn as nn
 from .distributed import collectives as C
 from .tensor_parallel.parallelize import gather_partition, tp_partitions
 from .tensor_parallel.random import shard
+from .zero.full_state import STATE_KEYS
 
 FORMAT = "parallel_layers.universal/1"
 META = "meta.json"
@@ -57,7 +58,8 @@ def _named_params(model) -> List[Tuple[nn.Module, str, nn.Parameter]]:
 
 def _local_states(model) -> Tuple[Dict[int, Dict[str, torch.Tensor]], int]:
     """``{id(param): {"param", "exp_avg", "exp_avg_sq"}}`` in fp32 and the parameter's TP-local shape,
-    complete over dp (a collective over the dp group under ZeRO), and the optimizer's step count."""
+    complete over dp (under ZeRO the optimizer's ``full_state_dict``, a collective over the dp group), and
+    the optimizer's step count."""
     params = {id(p): p for _, _, p in _named_params(model)}
     opt = model.optimizer
     if model.zero == 0:                              # torch AdamW: full per-parameter state on every rank
@@ -70,21 +72,10 @@ def _local_states(model) -> Tuple[Dict[int, Dict[str, torch.Tensor]], int]:
             if "step" in st:
                 step = int(st["step"])
         return out, step
-    base, total = {}, 0
-    for key, p in params.items():
-        base[key] = total
-        total += p.numel()
-    flat = torch.zeros(total, len(STATES), dtype=torch.float32, device=opt.master.device)
-    sources = (opt.master, opt.exp_avg, opt.exp_avg_sq)
-    for p, start_p, start_s, n in opt.shard_pieces():
-        b = base[id(p)] + start_p
-        for col, src in enumerate(sources):
-            flat[b:b + n, col] = src[start_s:start_s + n]
-    if model.mesh.dp > 1:
-        C.all_reduce(flat, model.mesh.dp_group)
-    out = {key: {k: flat[base[key]:base[key] + p.numel(), col].reshape(p.shape).clone()
-                 for col, k in enumerate(STATES)} for key, p in params.items()}
-    return out, opt.steps_taken
+    full = opt.full_state_dict()["state"]            # gathered over dp, by the ModuleList's parameter names
+    name_of = {id(p): n for n, p in model.model.named_parameters()}
+    return ({key: {k: full[name_of[key]][z] for k, z in zip(STATES, STATE_KEYS)} for key in params},
+            opt.steps_taken)
 
 
 def _dense_size(model, name: str, part: Tuple[int, object, int]) -> int:
@@ -262,22 +253,15 @@ def load_universal(model, directory: str) -> dict:
             dn = chunk.dense_name(name)
             local[id(p)] = (p, {k: _local_slice(chunk, name, p, tensors[k][dn], parts) for k in STATES})
     step, opt = meta["step"], model.optimizer
-    if model.zero != 3:      # ZeRO-3 holds no full parameter between steps: its shard is written below
-        for p, st in local.values():
-            p.copy_(st["param"].to(p.dtype))
     if model.zero == 0:
         for p, st in local.values():
+            p.copy_(st["param"].to(p.dtype))
             opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": st["exp_avg"].to(p.device),
                             "exp_avg_sq": st["exp_avg_sq"].to(p.device)}
-    else:
-        targets = (opt.master, opt.exp_avg, opt.exp_avg_sq)
-        for p, start_p, start_s, n in opt.shard_pieces():
-            st = local[id(p)][1]
-            for k, dst in zip(STATES, targets):
-                dst[start_s:start_s + n] = st[k].reshape(-1)[start_p:start_p + n].to(dst.device)
-        if opt.low is not None:                      # bf16/fp16 (ZeRO 1/2): the copy the all-gather sends
-            opt.low.copy_(opt.master)
-        opt.set_steps_taken(step)                    # ZeRO-3 is fp32 only: its master is the shard itself
+    else:                                            # this rank's ZeRO shard, parameters included
+        name_of = {id(p): n for n, p in model.model.named_parameters()}
+        state = {name_of[id(p)]: {z: st[k] for k, z in zip(STATES, STATE_KEYS)} for p, st in local.values()}
+        opt.load_full_state_dict({"step": step, "state": state})
     if model.scaler is not None and meta.get("scaler") is not None:
         model.scaler.load_state_dict(meta["scaler"])
     return meta

@@ -21,6 +21,7 @@ import torch
 
 from ..ops.optimizer_step import adamw_step
 from . import memory as M
+from .full_state import gather_full_state, scatter_full_state
 from .optimizer import step_multipliers
 from .stage3 import ZeroStage3
 
@@ -122,6 +123,27 @@ class ZeroStage3Optimizer:
     def set_steps_taken(self, n: int) -> None:
         """Resume the step count (AdamW's bias correction) at ``n``."""
         self._step.fill_(n)
+
+    def full_state_dict(self) -> dict:
+        """The whole state, whatever the dp size (:mod:`.full_state`): every parameter's fp32 master
+        weights (the parameters themselves for an fp32 model) and AdamW moments in its shape, by the
+        module's parameter name, with the step count and ``param_groups``. A collective over the dp
+        group; :meth:`load_full_state_dict` loads it at any dp size (resuming on more or fewer ranks)."""
+        return {"step": self.steps_taken, "param_groups": [dict(grp) for grp in self.param_groups],
+                "state": gather_full_state(list(self.z.module.named_parameters()), self.shard_pieces(),
+                                           (self.master, self.exp_avg, self.exp_avg_sq), self.z.dp_group)}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load a :meth:`full_state_dict` saved at any dp size (no collective): this rank's shard of the
+        parameters, masters and moments, the step count, and ``param_groups`` when the dict has them."""
+        scatter_full_state(state["state"], list(self.z.module.named_parameters()), self.shard_pieces(),
+                           (self.master, self.exp_avg, self.exp_avg_sq), "ZeroStage3Optimizer")
+        if self.low is not None:                    # low-precision model: its parameter shard from the master
+            self.low.copy_(self.master)
+        if "param_groups" in state:
+            self.param_groups = [dict(grp, betas=tuple(grp["betas"])) for grp in state["param_groups"]]
+        self.set_steps_taken(int(state["step"]))
 
     def state_dict(self) -> dict:
         """This rank's optimizer shard (clones). Save it with the module's ``state_dict()``, per rank."""
