@@ -266,9 +266,11 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
                        record_timeline=True, seed=args.seed, device=device,
                        checkpoint=checkpoint_setting(args))
-    start, saved = 0, []
+    start, saved, load_s = 0, [], None
     if args.load:
+        t_load = time.perf_counter()
         start = load_universal(model, resolve_checkpoint(args.load))["iteration"]
+        load_s = round(time.perf_counter() - t_load, 3)
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -306,9 +308,11 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
             elif rank == 0:
                 print(line, flush=True)
         if args.save and (step + 1 == args.steps or (args.save_interval and (step + 1) % args.save_interval == 0)):
-            saved.append(save_iteration(model, args.save, step + 1))
+            t_save = time.perf_counter()
+            path = save_iteration(model, args.save, step + 1)
+            saved.append({"path": path, "seconds": round(time.perf_counter() - t_save, 3)})
             if rank == 0:
-                with open(os.path.join(saved[-1], "demo_recipe.json"), "w") as f:
+                with open(os.path.join(path, "demo_recipe.json"), "w") as f:
                     json.dump({k: getattr(args, k) for k in RECIPE}, f)
     if bar is not None:
         bar.close()
@@ -328,7 +332,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     return {"losses": losses, "tokens_per_s": tokens_per_step * len(timed) / sum(timed),
             "step_time_s": sum(timed) / len(timed), "per_rank": per_rank, "timeline_png": png,
             "bubble_fraction": bubble, "skipped_steps": skipped if args.precision == "fp16" else None,
-            "val_losses": val_losses, "first_step": start + 1, "saved": saved,
+            "val_losses": val_losses, "first_step": start + 1, "saved": saved, "load_seconds": load_s,
             "loss_scale": out["loss_scale"] if args.precision == "fp16" and args.steps else None}
 
 
@@ -401,6 +405,7 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
                "corpus": {"source": "Python standard library .py sources", "bytes": corpus_bytes,
                           "vocab": 256},
                "first_step": start + 1, "saved_checkpoints": par.get("saved") or [],
+               "load_seconds": par.get("load_seconds"),
                "losses": {"parallel": par["losses"], "single_process": ref_losses},
                "val_losses": {"parallel": val, "single_process": ref_val},
                "tokens_per_s": par["tokens_per_s"], "step_time_s": par["step_time_s"],
@@ -408,7 +413,8 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
                "bubble_fraction": par["bubble_fraction"], "tolerance_rel_per_step": tol,
                "skipped_steps": par.get("skipped_steps"), "final_loss_scale": par.get("loss_scale")}
     if start:
-        print(f"\nresumed from {args.load} at step {start} (a universal checkpoint: any layout loads it)")
+        print(f"\nresumed from {args.load} at step {start} (a universal checkpoint: any layout loads it; "
+              f"{par['load_seconds']:.2f} s on rank 0)")
     print(f"\n3D run: dp={args.dp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
           f"{args.microbatches} microbatches, {args.precision}{_checkpoint_text(args)}: "
           f"{par['tokens_per_s']:,.0f} tokens/s, "
@@ -448,8 +454,8 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    for path in par.get("saved") or []:
-        print(f"saved a universal checkpoint: {path}")
+    for ckpt in par.get("saved") or []:
+        print(f"saved a universal checkpoint: {ckpt['path']} ({ckpt['seconds']:.2f} s on rank 0)")
     print(f"wrote {os.path.join(args.out, 'summary.json')} and {os.path.join(args.out, 'timeline.png')}")
     return summary
 

@@ -28,8 +28,9 @@ off or grows the scale, the same decision on every rank since the flag is the sa
 
 ZeRO-3 (``zero=3``, fp32 only): this rank's stages are wrapped in ONE :class:`ZeroStage3` over the dp
 group, so between steps a rank holds 1/dp of its stages' parameters (``shard_buffer``), of the fp32
-gradients (the shard) and of the AdamW state (:meth:`memory_report`), and no full parameter or gradient. A step gathers every parameter of the stages once
-(:meth:`ZeroStage3.gather_all`) and keeps them gathered for the forward and backward of every microbatch
+gradients (the shard) and of the AdamW state (:meth:`memory_report`), and no full parameter or
+gradient. A step gathers every parameter of the stages once (:meth:`ZeroStage3.gather_all`) and keeps
+them gathered for the forward and backward of every microbatch
 (gathering per microbatch would repeat the all-gathers m times, torch issues #164756, #165467); autograd
 accumulates full-size gradients across the microbatches, the tied embedding gradients are summed between
 the first and last stage (on those full gradients, over the tied-embedding group), then
