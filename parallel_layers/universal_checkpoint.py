@@ -208,10 +208,15 @@ def read_universal(directory: str) -> dict:
     return dict(meta, model=merged["param"], exp_avg=merged["exp_avg"], exp_avg_sq=merged["exp_avg_sq"])
 
 
+# GPTConfig fields that change how the model runs but not its weights: a resumed run may change them
+RUNTIME_FIELDS = ("dropout", "sequence_parallel", "init_std", "seed")
+
+
 def check_config(config, meta: dict, directory: str) -> None:
-    """A ``ValueError`` naming every field where the checkpoint's model config differs from ``config``."""
+    """A ``ValueError`` naming every field where the checkpoint's model config differs from ``config``
+    (:data:`RUNTIME_FIELDS` may differ)."""
     mine = dataclasses.asdict(config)
-    differ = [k for k in mine if meta["config"].get(k) != mine[k]]
+    differ = [k for k in mine if k not in RUNTIME_FIELDS and meta["config"].get(k) != mine[k]]
     if differ:
         raise ValueError(f"universal checkpoint {directory!r} holds another model: "
                          + "; ".join(f"{k}: saved {meta['config'].get(k)!r}, here {mine[k]!r}" for k in differ)

@@ -21,17 +21,19 @@ LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 0.5
 BATCH, SEQ, SAVED_AT, STEPS = 8, 8, 2, 5
 TOL = 1e-5
 
-# name -> (saving layout, resuming layout); a layout is ((dp, tp, pp), zero, schedule, tied embeddings)
+# name -> (saving layout, resuming layout); a layout is ((dp, tp, pp), zero, schedule, tied embeddings[,
+# sequence parallel: a runtime setting, so a run may resume with it switched on])
 CASES = {
     "3d-zero1-to-dp2pp2-zero3": (((2, 2, 2), 1, "1f1b", True), ((2, 1, 2), 3, "gpipe", True)),
     "dp2pp2-zero3-interleaved-to-3d-zero2": (((2, 1, 2), 3, "interleaved", True), ((2, 2, 2), 2, "1f1b", True)),
-    "3d-dp-untied-to-tp2pp2-interleaved": (((2, 2, 2), 0, "1f1b", False), ((1, 2, 2), 0, "interleaved", False)),
+    "3d-dp-untied-to-tp2pp2-interleaved-sp": (((2, 2, 2), 0, "1f1b", False),
+                                              ((1, 2, 2), 0, "interleaved", False, True)),
     "dp2pp4-zero2-to-dp4pp2-dp": (((2, 1, 4), 2, "gpipe", True), ((4, 1, 2), 0, "1f1b", True)),
 }
 
 
-def _cfg(tied):
-    return GPTConfig(**CFG, tie_embeddings=tied)
+def _cfg(tied, sequence_parallel=False):
+    return GPTConfig(**CFG, tie_embeddings=tied, sequence_parallel=sequence_parallel)
 
 
 def _batches():
@@ -44,8 +46,8 @@ def _batches():
 
 
 def _model(layout, seed):
-    dims, zero, schedule, tied = layout
-    return Parallel3D(_cfg(tied), cached_mesh(*dims), zero=zero, schedule=schedule, num_microbatches=2, lr=LR,
+    dims, zero, schedule, tied, *sp = layout
+    return Parallel3D(_cfg(tied, *sp), cached_mesh(*dims), zero=zero, schedule=schedule, num_microbatches=2, lr=LR,
                       betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=seed)
 
 
@@ -204,6 +206,8 @@ def test_universal_checkpoint_errors(tmp_path):
     with pytest.raises(ValueError, match=r"another model: n_layer: saved 6, here 4"):
         check_config(_cfg(True), read_meta(str(tmp_path)), str(tmp_path))
     check_config(_cfg(True), dict(meta, config=dataclasses.asdict(_cfg(True))), str(tmp_path))   # same: accepted
+    runtime = dataclasses.asdict(_cfg(True, sequence_parallel=True)) | {"dropout": 0.1, "seed": 7}
+    check_config(_cfg(True), dict(meta, config=runtime), str(tmp_path))      # runtime settings may differ
     (tmp_path / "meta.json").write_text(json.dumps(dict(meta, format="other/9")))
     with pytest.raises(ValueError, match="format 'other/9'"):
         read_meta(str(tmp_path))
