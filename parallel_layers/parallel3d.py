@@ -290,7 +290,7 @@ class Parallel3D:
             model = self.z.state_dict()
         else:
             model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        tracker = self.chunks[0]._tp.rng
+        tracker = self.chunks[0].rng_tracker
         return {"layout": self._checkpoint_layout(), "model": model, "optimizer": self.optimizer.state_dict(),
                 "scaler": None if self.scaler is None else self.scaler.state_dict(),
                 "rng": {"default": torch.get_rng_state(),
@@ -316,7 +316,7 @@ class Parallel3D:
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["default"])
-        tracker = self.chunks[0]._tp.rng
+        tracker = self.chunks[0].rng_tracker
         if tracker is not None:
             tracker.set_states(state["rng"]["tracker"])
 

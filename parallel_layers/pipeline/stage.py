@@ -107,6 +107,11 @@ class GPTStage(nn.Module):
         shard = self.head(h)
         return shard if targets is None else self.loss(shard, targets)
 
+    @property
+    def rng_tracker(self):
+        """The tensor-parallel dropout streams (``tensor_parallel_rng_tracker``), None without TP."""
+        return self._tp.rng
+
     def dense_name(self, name: str) -> str:
         """This stage's parameter name -> the full ``GPT``'s (``blocks.i`` renumbered)."""
         if name.startswith("blocks."):
