@@ -208,11 +208,11 @@ def check_args(args) -> None:
 RECIPE = ("seed", "batch_size", "seq_len", "lr", "weight_decay", "max_grad_norm", "corpus_bytes")
 
 
-def check_resume(args) -> int:
-    """The iteration ``--load`` resumes from (0 without it), checked before any process starts: the
-    checkpoint must hold this model, come from the same recipe (:data:`RECIPE`) and leave steps to train."""
+def check_resume(args) -> None:
+    """``--load``, checked before any process starts: the checkpoint must hold this model, come from the
+    same recipe (:data:`RECIPE`) and leave steps to train (each rank reads its iteration when loading)."""
     if not args.load:
-        return 0
+        return
     from .universal_checkpoint import check_config, read_meta, resolve_checkpoint
     try:
         path = resolve_checkpoint(args.load)
@@ -233,7 +233,6 @@ def check_resume(args) -> int:
     if meta["iteration"] >= args.steps:
         raise SystemExit(f"demo: --load {path} is at iteration {meta['iteration']}: --steps {args.steps} leaves "
                          f"nothing to train; pass --steps > {meta['iteration']}")
-    return meta["iteration"]
 
 
 def rss_mb() -> float:

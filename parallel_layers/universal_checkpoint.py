@@ -261,8 +261,7 @@ def load_universal(model, directory: str) -> dict:
     if model.zero == 0:
         for p, st in local.values():
             p.copy_(st["param"].to(p.dtype))
-            opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": st["exp_avg"].to(p.device),
-                            "exp_avg_sq": st["exp_avg_sq"].to(p.device)}
+            opt.state[p] = _adamw_state(p, step, st["exp_avg"], st["exp_avg_sq"])
     else:                                            # this rank's ZeRO shard, parameters included
         name_of = {id(p): n for n, p in model.model.named_parameters()}
         state = {name_of[id(p)]: {z: st[k] for k, z in zip(STATES, STATE_KEYS)} for p, st in local.values()}
@@ -272,12 +271,16 @@ def load_universal(model, directory: str) -> dict:
     return meta
 
 
+def _adamw_state(p: nn.Parameter, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict:
+    """``torch.optim.AdamW``'s state of ``p`` (its step count as a CPU float tensor, moments like ``p``)."""
+    return {"step": torch.tensor(float(step)), "exp_avg": exp_avg.to(p), "exp_avg_sq": exp_avg_sq.to(p)}
+
+
 def load_dense_adamw(optimizer: torch.optim.Optimizer, model: nn.Module, ckpt: dict) -> None:
     """Fill a single-process ``torch.optim.AdamW`` over ``model`` (a ``GPT`` that loaded ``ckpt["model"]``)
     with the moments and step count of :func:`read_universal`'s ``ckpt``."""
     for name, p in model.named_parameters():
-        optimizer.state[p] = {"step": torch.tensor(float(ckpt["step"])),
-                              "exp_avg": ckpt["exp_avg"][name].to(p), "exp_avg_sq": ckpt["exp_avg_sq"][name].to(p)}
+        optimizer.state[p] = _adamw_state(p, ckpt["step"], ckpt["exp_avg"][name], ckpt["exp_avg_sq"][name])
 
 
 __all__ = ["save_universal", "load_universal", "read_universal", "read_meta", "check_config", "load_dense_adamw",
