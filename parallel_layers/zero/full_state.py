@@ -10,13 +10,17 @@ into its shard, for any dp size and layout (no collective). ``ZeroOptimizer`` (s
 ``ZeroStage3Optimizer`` expose them as ``full_state_dict()`` / ``load_full_state_dict()``, and the
 universal checkpoints of ``Parallel3D`` build on them.
 
+:func:`full_state_dict` and :func:`load_full_state_dict` are those two methods' common part, for
+either optimizer (``shard_pieces``, ``master``, ``exp_avg``, ``exp_avg_sq``, ``low``, ``param_groups``,
+``steps_taken`` / ``set_steps_taken``).
+
 ``pieces``: the optimizer's ``shard_pieces()``, ``(param, start in its flat view, start in the flat
 state, length)`` for every piece of a parameter in this rank's shard. ``flats``: this rank's flat
 ``(master, exp_avg, exp_avg_sq)``.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -70,4 +74,32 @@ def scatter_full_state(state: Dict[str, Dict[str, torch.Tensor]], named: List[Tu
             dst[start_s:start_s + n] = entry[k].reshape(-1)[start_p:start_p + n].to(dst.device)
 
 
-__all__ = ["gather_full_state", "scatter_full_state", "STATE_KEYS"]
+NamedParams = Callable[[], List[Tuple[str, nn.Parameter]]]
+
+
+def full_state_dict(opt, named_params: NamedParams, group) -> dict:
+    """``opt``'s whole state: step count, ``param_groups`` and :func:`gather_full_state` of its shards (a
+    collective over ``group``). ``named_params`` is called after ``opt.shard_pieces()``, which may
+    rebuild the layout it lists."""
+    pieces = opt.shard_pieces()
+    return {"step": opt.steps_taken, "param_groups": [dict(grp) for grp in opt.param_groups],
+            "state": gather_full_state(named_params(), pieces, (opt.master, opt.exp_avg, opt.exp_avg_sq), group)}
+
+
+@torch.no_grad()
+def load_full_state_dict(opt, state: dict, named_params: NamedParams, owner: str) -> List[Tuple[str, nn.Parameter]]:
+    """Load a :func:`full_state_dict` of any dp size into ``opt``: this rank's shard of the masters and
+    moments, the low-precision copy from the masters, the step count, and ``param_groups`` when the
+    dict has them. Returns the named parameters it loaded."""
+    pieces = opt.shard_pieces()
+    named = named_params()
+    scatter_full_state(state["state"], named, pieces, (opt.master, opt.exp_avg, opt.exp_avg_sq), owner)
+    if opt.low is not None:
+        opt.low.copy_(opt.master)
+    if "param_groups" in state:
+        opt.param_groups = [dict(grp, betas=tuple(grp["betas"])) for grp in state["param_groups"]]
+    opt.set_steps_taken(int(state["step"]))
+    return named
+
+
+__all__ = ["gather_full_state", "scatter_full_state", "full_state_dict", "load_full_state_dict", "STATE_KEYS"]

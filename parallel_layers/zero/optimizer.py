@@ -43,7 +43,7 @@ from ..distributed import collectives as C
 from ..ops.optimizer_step import adamw_step
 from ..ops._checks import scalar_tensor
 from . import memory as M
-from .full_state import gather_full_state, scatter_full_state
+from . import full_state
 
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -347,26 +347,16 @@ class ZeroOptimizer:
         weights and AdamW moments in its shape, by the module's parameter name, with the step count and
         ``param_groups``. A collective over the dp group; :meth:`load_full_state_dict` loads it at any dp
         size or bucket layout (resuming on more or fewer ranks)."""
-        pieces = self.shard_pieces()
-        return {"step": self.steps_taken, "param_groups": [dict(grp) for grp in self.param_groups],
-                "state": gather_full_state(self._named_params(), pieces,
-                                           (self.master, self.exp_avg, self.exp_avg_sq), self.group)}
+        return full_state.full_state_dict(self, self._named_params, self.group)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
         """Load a :meth:`full_state_dict` saved at any dp size (no collective): this rank's shard of the
         masters and moments, the parameters (the masters in the parameters' dtype), the step count, and
         ``param_groups`` when the dict has them."""
-        pieces, named = self.shard_pieces(), self._named_params()
-        scatter_full_state(state["state"], named, pieces, (self.master, self.exp_avg, self.exp_avg_sq),
-                           "ZeroOptimizer")
+        named = full_state.load_full_state_dict(self, state, self._named_params, "ZeroOptimizer")
         for name, p in named:                       # every rank holds the full parameters in stages 1 and 2
             p.copy_(state["state"][name]["master"].to(device=p.device, dtype=p.dtype))
-        if self.low is not None:
-            self.low.copy_(self.master)
-        if "param_groups" in state:
-            self.param_groups = [dict(grp, betas=tuple(grp["betas"])) for grp in state["param_groups"]]
-        self.set_steps_taken(int(state["step"]))
 
     def state_dict(self) -> dict:
         """This rank's shard of the state (clones) and the layout it belongs to. Save one per rank."""

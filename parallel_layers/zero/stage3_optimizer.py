@@ -21,7 +21,7 @@ import torch
 
 from ..ops.optimizer_step import adamw_step
 from . import memory as M
-from .full_state import gather_full_state, scatter_full_state
+from . import full_state
 from .optimizer import step_multipliers
 from .stage3 import ZeroStage3
 
@@ -129,21 +129,16 @@ class ZeroStage3Optimizer:
         weights (the parameters themselves for an fp32 model) and AdamW moments in its shape, by the
         module's parameter name, with the step count and ``param_groups``. A collective over the dp
         group; :meth:`load_full_state_dict` loads it at any dp size (resuming on more or fewer ranks)."""
-        return {"step": self.steps_taken, "param_groups": [dict(grp) for grp in self.param_groups],
-                "state": gather_full_state(list(self.z.module.named_parameters()), self.shard_pieces(),
-                                           (self.master, self.exp_avg, self.exp_avg_sq), self.z.dp_group)}
+        return full_state.full_state_dict(self, self._named_params, self.z.dp_group)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
         """Load a :meth:`full_state_dict` saved at any dp size (no collective): this rank's shard of the
         parameters, masters and moments, the step count, and ``param_groups`` when the dict has them."""
-        scatter_full_state(state["state"], list(self.z.module.named_parameters()), self.shard_pieces(),
-                           (self.master, self.exp_avg, self.exp_avg_sq), "ZeroStage3Optimizer")
-        if self.low is not None:                    # low-precision model: its parameter shard from the master
-            self.low.copy_(self.master)
-        if "param_groups" in state:
-            self.param_groups = [dict(grp, betas=tuple(grp["betas"])) for grp in state["param_groups"]]
-        self.set_steps_taken(int(state["step"]))
+        full_state.load_full_state_dict(self, state, self._named_params, "ZeroStage3Optimizer")
+
+    def _named_params(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        return list(self.z.module.named_parameters())
 
     def state_dict(self) -> dict:
         """This rank's optimizer shard (clones). Save it with the module's ``state_dict()``, per rank."""
