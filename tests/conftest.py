@@ -45,15 +45,17 @@ def is_interpreted(target) -> bool:
 
 @pytest.fixture(scope="session")
 def dist_pools():
-    """``dist_pools(n)``: a pool of n gloo ranks, started once per session and shared by every test."""
+    """``dist_pools(n)``: a pool of n gloo ranks, started once per session and shared by every test;
+    ``dist_pools(n, "nccl_rules")``: the same over the NCCL-rules backend
+    (:mod:`parallel_layers.testing.nccl_rules`)."""
     from parallel_layers.testing import WorkerPool
 
     pools = {}
 
-    def get(world_size: int) -> WorkerPool:
-        if world_size not in pools:
-            pools[world_size] = WorkerPool(world_size)
-        return pools[world_size]
+    def get(world_size: int, backend: str = "gloo") -> WorkerPool:
+        if (world_size, backend) not in pools:
+            pools[(world_size, backend)] = WorkerPool(world_size, backend=backend)
+        return pools[(world_size, backend)]
 
     yield get
     for pool in pools.values():

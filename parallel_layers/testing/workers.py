@@ -70,7 +70,7 @@ def _detached(obj):
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float, env: dict,
-            bind_cores: bool = False) -> None:
+            bind_cores: bool = False, backend: str = "gloo") -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -78,7 +78,11 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+    if backend == "nccl_rules":     # NCCL's rules over gloo, host tensors of the package tracked
+        from . import nccl_rules
+        nccl_rules.register()
+        nccl_rules.track_host_tensors()
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
     if bind_cores:    # after the process group, so gloo's threads are bound too
         from parallel_layers.cpu_affinity import bind_rank_to_cores
@@ -103,10 +107,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
 class WorkerPool:
     """``world_size`` gloo ranks kept alive across calls. Use as a context manager or call ``close()``.
     ``bind_cores``: each rank binds its threads to cores of its own where there are enough cores
-    (:func:`parallel_layers.cpu_affinity.bind_rank_to_cores`)."""
+    (:func:`parallel_layers.cpu_affinity.bind_rank_to_cores`). ``backend="nccl_rules"``: the ranks run
+    over :mod:`.nccl_rules` (gloo with NCCL's rules enforced) instead of plain gloo."""
 
     def __init__(self, world_size: int, *, pg_timeout_s: float = 60.0, env: dict | None = None,
-                 bind_cores: bool = False):
+                 bind_cores: bool = False, backend: str = "gloo"):
+        if backend not in ("gloo", "nccl_rules"):
+            raise ValueError(f"WorkerPool: backend {backend!r} is not 'gloo' or 'nccl_rules'")
+        self.backend = backend
         self.world_size = world_size
         self.bind_cores = bind_cores
         self.pg_timeout_s = pg_timeout_s
@@ -121,7 +129,8 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results,
-                                                         self.pg_timeout_s, self.env, self.bind_cores),
+                                                         self.pg_timeout_s, self.env, self.bind_cores,
+                                                         self.backend),
                                     daemon=True)
                        for r in range(self.world_size)]
         for p in self._procs:
