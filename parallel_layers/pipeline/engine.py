@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..distributed import collectives as C
-from .p2p import HEADER_LEN, HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header, peer_failure
+from .p2p import HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header, header_buffer, peer_failure
 from .schedules import Instr, build_schedule, check_schedule_args, format_schedule
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 
@@ -59,6 +59,25 @@ class _Program:
         self.first_comm: Optional[int] = comm[0] if comm else None
 
 
+class _StepState:
+    """What one step (or evaluation) of the engine carries between its instructions. Keys ``(mb, chunk)``
+    unless said otherwise."""
+
+    def __init__(self, train: bool, mb_inputs, mb_targets):
+        self.train = train
+        self.mb_inputs, self.mb_targets = mb_inputs, mb_targets
+        self.inputs_of: Dict[Tuple[int, int], torch.Tensor] = {}   # received input (requires grad)
+        self.outputs: Dict[Tuple[int, int], torch.Tensor] = {}     # output, or the scaled loss
+        self.out_grads: Dict[Tuple[int, int], torch.Tensor] = {}   # d loss / d output
+        self.in_grads: Dict[Tuple[int, int], torch.Tensor] = {}    # d loss / d input, to send
+        self.act_meta: Dict[int, Tuple[tuple, torch.dtype]] = {}   # chunk -> incoming (shape, dtype), from its header
+        self.sent_shape: Dict[int, tuple] = {}                      # chunk -> shape of its first output sent
+        self.header_sent: set = set()                               # chunks whose header went out
+        self.losses: List[torch.Tensor] = []
+        self.prefetched: Dict[Instr, Tuple[object, torch.Tensor]] = {}   # gloo: receive -> (work, buffer)
+        self.guessed: Dict[Instr, Tuple[tuple, torch.dtype]] = {}        # gloo: posted in last step's shape
+
+
 class PipelineEngine:
     def __init__(self, chunks: Sequence[nn.Module], pp_group, *, schedule: str = "1f1b", num_microbatches: int,
                  tensor_shape: Optional[Sequence[int]] = None, broadcast_loss: bool = True,
@@ -76,8 +95,10 @@ class PipelineEngine:
         self.tensor_shape = None if tensor_shape is None else tuple(int(x) for x in tensor_shape)
         self.broadcast_loss = broadcast_loss
         self.record_timeline = record_timeline
-        self.device = device
-        self.p2p = P2P(pp_group, device) if self.p > 1 else None
+        # the device communication buffers live on: the chunks' (NCCL moves only device tensors)
+        self.device = device if device is not None else next(
+            (p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
+        self.p2p = P2P(pp_group, self.device) if self.p > 1 else None
         self._train = _Program(self.steps)
         self._eval: Optional[_Program] = None          # built on the first evaluate()
         self._header_links = self._train.header_links  # of the program running now
@@ -146,81 +167,43 @@ class PipelineEngine:
 
     def _run(self, prog: _Program, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
         holds_first, holds_last = 0 in map(self.stage, range(self.v)), self.S - 1 in map(self.stage, range(self.v))
-        mb_inputs = self._split(inputs, "inputs", holds_first)
-        mb_targets = self._split(targets, "targets", holds_last)
-        train = not prog.forward_only
-        inputs_of: Dict[Tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> input (requires grad)
-        outputs: Dict[Tuple[int, int], torch.Tensor] = {}     # (mb, chunk) -> output, or scaled loss
-        out_grads: Dict[Tuple[int, int], torch.Tensor] = {}   # (mb, chunk) -> d loss / d output
-        in_grads: Dict[Tuple[int, int], torch.Tensor] = {}    # (mb, chunk) -> d loss / d input, to send
-        recv_shape: Dict[int, Tuple[tuple, torch.dtype]] = {}  # chunk -> activation shape this step
-        header_sent: set = set()
-        losses: List[torch.Tensor] = []
-        prefetched: Dict[Instr, Tuple[object, torch.Tensor]] = {}  # receive -> (work, buffer), posted early
-        self._guessed: Dict[Instr, Tuple[tuple, torch.dtype]] = {}  # first receives posted in last step's shape
+        st = _StepState(not prog.forward_only, self._split(inputs, "inputs", holds_first),
+                        self._split(targets, "targets", holds_last))
         self._header_links = prog.header_links
         self.prefetched_receives = 0                                 # how many, this step (tests, tuning)
         self.timeline.start()
-        if prog.header_links:
+        ahead = self.p2p is not None and not self.p2p.ordered      # gloo only: see _communicate
+        if ahead and prog.header_links:
             # Every shape header this rank will receive, posted now (own tag, first-in-first-out per peer
             # in the order the schedule first needs each link, which is the order the peer sends them):
             # a header then lands as soon as it is sent, and the first activation of a link can be
             # prefetched like the others once its header is in.
-            ops = [("recv", torch.empty(HEADER_LEN, dtype=torch.int64), ins.peer, f"receive header {ins}")
+            ops = [("recv", header_buffer(self.device), ins.peer, f"receive header {ins}")
                    for ins in prog.header_links.values()]
             works = self.p2p.post(ops, tag=HEADER_TAG)
             self._hdr_in = {c: (w, op[1], ins) for (c, ins), op, w in zip(prog.header_links.items(), ops, works)}
-            self._prefetch(prog.steps[prog.first_comm], outputs, recv_shape, prefetched)
+            self._prefetch(prog.steps[prog.first_comm], st)
 
         for i, step in enumerate(prog.steps):
             if isinstance(step, Instr):
-                mb, c = step.mb, step.chunk
-                s = self.stage(c)
-                if step.op == "F":
-                    if s == 0:
-                        x = mb_inputs[mb]
-                    elif self.p == 1:              # previous stage on this rank: local hand-off
-                        if train:
-                            x = inputs_of[(mb, c)] = outputs[(mb, c - 1)].detach().requires_grad_()
-                        else:                      # nothing is kept for a backward
-                            x = outputs.pop((mb, c - 1)).detach()
-                    else:
-                        x = inputs_of[(mb, c)] if train else inputs_of.pop((mb, c))
-                    if s == self.S - 1:
-                        loss = self._timed("F", mb, c, lambda: self.chunks[c](x, mb_targets[mb]))
-                        losses.append(loss.detach())
-                        if train:
-                            outputs[(mb, c)] = loss / self.m
-                    else:
-                        outputs[(mb, c)] = self._timed("F", mb, c, lambda: self.chunks[c](x))
-                else:
-                    out = outputs.pop((mb, c))
-                    grad = None if s == self.S - 1 else out_grads.pop((mb, c))
-                    self._timed("B", mb, c, lambda: torch.autograd.backward(out, grad))
-                    x = inputs_of.pop((mb, c), None)
-                    if x is not None:
-                        if self.p == 1:
-                            out_grads[(mb, c - 1)] = x.grad
-                        else:
-                            in_grads[(mb, c)] = x.grad
+                self._compute(step, st)
                 continue
-            self._communicate(step, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched,
-                              train)
+            self._communicate(step, st)
             nxt = prog.next_comm[i]
-            if nxt is not None:
-                self._prefetch(prog.steps[nxt], outputs, recv_shape, prefetched)
+            if ahead and nxt is not None:
+                self._prefetch(prog.steps[nxt], st)
 
         if self.p2p is not None:
             self.p2p.drain()
         self.timeline.stop()
         seen = set()
-        for chunk in self.chunks if train else ():
+        for chunk in self.chunks if st.train else ():
             if hasattr(chunk, "finish_grads") and id(chunk) not in seen:
                 seen.add(id(chunk))
                 chunk.finish_grads()
-        loss = torch.stack(losses).mean() if losses else None
+        loss = torch.stack(st.losses).mean() if st.losses else None
         if self.broadcast_loss and self.p > 1:
-            buf = loss.clone() if loss is not None else torch.zeros((), dtype=self._loss_dtype())
+            buf = loss.clone() if loss is not None else torch.zeros((), dtype=self._loss_dtype(), device=self.device)
             try:
                 C.broadcast(buf, self.p - 1, self.group)   # stage S - 1 lives on pipeline rank p - 1
             except Exception as exc:  # noqa: BLE001 - forward-only, the first stage may wait only here
@@ -228,51 +211,88 @@ class PipelineEngine:
             loss = buf
         return loss
 
+    def _compute(self, ins: Instr, st: "_StepState") -> None:
+        """One forward or backward; activations and gradients move through ``st``."""
+        mb, c = ins.mb, ins.chunk
+        s = self.stage(c)
+        if ins.op == "F":
+            if s == 0:
+                x = st.mb_inputs[mb]
+            elif self.p == 1:              # previous stage on this rank: local hand-off
+                if st.train:
+                    x = st.inputs_of[(mb, c)] = st.outputs[(mb, c - 1)].detach().requires_grad_()
+                else:                      # nothing is kept for a backward
+                    x = st.outputs.pop((mb, c - 1)).detach()
+            else:
+                x = st.inputs_of[(mb, c)] if st.train else st.inputs_of.pop((mb, c))
+            if s == self.S - 1:
+                loss = self._timed("F", mb, c, lambda: self.chunks[c](x, st.mb_targets[mb]))
+                st.losses.append(loss.detach())
+                if st.train:
+                    st.outputs[(mb, c)] = loss / self.m
+            else:
+                st.outputs[(mb, c)] = self._timed("F", mb, c, lambda: self.chunks[c](x))
+            return
+        out = st.outputs.pop((mb, c))
+        grad = None if s == self.S - 1 else st.out_grads.pop((mb, c))
+        self._timed("B", mb, c, lambda: torch.autograd.backward(out, grad))
+        x = st.inputs_of.pop((mb, c), None)
+        if x is not None:
+            if self.p == 1:
+                st.out_grads[(mb, c - 1)] = x.grad
+            else:
+                st.in_grads[(mb, c)] = x.grad
+
     def _loss_dtype(self):
         return next(self.chunks[0].parameters()).dtype
 
-    def _recv_buffer(self, ins, outputs, recv_shape) -> Optional[torch.Tensor]:
+    def _recv_buffer(self, ins, st: "_StepState") -> Optional[torch.Tensor]:
         """The buffer a receive lands in, or None while its shape is unknown (activation: no header yet
         this step; gradient: the forward whose output it belongs to has not run yet).
 
-        The first activation of a link, before its header is in, gets a buffer in the shape the link
-        carried last step (guessed; checked against the header when it is waited for). If the sender's
-        shape changed, it sends an empty message of the old shape to fill the guessed receive in its
-        first-in-first-out place and the real activation on ``RESHAPE_TAG`` (:meth:`_communicate`):
+        gloo only: the first activation of a link, before its header is in, gets a buffer in the shape
+        the link carried last step (guessed; checked against the header when it is waited for). If the
+        sender's shape changed, it sends an empty message of the old shape to fill the guessed receive in
+        its first-in-first-out place and the real activation on ``RESHAPE_TAG`` (:meth:`_communicate`):
         a changed shape costs one extra message, never a wrong match."""
         if ins.op == "RECV_ACT":
-            meta = self._take_header(ins.chunk, recv_shape, block=False)
+            meta = st.act_meta.get(ins.chunk) if self.p2p.ordered else self._take_header(ins.chunk, st, block=False)
             if meta is None:
                 meta = self._link_meta.get(ins.chunk)
-                if meta is None or self._header_links.get(ins.chunk) is not ins:
+                if self.p2p.ordered or meta is None or self._header_links.get(ins.chunk) is not ins:
                     return None
-                self._guessed[ins] = meta
+                st.guessed[ins] = meta
             shape, dtype = meta
             return torch.empty(shape, dtype=dtype, device=self.device)
-        out = outputs.get((ins.mb, ins.chunk))
+        out = st.outputs.get((ins.mb, ins.chunk))
         return None if out is None else torch.empty(out.shape, dtype=out.dtype, device=out.device)
 
-    def _take_header(self, chunk, recv_shape, block: bool):
-        """The (shape, dtype) of ``chunk``'s incoming activations this step, from its header (waited for
-        when ``block``, else None while it has not arrived); checked against ``tensor_shape``."""
-        if chunk in recv_shape:
-            return recv_shape[chunk]
+    def _take_header(self, chunk, st: "_StepState", block: bool):
+        """gloo: the (shape, dtype) of ``chunk``'s incoming activations this step, from the header posted
+        at the start of the step (waited for when ``block``, else None while it has not arrived)."""
+        if chunk in st.act_meta:
+            return st.act_meta[chunk]
         work, h, ins = self._hdr_in[chunk]
         if not block and not work[0].is_completed():
             return None
         self.p2p.wait([work])
         del self._hdr_in[chunk]
-        recv_shape[chunk] = self._link_meta[chunk] = decode_header(h)
-        if self.tensor_shape is not None:
-            self._check_shape(recv_shape[chunk][0], ins, sending=False)
-        return recv_shape[chunk]
+        return self._header_in(chunk, h, ins, st)
 
-    def _prefetch(self, batch, outputs, recv_shape, prefetched) -> None:
-        """Post the receives of the next communication step now, so their transfers run while this
+    def _header_in(self, chunk, h, ins, st: "_StepState"):
+        """Record a received header as the link's shape this step; checked against ``tensor_shape``."""
+        st.act_meta[chunk] = self._link_meta[chunk] = decode_header(h)
+        if self.tensor_shape is not None:
+            self._check_shape(st.act_meta[chunk][0], ins, sending=False)
+        return st.act_meta[chunk]
+
+    def _prefetch(self, batch, st: "_StepState") -> None:
+        """gloo: post the receives of the next communication step now, so their transfers run while this
         rank computes (gloo moves a message only once both ends have posted it: a receive posted just
         before it is needed leaves the whole hand-shake and copy on the critical path). Only a prefix of
         the step's receives, in order, so that messages still match first-in-first-out per peer; at most
-        one step ahead, so at most one extra buffer per link is alive.
+        one step ahead, so at most one extra buffer per link is alive. Never under NCCL, where a posted
+        receive blocks every later operation of the rank on the group.
 
         Called after the current step's wait, not before it: posting them before the wait measured worse
         on gloo (interleaved 1F1B, p=2 m=8, 2 x 9 reps A/B: bubble median 0.16-0.17 against 0.10-0.12),
@@ -282,72 +302,123 @@ class PipelineEngine:
         for ins in batch:
             if not ins.op.startswith("RECV"):
                 continue
-            buf = self._recv_buffer(ins, outputs, recv_shape)
+            buf = self._recv_buffer(ins, st)
             if buf is None:
                 break
             ops.append(("recv", buf, ins.peer, f"receive {ins}"))
             keys.append((ins, buf))
         if ops:
             for (ins, buf), work in zip(keys, self.p2p.post(ops)):
-                prefetched[ins] = (work, buf)
+                st.prefetched[ins] = (work, buf)
             self.prefetched_receives += len(ops)
 
-    def _communicate(self, batch, outputs, inputs_of, out_grads, in_grads, recv_shape, header_sent, prefetched,
-                     train: bool = True):
-        """One batch of messages. Activation shapes travel in a header (first message of a link in
-        this step, on its own tag; the receives for them are posted at the start of the step), then the
-        data; only receives are waited for. Receives posted ahead by :meth:`_prefetch` are not posted
-        again. ``train=False`` (forward only): an output is dropped once sent, and a received activation
-        does not require grad."""
+    def _communicate(self, batch, st: "_StepState") -> None:
+        """One communication step: shape headers, then the data, then the received tensors put in place.
+
+        The NCCL ordering lives here. Under NCCL (``p2p.ordered``) the first activation of each link in
+        the step is preceded by its header in a batch of its own, exchanged in the same step by both
+        ends, and the data follow as one batch, waited for as a whole; nothing is posted ahead. On gloo
+        the headers travel on their own tag to receives posted at the start of the step, and receives of
+        the next step are posted ahead (:meth:`_prefetch`). Only receives are waited for here; sends are
+        drained at the end of the step. ``st.train`` False (forward only): an output is dropped once
+        sent, and a received activation does not require grad."""
         t0 = time.perf_counter()
-        hdr_ops, reshaped = [], {}   # reshaped: first send of a link whose shape changed -> last step's meta
+        reshaped = self._send_headers(batch, st)
+        if self.p2p.ordered:
+            self._exchange_headers(batch, st)
+        else:
+            for ins in batch:
+                if ins.op == "RECV_ACT" and (ins not in st.prefetched or ins in st.guessed):
+                    self._take_header(ins.chunk, st, block=True)
+        received, waits, reshape_ops = self._post_data(batch, st, reshaped)
+        self.p2p.wait(waits + self.p2p.post(reshape_ops, tag=RESHAPE_TAG))
+        for ins, buf in received:
+            key = (ins.mb, ins.chunk)
+            if ins.op == "RECV_ACT":
+                st.inputs_of[key] = buf.requires_grad_(st.train and buf.is_floating_point())
+            else:
+                st.out_grads[key] = buf
+        if received:
+            first = received[0][0]
+            self.timeline.record("W", first.mb, first.chunk, t0, time.perf_counter())
+
+    def _header_sends(self, batch, st: "_StepState"):
+        """The header sends of this step's first activation per link, and (gloo) the links whose shape
+        changed since last step (first send -> last step's meta)."""
+        ops, reshaped = [], {}
         for ins in batch:
-            if ins.op == "SEND_ACT" and ins.chunk not in header_sent:
-                header_sent.add(ins.chunk)
-                out = outputs[(ins.mb, ins.chunk)]
-                hdr_ops.append(("send", encode_header(out), ins.peer, f"send header {ins}"))
+            if ins.op == "SEND_ACT" and ins.chunk not in st.header_sent:
+                st.header_sent.add(ins.chunk)
+                out = st.outputs[(ins.mb, ins.chunk)]
+                ops.append(("send", encode_header(out, self.device), ins.peer, f"send header {ins}"))
                 meta, last = (tuple(out.shape), out.dtype), self._sent_meta.get(ins.chunk)
-                if last is not None and last != meta:
+                if last is not None and last != meta and not self.p2p.ordered:
                     reshaped[ins] = last
                 self._sent_meta[ins.chunk] = meta
-        if hdr_ops:
-            self.p2p.post(hdr_ops, tag=HEADER_TAG)
-            for ins in batch:                       # both ends check what the user declared
-                if ins.op == "SEND_ACT" and self.tensor_shape is not None:
-                    try:
-                        self._check_shape(tuple(outputs[(ins.mb, ins.chunk)].shape), ins, sending=True)
-                    except ValueError:
-                        # deliver the header first (a send dies with its buffer), so the receiver
-                        # raises the same clear error instead of timing out
-                        try:
-                            self.p2p.drain()
-                        except RuntimeError:
-                            pass
-                        raise
+        return ops, reshaped
+
+    def _send_headers(self, batch, st: "_StepState"):
+        """gloo: post this step's header sends on their tag now. Both ends check a declared
+        ``tensor_shape`` (under NCCL :meth:`_exchange_headers` posts the sends with the receives)."""
+        ops, reshaped = self._header_sends(batch, st) if not self.p2p.ordered else ([], {})
+        if ops:
+            self.p2p.post(ops, tag=HEADER_TAG)
+        if not self.p2p.ordered:
+            self._check_sent_shapes(batch, st)
+        return reshaped
+
+    def _check_sent_shapes(self, batch, st: "_StepState") -> None:
+        if self.tensor_shape is None:
+            return
         for ins in batch:
-            if ins.op == "RECV_ACT" and (ins not in prefetched or ins in self._guessed):
-                self._take_header(ins.chunk, recv_shape, block=True)
+            if ins.op == "SEND_ACT":
+                try:
+                    self._check_shape(tuple(st.outputs[(ins.mb, ins.chunk)].shape), ins, sending=True)
+                except ValueError:
+                    # deliver the header first (a send dies with its buffer), so the receiver raises
+                    # the same clear error instead of timing out
+                    try:
+                        self.p2p.drain()
+                    except RuntimeError:
+                        pass
+                    raise
+
+    def _exchange_headers(self, batch, st: "_StepState") -> None:
+        """NCCL: this step's headers, sends and receives, as one batch of their own, waited for."""
+        sends, _ = self._header_sends(batch, st)
+        recvs = list({ins.chunk: ins for ins in reversed(batch)
+                      if ins.op == "RECV_ACT" and ins.chunk not in st.act_meta}.values())[::-1]
+        bufs = [header_buffer(self.device) for _ in recvs]
+        works = self.p2p.post(sends + [("recv", h, ins.peer, f"receive header {ins}") for ins, h in zip(recvs, bufs)])
+        self._check_sent_shapes(batch, st)
+        self.p2p.wait(works)
+        for ins, h in zip(recvs, bufs):
+            self._header_in(ins.chunk, h, ins, st)
+
+    def _post_data(self, batch, st: "_StepState", reshaped):
+        """Post the step's data messages (receives posted ahead are not posted again); returns the
+        receives (instruction, buffer), the works to wait for and (gloo) the re-shaped messages."""
         ops, received, waits, reshape_ops = [], [], [], []
         for ins in batch:
             key = (ins.mb, ins.chunk)
-            if ins in prefetched:
-                work, buf = prefetched.pop(ins)
+            if ins in st.prefetched:
+                work, buf = st.prefetched.pop(ins)
                 waits.append(work)
-                guess = self._guessed.pop(ins, None)
-                if guess is not None and guess != recv_shape[ins.chunk]:
+                guess = st.guessed.pop(ins, None)
+                if guess is not None and guess != st.act_meta[ins.chunk]:
                     # the shape changed: the guessed receive gets the sender's filler, the data comes apart
-                    shape, dtype = recv_shape[ins.chunk]
+                    shape, dtype = st.act_meta[ins.chunk]
                     buf = torch.empty(shape, dtype=dtype, device=self.device)
                     reshape_ops.append(("recv", buf, ins.peer, f"receive {ins} (new shape)"))
                 received.append((ins, buf))
                 continue
             if ins.op == "SEND_ACT":
-                out = (outputs[key] if train else outputs.pop(key)).detach()
-                if tuple(out.shape) != recv_shape.get(("sent", ins.chunk), tuple(out.shape)):
+                out = (st.outputs[key] if st.train else st.outputs.pop(key)).detach()
+                first = st.sent_shape.setdefault(ins.chunk, tuple(out.shape))
+                if tuple(out.shape) != first:
                     raise ValueError(f"pipeline stage {self.stage(ins.chunk)}: microbatch {ins.mb} output has shape "
-                                     f"{tuple(out.shape)} but earlier microbatches had "
-                                     f"{recv_shape[('sent', ins.chunk)]}; microbatches must have equal shapes")
-                recv_shape[("sent", ins.chunk)] = tuple(out.shape)
+                                     f"{tuple(out.shape)} but earlier microbatches had {first}; microbatches must "
+                                     f"have equal shapes")
                 if ins in reshaped:    # fill the receive the peer posted in last step's shape, then the data
                     shape, dtype = reshaped[ins]
                     ops.append(("send", torch.empty(shape, dtype=dtype, device=out.device), ins.peer,
@@ -356,23 +427,12 @@ class PipelineEngine:
                     continue
                 ops.append(("send", out.contiguous(), ins.peer, f"send {ins}"))
             elif ins.op == "SEND_GRAD":
-                g = in_grads.pop(key)
-                ops.append(("send", g.contiguous(), ins.peer, f"send {ins}"))
+                ops.append(("send", st.in_grads.pop(key).contiguous(), ins.peer, f"send {ins}"))
             else:  # RECV_ACT: shape from the header; RECV_GRAD: the shape of the activation this rank sent
-                buf = self._recv_buffer(ins, outputs, recv_shape)
+                buf = self._recv_buffer(ins, st)
                 ops.append(("recv", buf, ins.peer, f"receive {ins}"))
                 received.append((ins, buf))
-        waits += self.p2p.post(ops)
-        self.p2p.wait(waits + self.p2p.post(reshape_ops, tag=RESHAPE_TAG))
-        for ins, buf in received:
-            key = (ins.mb, ins.chunk)
-            if ins.op == "RECV_ACT":
-                inputs_of[key] = buf.requires_grad_(train and buf.is_floating_point())
-            else:
-                out_grads[key] = buf
-        if received:
-            first = received[0][0]
-            self.timeline.record("W", first.mb, first.chunk, t0, time.perf_counter())
+        return received, waits + self.p2p.post(ops), reshape_ops
 
     def _check_shape(self, shape, ins, sending: bool):
         if shape != self.tensor_shape:

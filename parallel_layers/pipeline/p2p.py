@@ -1,11 +1,16 @@
 """Point-to-point transfer of activations (forward) and gradients (backward) over the ``pp_group``.
 
-One communication step of a schedule is a list of sends and receives posted together:
-``dist.batch_isend_irecv`` (coalesced on NCCL), plain ``isend``/``irecv`` on gloo (where torch issues a
-batch's ops one by one anyway, and the batching machinery only adds host time to every message) or
-where batching is unavailable. The caller waits for the receives at once and
-for the sends lazily (:meth:`P2P.drain`), so a rank never stalls on a send its neighbour will only
-match after a receive of its own (see ``schedules.simulate``).
+One communication step of a schedule is a list of sends and receives posted together. Two ways, chosen
+by the group's backend (``P2P.ordered``) and kept in this file and ``PipelineEngine._communicate``:
+
+- NCCL (and any backend but gloo, the NCCL-rules test backend included): one ``dist.batch_isend_irecv``
+  per step, tag 0. NCCL ignores tags, matches the messages of a pair in posting order, runs a rank's
+  operations on the group in issue order on one stream and returns ONE Work for the whole batch: every
+  receive of the step waits on that Work, and nothing is posted ahead of the step that needs it.
+- gloo: plain ``isend``/``irecv`` (torch issues a batch's ops one by one on gloo anyway, and the batching
+  machinery only adds host time to every message), tags for the shape headers, receives posted ahead.
+
+The caller waits for the receives at once and for the sends lazily (:meth:`P2P.drain`).
 
 On gloo, receives are posted by a background thread (one per ``P2P``, in order, so they still match
 first-in-first-out): posting takes gloo's lock of the connection, which gloo's own thread holds while
@@ -45,20 +50,24 @@ HEADER_TAG = 7
 RESHAPE_TAG = 8  # an activation whose shape changed since the last step (see PipelineEngine._recv_buffer)
 
 
-def encode_header(t: torch.Tensor) -> torch.Tensor:
+def encode_header(t: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``[ndim, dtype code, *shape, 0...]`` as int64 on ``device`` (NCCL moves only device tensors)."""
     if t.dim() > HEADER_LEN - 2:
         raise ValueError(f"pipeline p2p: activations of {t.dim()} dims are not supported (at most {HEADER_LEN - 2})")
     if t.dtype not in _DTYPES:
         raise ValueError(f"pipeline p2p: activation dtype {t.dtype} is not supported ({_DTYPES})")
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
-    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return h
+    values = [t.dim(), _DTYPES.index(t.dtype), *t.shape] + [0] * (HEADER_LEN - 2 - t.dim())
+    return torch.tensor(values, dtype=torch.int64, device=device if device is not None else t.device)
+
+
+def header_buffer(device: Optional[torch.device]) -> torch.Tensor:
+    return torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
 
 
 def decode_header(h: torch.Tensor) -> Tuple[Tuple[int, ...], torch.dtype]:
-    ndim, code = int(h[0]), int(h[1])
-    return tuple(int(x) for x in h[2:2 + ndim]), _DTYPES[code]
+    values = h.tolist()
+    ndim, code = values[0], values[1]
+    return tuple(values[2:2 + ndim]), _DTYPES[code]
 
 
 def peer_failure(pp_rank: int, what: str, exc: BaseException) -> RuntimeError:
@@ -82,28 +91,55 @@ class _Posted:
         return self.works[self.index].wait()
 
 
+class _Batch:
+    """The Works of one ``batch_isend_irecv`` (one on NCCL), waited for together."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
 class P2P:
     """Sends and receives between pipeline ranks of ``group`` (peers named by their rank in the group).
-    ``background``: post on a thread of its own (default: on gloo, see the module docstring)."""
+    ``ordered``: NCCL's rules apply (any backend but gloo; see the module docstring). ``background``:
+    post gloo's receives on a thread of its own (default: on gloo)."""
 
     def __init__(self, group, device: Optional[torch.device] = None, background: Optional[bool] = None):
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank(group)
         self.device = device or torch.device("cpu")
-        self._pending_sends: List[Tuple[object, torch.Tensor, str]] = []
-        gloo = dist.get_backend(group) == "gloo"
-        self._batched = hasattr(dist, "batch_isend_irecv") and not gloo
-        self.background = gloo if background is None else background
+        self._pending_sends: List[Tuple[object, object, str]] = []
+        self.ordered = dist.get_backend(group) != "gloo"
+        self.background = (not self.ordered) if background is None else background
         self._poster, self._poster_pid = None, None
 
     def post(self, ops: Sequence[Tuple[str, torch.Tensor, int, str]], tag: int = 0) -> List[Tuple[object, str]]:
         """Post ``(kind, tensor, peer, what)`` ops (kind ``"send"``/``"recv"``); returns the receives'
         works (``(work, what)``) to wait on. Sends are kept (with their tensors alive) until drained.
-        ``tag``: headers use their own tag, so they form a FIFO channel apart from the data (the two
-        ends may group a header and a data message into different batches)."""
+        ``tag`` (gloo only): headers use their own tag, so they form a FIFO channel apart from the data.
+        ``ordered``: the ops form one batch with one Work, and every receive waits on it."""
         if not ops:
             return []
+        if self.ordered:
+            if tag:
+                raise ValueError(f"pipeline p2p: tag {tag} on a {dist.get_backend(self.group)} group, which "
+                                 f"ignores tags (NCCL matches a pair's messages in posting order)")
+            batch = _Batch(dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self.ranks[peer], self.group)
+                 for kind, t, peer, _ in ops]))
+            sent = [t for kind, t, _, _ in ops if kind == "send"]
+            if sent:
+                self._pending_sends.append((batch, sent, "; ".join(w for k, _, _, w in ops if k == "send")))
+            self._reap()
+            return [(batch, what) for kind, _, _, what in ops if kind == "recv"]
         if self.background:    # receives on the thread, sends at once (each kind stays in order)
             recv_ops = [op for op in ops if op[0] == "recv"]
             later = iter(self._post_in_background(recv_ops, tag) if recv_ops else [])
@@ -129,20 +165,9 @@ class P2P:
         return [_Posted(posting, works, i) for i in range(len(ops))]
 
     def _post_now(self, ops, tag: int) -> list:
-        if not ops:
-            return []
-        works = None
-        if self._batched:
-            p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self.ranks[peer], self.group, tag)
-                   for kind, t, peer, _ in ops]
-            try:
-                works = dist.batch_isend_irecv(p2p)
-            except (RuntimeError, NotImplementedError):  # a backend without coalescing: one by one
-                self._batched = False
-        if works is None:
-            works = [(dist.isend if kind == "send" else dist.irecv)(t, self.ranks[peer], group=self.group, tag=tag)
-                     for kind, t, peer, _ in ops]
-        return works
+        """gloo: one ``isend``/``irecv`` per op, in order."""
+        return [(dist.isend if kind == "send" else dist.irecv)(t, self.ranks[peer], group=self.group, tag=tag)
+                for kind, t, peer, _ in ops]
 
     def wait(self, works: Sequence[Tuple[object, str]]) -> None:
         for work, what in works:
@@ -167,4 +192,4 @@ class P2P:
             self._wait_one(work, what)
 
 
-__all__ = ["P2P", "encode_header", "decode_header", "peer_failure", "HEADER_LEN", "HEADER_TAG", "RESHAPE_TAG"]
+__all__ = ["P2P", "encode_header", "decode_header", "header_buffer", "peer_failure", "HEADER_LEN", "HEADER_TAG", "RESHAPE_TAG"]

@@ -13,9 +13,10 @@ and gradients back to stage ``s - 1``. GPipe and 1F1B use ``v = 1``.
 Only the *compute order* differs between schedules (:func:`gpipe_order`, :func:`one_f_one_b_order`,
 :func:`interleaved_order`); :func:`add_communication` then derives the messages from it the same way
 for all: between two compute steps, the sends of the previous one and the receives the next one needs
-form one batch (Megatron's ``send_forward_recv_backward``). The engine posts a batch at once and waits
-only for its receives; sends complete in the background (interleaved 1F1B deadlocks if a rank must wait
-for its send to the wrap-around neighbour before it may post the receive that neighbour waits on).
+form one batch (Megatron's ``send_forward_recv_backward``); in interleaved 1F1B's steady state a forward
+and its backward share their batches (Megatron's ``send_forward_backward_recv_forward_backward``). Every
+schedule is deadlock-free under NCCL's rules, where a batch completes only when all of its messages,
+sends included, have been taken and nothing later on the rank starts before (:func:`simulate`).
 
 Evaluation runs the *forward-only* list of a schedule (``build_schedule(..., forward_only=True)``,
 Megatron-LM's ``forward_only``, DeepSpeed's ``eval_batch``): every forward in the training order's
@@ -136,9 +137,31 @@ def forward_only_order(p: int, m: int, rank: int, v: int = 1) -> List[Instr]:
     return [Forward(*_interleaved_unit(k, p, v, True)) for k in range(m * v)]
 
 
-def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1) -> List[Step]:
+def _units(order: Sequence[Instr], paired: bool) -> List[List[Instr]]:
+    """Compute instructions grouped into units that share their messages: each alone, or (``paired``)
+    each steady-state forward with the backward right after it."""
+    units: List[List[Instr]] = []
+    i = 0
+    while i < len(order):
+        if paired and order[i].op == "F" and i + 1 < len(order) and order[i + 1].op == "B":
+            units.append([order[i], order[i + 1]])
+            i += 2
+        else:
+            units.append([order[i]])
+            i += 1
+    return units
+
+
+def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1, paired: bool = False) -> List[Step]:
     """Insert the messages a compute order needs. Stage ``s = chunk * p + rank``; a neighbour stage on
-    this same rank (``p == 1``) is a local hand-off, no message."""
+    this same rank (``p == 1``) is a local hand-off, no message.
+
+    Between two units, the sends of the first and the receives of the second form one batch. A unit is
+    one instruction, or with ``paired`` a steady-state forward and its backward (Megatron-LM's
+    interleaved schedule: one ``send_forward_backward_recv_forward_backward`` per pair). Under NCCL a
+    batch completes only when all of its messages, sends included, have been taken (one Work, one
+    stream), and interleaved 1F1B with a batch between every two instructions deadlocks there;
+    :func:`simulate` checks exactly that rule."""
     S = p * v
 
     def stage(chunk):
@@ -162,12 +185,12 @@ def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1) -> 
 
     steps: List[Step] = []
     pending: List[Instr] = []
-    for ins in order:
-        batch = tuple(pending + recvs(ins))
+    for unit in _units(order, paired):
+        batch = tuple(pending + [r for ins in unit for r in recvs(ins)])
         if batch:
             steps.append(batch)
-        steps.append(ins)
-        pending = sends(ins)
+        steps.extend(unit)
+        pending = [snd for ins in unit for snd in sends(ins)]
     if pending:
         steps.append(tuple(pending))
     return steps
@@ -189,7 +212,9 @@ def build_schedule(schedule: str, num_stages: int, num_microbatches: int, rank: 
         order = one_f_one_b_order(p, m, rank)
     else:
         order = interleaved_order(p, m, rank, v)
-    return add_communication(order, p, rank, v)
+    # Megatron's pairing in interleaved 1F1B's steady state (none when every forward warms up, m == p)
+    paired = schedule == "interleaved" and not forward_only and m != p
+    return add_communication(order, p, rank, v, paired)
 
 
 def build_all(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1,
@@ -211,10 +236,11 @@ class ScheduleError(AssertionError):
 
 
 def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_only: bool = False) -> Dict[str, object]:
-    """Run every rank's instruction stream against the others the way the engine executes it: a
-    message moves only when both ends have posted it (rendezvous, as gloo's send/recv do), messages
-    match first-in-first-out per (sender, receiver) pair, sends are posted without waiting and a
-    communication step ends when its receives have arrived. Raises :class:`ScheduleError` on
+    """Run every rank's instruction stream against the others under NCCL's rules (the stricter ones;
+    gloo's follow): a message moves only when both ends have posted it (rendezvous), messages match
+    first-in-first-out per (sender, receiver) pair, and a communication step is one batch that ends
+    only when every message in it, sends included, has been taken (one Work per batch, one stream per
+    rank: nothing later starts before). Raises :class:`ScheduleError` on
     deadlock, on a message whose two ends disagree about (kind, microbatch, stage), on a forward whose
     input is not there, or a backward before its forward. Returns statistics (max in-flight per rank,
     number of rounds). ``forward_only``: evaluation streams (:func:`forward_only_order`): a backward or a
@@ -294,9 +320,8 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_onl
                         done_ops.add((dst, rcv))
                         (have_act if rcv.op == "RECV_ACT" else have_grad)[dst].add((rcv.mb, s_dst))
                         progressed = True
-                # Sends are posted and not waited for (the engine waits them lazily), so a batch is
-                # done once its receives have arrived.
-                if all((r, ins) in done_ops for ins in step if ins.op.startswith("RECV")):
+                # NCCL: the batch is done once all of its messages, sends too, have been matched
+                if all((r, ins) in done_ops for ins in step):
                     posted_batches[r] = None
                     pos[r] += 1
                     progressed = True
