@@ -7,11 +7,13 @@ import runpy
 from setuptools import find_packages, setup
 
 import torch
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# The source lists and flags live in one place, shared with the just-in-time build.
+# The source lists, flags and the toolkit's location live in one place, shared with the just-in-time build.
 _ext = runpy.run_path(os.path.join(ROOT, "parallel_layers", "_extension.py"))
+CUDA_HOME = _ext["use_cuda_home"]() if torch.version.cuda is not None else None
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 
 def relative(paths):

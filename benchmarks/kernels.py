@@ -21,9 +21,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from tqdm import tqdm
 
 from parallel_layers import ops
+from parallel_layers._optional import progress_bar
 from . import harness
 
 CSV_NAME = "kernels.csv"
@@ -472,7 +472,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def progress(text: str) -> None:  # called before each case: the bar counts the ones started
         if not bars:
-            bars.append(tqdm(total=len(cases) * len(backends), desc="kernels", unit="case", file=sys.stderr,
+            bars.append(progress_bar(total=len(cases) * len(backends), desc="kernels", unit="case", file=sys.stderr,
                              leave=False))
         bars[0].set_postfix_str(text, refresh=False)
         bars[0].update(1)

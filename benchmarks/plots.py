@@ -20,6 +20,8 @@ import re
 from collections import OrderedDict
 from typing import List, Optional
 
+from parallel_layers._optional import pyplot
+
 from . import harness
 
 
@@ -63,10 +65,10 @@ def _modes(table) -> str:
 
 def draw(csv_path: Optional[str] = None, rows: Optional[List[dict]] = None,
          out_dir: str = harness.RESULTS_DIR) -> List[str]:
-    """Draw both PNGs from ``rows`` (or the CSV); returns the paths written."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Draw both PNGs from ``rows`` (or the CSV); returns the paths written (none without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return []
 
     if rows is None:
         rows = harness.read_csv(csv_path or os.path.join(harness.RESULTS_DIR, "kernels.csv"))
@@ -149,9 +151,9 @@ def draw_ratios(results_dir: str = harness.RESULTS_DIR, out_dir: str = harness.R
     """ratios.png: one horizontal bar per measured case of every group (baseline time / ours, log scale;
     right of 1 means ours is faster), green where its target is met, red where missed, gray without one.
     The rows are those the README shows (per device: the most complete mode, the newest row per case)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return []
 
     per_device: "OrderedDict[str, list]" = OrderedDict()
     for name, group in RATIO_CSVS:

@@ -22,6 +22,8 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence, Union
 
+from parallel_layers._optional import pyplot
+
 from . import harness
 
 CSV_PATH = os.path.join(harness.RESULTS_DIR, "scaling.csv")
@@ -175,10 +177,10 @@ def draw(rows_or_csv_path: Union[None, str, Sequence[dict]] = None, out_dir: str
     """Draw the scaling PNGs; returns the paths written (none when there is nothing to draw).
 
     ``rows_or_csv_path``: rows from ``benchmarks.scaling.collect`` (drawn whatever their mode), or a CSV
-    path (default ``benchmarks/results/scaling.csv``; smoke runs ignored)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    path (default ``benchmarks/results/scaling.csv``; smoke runs ignored); none without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return []
 
     direct = rows_or_csv_path is not None and not isinstance(rows_or_csv_path, (str, os.PathLike))
     rows = list(rows_or_csv_path) if direct else harness.read_csv(rows_or_csv_path or CSV_PATH)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import shutil
 import threading
 from typing import Optional, Tuple
 
@@ -45,9 +46,44 @@ CXX_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-ffp-contract=off", "-fope
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
 
 
+def _is_toolkit(root: str) -> bool:
+    return (os.path.isfile(os.path.join(root, "include", "cuda_runtime.h"))
+            and os.path.isfile(os.path.join(root, "bin", "nvcc")))
+
+
+def find_cuda_home(roots: Optional[list] = None) -> Optional[str]:
+    """The CUDA toolkit's root: ``CUDA_HOME``/``CUDA_PATH`` if set, else the toolkit ``nvcc`` belongs to,
+    else ``/usr/local/cuda`` or the newest ``/usr/local/cuda-*``. torch guesses the parent of the first
+    ``nvcc`` on the PATH, which is wrong where that ``nvcc`` is a wrapper script in ``/usr/local/bin``
+    (it then compiles against ``/usr/local/include`` and links ``-lcudart`` from ``/usr/local/lib``):
+    a candidate counts only if it holds ``include/cuda_runtime.h`` and ``bin/nvcc``."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += roots if roots is not None else ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"),
+                                                                                reverse=True)
+    return next((c for c in candidates if _is_toolkit(c)), None)
+
+
+def use_cuda_home() -> Optional[str]:
+    """Point torch's extension builder at :func:`find_cuda_home` (set before the build); returns it."""
+    home = find_cuda_home()
+    if home is not None:
+        os.environ["CUDA_HOME"] = home
+        from torch.utils import cpp_extension
+        cpp_extension.CUDA_HOME = home
+    return home
+
+
 def _jit_build():
     import torch
     from torch.utils import cpp_extension
+
+    use_cuda_home()
 
     sources = cpu_sources()
     if not os.path.exists(sources[0]):

@@ -272,8 +272,8 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
         load_s = round(time.perf_counter() - t_load, 3)
     bar = None
     if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=args.steps, initial=start, desc=f"3D dp={args.dp} tp={args.tp} pp={args.pp}",
+        from ._optional import progress_bar
+        bar = progress_bar(total=args.steps, initial=start, desc=f"3D dp={args.dp} tp={args.tp} pp={args.pp}",
                    unit="step", dynamic_ncols=True)
     losses, step_times, skipped, val_losses = [], [], 0, []
     tokens_per_step = args.batch_size * args.seq_len
@@ -455,7 +455,9 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
         json.dump(summary, f, indent=2)
     for ckpt in par.get("saved") or []:
         print(f"saved a universal checkpoint: {ckpt['path']} ({ckpt['seconds']:.2f} s on rank 0)")
-    print(f"wrote {os.path.join(args.out, 'summary.json')} and {os.path.join(args.out, 'timeline.png')}")
+    png = par.get("timeline_png")
+    print(f"wrote {os.path.join(args.out, 'summary.json')}" + (f" and {png}" if png else
+                                                               " (no timeline.png: matplotlib is not installed)"))
     return summary
 
 

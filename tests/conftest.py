@@ -1,15 +1,21 @@
 """Shared test set-up.
 
 TRITON_INTERPRET must be set before triton_kernels is imported (triton reads it when @triton.jit
-runs), so it is set here, at collection time, before any test module imports the package. On a GPU
-machine, set TRITON_INTERPRET=0 explicitly to test the compiled Triton kernels on CUDA tensors.
+runs), so it is set here, at collection time, before any test module imports the package: on a machine
+without a GPU the Triton kernels run through the interpreter on CPU tensors; with a GPU they are
+compiled and run on CUDA tensors (set TRITON_INTERPRET=1 there to test the interpreter instead).
+
+On a GPU machine a CUDA backend that is not there (an extension built without its CUDA part, Triton
+missing) fails the CUDA tests instead of skipping them: the point of running there is to run them.
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from parallel_layers.ops import _backend  # noqa: E402
 
@@ -33,6 +39,8 @@ def target(request):
     """A (device, backend) pair to test against the torch reference; skipped when unavailable."""
     device, backend = request.param
     why = target_skip_reason(device, backend)
+    if why and device == "cuda" and torch.cuda.is_available() and not _backend.triton_interpreting():
+        pytest.fail(f"{backend} on {device} is unavailable on a machine with a GPU: {why}")
     if why:
         pytest.skip(f"{backend} on {device}: {why}")
     return torch.device(device), backend
@@ -52,7 +60,10 @@ def dist_pools():
 
     pools = {}
 
-    def get(world_size: int, backend: str = "gloo") -> WorkerPool:
+    default = os.environ.get("PL_TEST_BACKEND", "gloo")   # PL_TEST_BACKEND=nccl_rules: every pool under the rules
+
+    def get(world_size: int, backend: str = None) -> WorkerPool:
+        backend = backend or default
         if (world_size, backend) not in pools:
             pools[(world_size, backend)] = WorkerPool(world_size, backend=backend)
         return pools[(world_size, backend)]

@@ -100,3 +100,30 @@ def test_import_never_needs_triton_or_the_extension():
         print(parallel_layers.__version__)
     """, PARALLEL_LAYERS_NO_JIT="1")
     assert result.returncode == 0, result.stderr
+
+
+def test_cuda_home_is_the_toolkit_not_a_wrapper_script(tmp_path, monkeypatch):
+    """An nvcc wrapper script in a bin/ folder of its own (the GPU image's /usr/local/bin) must not make
+    its parent the toolkit, as torch's guess does; CUDA_HOME, when set, wins."""
+    from parallel_layers._extension import find_cuda_home
+
+    wrapper = tmp_path / "local" / "bin"
+    wrapper.mkdir(parents=True)
+    (wrapper / "nvcc").write_text("#!/bin/sh\nexec /opt/toolkit/bin/nvcc \"$@\"\n")
+    (wrapper / "nvcc").chmod(0o755)
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "include").mkdir()
+    (toolkit / "bin" / "nvcc").write_text("")
+    (toolkit / "bin" / "nvcc").chmod(0o755)
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(wrapper))
+    assert find_cuda_home(roots=[str(toolkit)]) == str(toolkit)
+    assert find_cuda_home(roots=[]) is None                     # the wrapper's parent is no toolkit
+    (wrapper / "nvcc").unlink()                                  # nvcc on the PATH inside a real toolkit
+    monkeypatch.setenv("PATH", str(toolkit / "bin"))
+    assert find_cuda_home(roots=[]) == str(toolkit)
+    monkeypatch.setenv("CUDA_HOME", "/somewhere/else")
+    assert find_cuda_home(roots=[str(toolkit)]) == "/somewhere/else"

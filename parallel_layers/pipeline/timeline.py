@@ -136,12 +136,13 @@ def gather_timelines(local: Timeline, group) -> Optional[List[Timeline]]:
     return result
 
 
-def draw(timelines: Sequence[Timeline], path: str, title: str = "") -> str:
+def draw(timelines: Sequence[Timeline], path: str, title: str = "") -> Optional[str]:
     """Draw the ranks' timelines (one row per rank; forward blue, backward green, waits grey; the
-    microbatch written in each box, ``mb.chunk`` with virtual stages) to a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    microbatch written in each box, ``mb.chunk`` with virtual stages) to a PNG; None without matplotlib."""
+    from .._optional import pyplot
+    plt = pyplot()
+    if plt is None:
+        return None
 
     n = len(timelines)
     chunks = max((e.chunk for t in timelines for e in t.events), default=0) + 1
