@@ -11,7 +11,7 @@ CSRC          := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' 
 PYTEST_ARGS   ?=
 BENCH_ARGS    ?=
 
-.PHONY: setup test bench bench-quick demo clean
+.PHONY: setup test bench bench-quick demo gpu-check clean
 
 $(PY):
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -40,6 +40,11 @@ bench-quick: setup
 
 demo: setup
 	$(PY) -m parallel_layers demo
+
+# On a one-GPU machine: build, CUDA tests with compiled Triton, training parity, NCCL and gloo-on-CUDA
+# probes, GPU kernel benchmarks; logs, junit XML, CSV rows and summary.md in gpu_check_out/ (< 9 min).
+gpu-check: setup
+	$(PY) -m parallel_layers gpu-check --out gpu_check_out
 
 clean:
 	rm -rf build *.egg-info parallel_layers/*.so $(EXT_STAMP)

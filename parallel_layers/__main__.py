@@ -2,11 +2,12 @@
 import os
 import sys
 
-USAGE = ("usage: python -m parallel_layers demo [--dp 2 --tp 2 --pp 2 --zero 0|1|2 "
-         "--schedule gpipe|1f1b|interleaved --microbatches 4 --precision fp32|bf16 --steps N ...]\n"
+USAGE = ("usage: python -m parallel_layers demo [--dp 2 --tp 2 --pp 2 --zero 0|1|2|3 "
+         "--schedule gpipe|1f1b|interleaved --microbatches 4 --precision fp32|bf16|fp16 --steps N ...]\n"
          "       python -m parallel_layers bench [--only kernels|tp|dp|zero|pipeline|demo|scaling] "
          "[--quick|--smoke] [--readme]\n"
-         "       python -m parallel_layers demo --help | bench --help   (all flags)")
+         "       python -m parallel_layers gpu-check [--out DIR] [--dry-run]\n"
+         "       python -m parallel_layers demo --help | bench --help | gpu-check --help   (all flags)")
 
 
 def _bench_main(argv) -> int:
@@ -27,11 +28,14 @@ def _bench_main(argv) -> int:
 
 def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("demo", "bench"):
+    if not argv or argv[0] not in ("demo", "bench", "gpu-check"):
         print(USAGE)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "bench":
         return _bench_main(argv[1:])
+    if argv[0] == "gpu-check":
+        from .gpu_check import main as gpu_check
+        return gpu_check(argv[1:])
     from .demo import main
     return main(argv[1:])
 
