@@ -51,19 +51,58 @@ def is_interpreted(target) -> bool:
     return target[1] == "triton" and target[0].type == "cpu"
 
 
+# The distributed parity suite that also runs under the NCCL-rules backend
+# (parallel_layers.testing.nccl_rules): test file -> {test function: substrings one of which its
+# parameter id must hold, or "" for every case}. The rest of the suite runs on plain gloo only, so
+# make test stays within its time budget; PL_TEST_BACKEND=nccl_rules runs everything under the rules.
+UNDER_NCCL_RULES = {
+    "test_pipeline.py": {"test_pipeline_matches_unpipelined_gpt": ("float32",),
+                         "test_pipeline_evaluate_matches_dense_eval_loss": ("0.2",),
+                         "test_pipeline_batch_shape_changes_between_steps": ("",)},
+    "test_3d.py": {"test_3d_matches_single_process": ("",), "test_3d_zero3_matches_single_process": ("dims0",),
+                   "test_3d_checkpoint_resumes_bit_identically_in_fresh_processes": ("zero2",)},
+    "test_data_parallel.py": {"test_stage0_matches_single_process": ("",),
+                              "test_no_sync_accumulation_equals_large_batch": ("",)},
+    "test_dp_integration.py": {"test_tp2_x_dp2_zero2_matches_single_process": ("",)},
+    "test_zero.py": {"test_parity_with_single_process_adamw": ("2-",)},
+    "test_zero3.py": {"test_tp2_dp2_parity": ("",)},
+    "test_gpt_tp.py": {"test_gpt_tp_matches_dense": ("float32",)},
+    "test_tp_layers.py": {"test_mlp_column_then_row_matches_dense": ("",)},
+    "test_vocab_cross_entropy.py": {"test_parity_with_f_cross_entropy": ("2",)},
+    "test_universal_checkpoint.py": {"test_universal_checkpoint_resumes_on_another_mesh": ("3d-zero1",)},
+}
+
+
+def _rules_filter(module_file: str, function: str):
+    return UNDER_NCCL_RULES.get(os.path.basename(module_file), {}).get(function)
+
+
+def pytest_generate_tests(metafunc):
+    if "dist_pools" in metafunc.fixturenames and _rules_filter(metafunc.module.__file__, metafunc.function.__name__):
+        metafunc.parametrize("dist_pools", ["gloo", "nccl_rules"], indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the NCCL-rules variant only of the parameter cases its entry names."""
+    kept = []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        wanted = _rules_filter(item.module.__file__, item.originalname) if spec else None
+        if wanted and spec.params.get("dist_pools") == "nccl_rules":
+            rest = "-".join(p for p in spec.id.split("-") if p != "nccl_rules")
+            if not any(w in rest for w in wanted):
+                continue
+        kept.append(item)
+    items[:] = kept
+
+
 @pytest.fixture(scope="session")
-def dist_pools():
-    """``dist_pools(n)``: a pool of n gloo ranks, started once per session and shared by every test;
-    ``dist_pools(n, "nccl_rules")``: the same over the NCCL-rules backend
-    (:mod:`parallel_layers.testing.nccl_rules`)."""
+def _pools():
     from parallel_layers.testing import WorkerPool
 
     pools = {}
 
-    default = os.environ.get("PL_TEST_BACKEND", "gloo")   # PL_TEST_BACKEND=nccl_rules: every pool under the rules
-
-    def get(world_size: int, backend: str = None) -> WorkerPool:
-        backend = backend or default
+    def get(world_size: int, backend: str) -> WorkerPool:
         if (world_size, backend) not in pools:
             pools[(world_size, backend)] = WorkerPool(world_size, backend=backend)
         return pools[(world_size, backend)]
@@ -71,3 +110,17 @@ def dist_pools():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def dist_pools(request, _pools):
+    """``dist_pools(n)``: a pool of n ranks, started once per session and shared by every test: gloo, or
+    the NCCL-rules backend for the variant of a test in ``UNDER_NCCL_RULES`` (or everywhere with
+    ``PL_TEST_BACKEND=nccl_rules``); ``dist_pools(n, backend)`` names one."""
+    default = getattr(request, "param", None) or os.environ.get("PL_TEST_BACKEND", "gloo")
+
+    def get(world_size: int, backend: str = None):
+        return _pools(world_size, backend or default)
+
+    get.backend = default
+    return get

@@ -111,9 +111,9 @@ def body_device(rank, world):
     return host, derived
 
 
-@pytest.fixture(scope="module")
-def pool(dist_pools):
-    return dist_pools(2, "nccl_rules")
+@pytest.fixture
+def pool(_pools):
+    return _pools(2, "nccl_rules")
 
 
 def test_tags_refused(pool):

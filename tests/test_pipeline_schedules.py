@@ -227,3 +227,17 @@ def test_bubble_breakdown_attributes_the_idle_time(schedule, p, m, v):
     b = bubble_breakdown(_synthetic_timelines(schedule, p, m, v, equal, gap=0.2), schedule, m, v)
     assert b["engine_overhead"] > 0.01 and abs(b["imbalance_jitter"]) < 1e-12 and abs(b["messages"]) < 1e-12
     assert b["ideal"] + b["imbalance_jitter"] + b["engine_overhead"] + b["messages"] == pytest.approx(b["measured"])
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (2, 6, 3)])
+def test_interleaved_needs_paired_batches_under_nccl(p, m, v):
+    """Under NCCL a batch completes only when its sends are taken too (one Work, one stream per rank):
+    interleaved 1F1B with a batch between every two instructions deadlocks there, and pairing each
+    steady-state forward with its backward (Megatron's send_forward_backward_recv_forward_backward)
+    does not."""
+    from parallel_layers.pipeline.schedules import add_communication, interleaved_order
+
+    unpaired = [add_communication(interleaved_order(p, m, r, v), p, r, v) for r in range(p)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(unpaired, num_chunks=v)
+    simulate(build_all("interleaved", p, m, v), num_chunks=v)
