@@ -391,15 +391,14 @@ class NcclRulesGroup(dist.ProcessGroup):
         h[0] = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
         h[1] = t.dim()
         h[2:2 + min(t.dim(), 6)] = torch.tensor(list(t.shape)[:6], dtype=torch.int64)
-        code = site.encode()[:_SITE_LEN]
-        h[8:8 + len(code)] = torch.tensor(list(code), dtype=torch.int64)
+        _put_text(h, site)
         return h
 
     @staticmethod
     def _decode(h: torch.Tensor):
         code, ndim = int(h[0]), int(h[1])
         dtype = _DTYPES[code] if code < len(_DTYPES) else "other"
-        site = bytes(int(x) for x in h[8:] if int(x)).decode(errors="replace")
+        site = _get_text(h)
         return tuple(int(x) for x in h[2:2 + ndim]), dtype, site
 
     def _check_p2p(self, kind: str, t: torch.Tensor, peer: int, tag: int, site: str) -> None:
@@ -483,13 +482,12 @@ class NcclRulesGroup(dist.ProcessGroup):
             head.collective = self._collectives
             mine = torch.zeros(8 + _SITE_LEN, dtype=torch.int64)
             mine[:4] = torch.tensor(fingerprint, dtype=torch.int64)
-            code = f"{name} of {t0.numel()} {t0.dtype} at {site}".encode()[:_SITE_LEN]
-            mine[8:8 + len(code)] = torch.tensor(list(code), dtype=torch.int64)
+            _put_text(mine, f"{name} of {t0.numel()} {t0.dtype} at {site}")
             every = torch.empty(self.size() * mine.numel(), dtype=torch.int64)
             self._inner._allgather_base(every, mine).wait()
             every = every.view(self.size(), -1)
             if not bool((every[:, :4] == mine[:4]).all()):
-                lines = [f"rank {r}: " + bytes(int(x) for x in every[r, 8:] if int(x)).decode(errors="replace")
+                lines = [f"rank {r}: " + _get_text(every[r])
                          for r in range(self.size())]
                 raise RuleViolation("NCCL rule 'every rank issues the same collectives in the same order': "
                                     "the ranks of this group reached different collectives:\n  " + "\n  ".join(lines))
@@ -535,6 +533,16 @@ class NcclRulesGroup(dist.ProcessGroup):
         opts = opts or dist.ScatterOptions()
         return self._collective("scatter", output_tensors, opts.rootRank,
                                 lambda: self._inner.scatter(output_tensors, input_tensors, opts))
+
+
+def _put_text(row: torch.Tensor, text: str) -> None:
+    """A call site or description into ``row[8:]`` of a header (one byte per int64)."""
+    code = text.encode()[:_SITE_LEN]
+    row[8:8 + len(code)] = torch.tensor(list(code), dtype=torch.int64)
+
+
+def _get_text(row: torch.Tensor) -> str:
+    return bytes(int(x) for x in row[8:] if int(x)).decode(errors="replace")
 
 
 def _op_code(op) -> int:
