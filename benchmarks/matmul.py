@@ -22,6 +22,10 @@ interleaved repetitions timed with CUDA events, median and 20th/80th percentiles
 - ours vs ``torch.matmul(x, W.T)`` alone (no bias, no activation: cuBLAS's bare GEMM, the roofline we
   can hope for): target >= 0.9x. That ratio is also ours' TFLOP/s as a fraction of torch.matmul's
   measured TFLOP/s.
+The same shapes then run with the automatic choice (``backend=None``: ``parallel_layers.ops.linear_dispatch``
+measures Triton against torch once per shape class; the row's backend reads ``auto->triton`` or
+``auto->torch``), and the prefill shape in float32 without TF32 (torch's default) with both, which is
+the measurement behind auto leaving float32 to cuBLAS. Targets apply to the bf16 Triton rows only.
 Forward only, under ``torch.no_grad()`` (inference: the kernel writes Y alone; in training it also
 stores the pre-activation for backward, as eager does).
 TFLOP/s counts 2*M*N*K flops per call (the epilogue's are not counted); both figures are also written
@@ -71,7 +75,7 @@ def _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup) -> List[Di
     b = torch.randn(n, device=device, dtype=dtype, generator=g)
 
     def ours():
-        return fused_linear(x, w, b, activation="gelu", backend=backend)
+        return fused_linear(x, w, b, activation="gelu", backend=None if backend == "auto" else backend)
 
     baselines = {
         "eager F.linear+F.gelu": lambda: F.gelu(F.linear(x, w, b)),
@@ -79,11 +83,19 @@ def _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup) -> List[Di
     }
     rows = []
     with torch.no_grad():
+        label = backend
+        if device.type == "cpu":
+            label = "torch(cpu-reference)"
+        elif backend == "auto":   # what the automatic choice runs here (measured now if not known)
+            from parallel_layers.ops.linear import fused_linear_backend
+            chosen, why = fused_linear_backend(x, w, b, activation="gelu")
+            label = f"auto->{chosen}"
+            print(f"[{name}] auto chooses {chosen}: {why}", file=sys.stderr)
         y = ours()  # first call autotunes (CUDA); also the correctness check below
         ref = baselines["eager F.linear+F.gelu"]()
         err = (y.float() - ref.float()).abs().max().item()
         cfg = ""
-        if backend == "triton":
+        if label in ("triton", "auto->triton"):
             from triton_kernels import matmul as tk
 
             best = getattr(tk._tuned_kernel, "best_config", None)
@@ -93,12 +105,13 @@ def _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup) -> List[Di
         del y, ref
         for base_name, base in baselines.items():
             suffix, target = BASELINES[base_name]
-            target = target if device.type == "cuda" else None
+            # the targets are the kernel's, in bf16; the automatic choice and float32 are reported
+            target = target if device.type == "cuda" and backend == "triton" and dtype == torch.bfloat16 else None
             s_ours, s_base = harness.compare(ours, base, device, reps=reps, warmup=warmup)
             tflops, base_tflops = _tflops(m, n, k, s_ours.median_ms), _tflops(m, n, k, s_base.median_ms)
             row = harness.comparison_row(
                 {}, f"linear_gelu_{name}{suffix}", s_ours, s_base, sizes=f"M{m}xN{n}xK{k}",
-                dtype=str(dtype).replace("torch.", ""), backend=backend, date=harness.now_iso(),
+                dtype=str(dtype).replace("torch.", ""), backend=label, date=harness.now_iso(),
                 baseline=f"{base_name}; TFLOP/s ours {tflops:.4g} vs {base_tflops:.4g}",
                 tflops=tflops, base_tflops=base_tflops, target=f">={target}x" if target else "-")
             row["met"] = ("yes" if row["speedup"] >= target else "no") if target else "-"
@@ -115,12 +128,15 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     ``CPU_SHAPES[mode]``, labelled so), and that reference in smoke mode. A shape that fails gives
     rows with met "error". Writes no CSV; detail lines go to stderr."""
     if device.type == "cuda":
-        backend, label, dtype, shapes = "triton", "triton", torch.bfloat16, SHAPES[mode]
+        # the kernel itself, then the automatic choice (linear_dispatch) on the same shapes; float32
+        # (no TF32: torch's default) at the compute-bound shape shows why auto leaves it to cuBLAS
+        variants = [(b, torch.bfloat16, SHAPES[mode]) for b in ("triton", "auto")]
+        variants += [(b, torch.float32, SHAPES[mode][:1]) for b in ("triton", "auto")]
     elif cpu_reference or mode == "smoke":
         print("matmul: no CUDA device; timing the torch reference path on CPU (fp32, backend='torch': "
               "F.linear + F.gelu inside fused_linear's autograd Function) -- NOT the fused kernel.",
               file=sys.stderr)
-        backend, label, dtype, shapes = "torch", "torch(cpu-reference)", torch.float32, CPU_SHAPES[mode]
+        variants = [("torch", torch.float32, CPU_SHAPES[mode])]
     else:
         print("matmul: the fused Triton kernel runs on CUDA tensors and there is no CUDA device here; "
               "nothing measured.", file=sys.stderr)
@@ -129,15 +145,17 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     warmup = REPS[mode][1] if warmup is None else warmup
     common = harness.common_fields(mode, device, torch.get_num_threads())
     rows = []
-    for name, m, n, k in shapes:
-        if progress:
-            progress(f"{name} M{m}xN{n}xK{k}")
-        try:
-            shape_rows = _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup)
-        except Exception as exc:  # noqa: BLE001 - one failing shape must not hide the others
-            shape_rows = [error_row(f"linear_gelu_{name}{suffix}", backend, exc) for suffix, _ in BASELINES.values()]
-            harness.free_memory(device)
-        rows += [dict(common, **dict(r, backend=label)) for r in shape_rows]
+    for backend, dtype, shapes in variants:
+        for name, m, n, k in shapes:
+            if progress:
+                progress(f"{name} M{m}xN{n}xK{k} {backend}")
+            try:
+                shape_rows = _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup)
+            except Exception as exc:  # noqa: BLE001 - one failing shape must not hide the others
+                shape_rows = [error_row(f"linear_gelu_{name}{suffix}", backend, exc)
+                              for suffix, _ in BASELINES.values()]
+                harness.free_memory(device)
+            rows += [dict(common, **r) for r in shape_rows]
     return rows
 
 

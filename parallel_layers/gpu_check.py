@@ -5,8 +5,11 @@ Steps (each a subprocess with its own log under DIR, a time limit and a pass/fai
 build the extension; fail loudly if CUDA is available and the extension lacks its CUDA part; every CUDA
 test with compiled Triton (junit XML); single-GPU training parity (the GPT with our fused kernels against
 torch eager + torch AdamW, fp32 and bf16); a 1-rank NCCL group with a P2P self send/receive batch; two
-processes sharing the GPU with gloo taking CUDA tensors (DataParallel's all-reduce path); the kernel
-benchmarks on the GPU (Triton and CUDA against torch, L2 flushed between repetitions), CSV rows in DIR.
+processes sharing the GPU with gloo taking CUDA tensors (DataParallel's all-reduce path); the fused
+linear against cuBLAS (Triton, the automatic choice, bf16 and float32); every fused-linear config the
+autotuner may try compiled for the GPU's target and checked for register spills; the kernel benchmarks
+on the GPU (Triton and CUDA against torch, L2 flushed between repetitions). CSV rows in DIR, and the
+fused linear's measured backend choices in DIR/cache.
 
 ``--dry-run`` (and any machine without a GPU): says what it would do and actually runs every step that
 needs no GPU, on the CPU (the test suite runs it, so the command cannot rot).
@@ -45,20 +48,28 @@ def plan(out: str, python: str = sys.executable) -> List[Step]:
     probes = [python, "-m", "parallel_layers.testing.gpu_probes"]
     kernels = [python, "-m", "benchmarks.kernels"]
     return [
-        Step("build", [python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", ROOT], 300,
+        Step("build", [python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", ROOT], 240,
              dry_argv=[python, "-c", "print('build: make setup built the extension already; not rebuilt')"]),
-        Step("extension", [python, "-c", check_ext], 60, needs_gpu=False),
+        Step("extension", [python, "-c", check_ext], 50, needs_gpu=False),
         Step("cuda-tests", pytest + ["-k", "cuda", "--junitxml", os.path.join(out, "junit-cuda.xml")], 240,
              env={"TRITON_INTERPRET": "0"},
              dry_argv=pytest + ["-k", "cuda", "--collect-only"]),
-        Step("training-parity", probes + ["training", "--device", "cuda"], 120,
+        Step("training-parity", probes + ["training", "--device", "cuda"], 100,
              dry_argv=probes + ["training", "--device", "cpu"]),
-        Step("nccl-self", probes + ["nccl-self"], 60,
+        Step("nccl-self", probes + ["nccl-self"], 50,
              dry_argv=[python, "-c", "print('nccl-self: needs a GPU (NCCL); nothing to run on CPU')"]),
-        Step("gloo-dp-cuda", probes + ["gloo-dp", "--device", "cuda"], 90,
+        Step("gloo-dp-cuda", probes + ["gloo-dp", "--device", "cuda"], 80,
              dry_argv=probes + ["gloo-dp", "--device", "cpu"]),
+        Step("matmul-benchmark", [python, "-m", "benchmarks.matmul", "--quick", "--csv", os.path.join(out, "matmul.csv")],
+             150, env={"TRITON_INTERPRET": "0"},
+             dry_argv=[python, "-m", "benchmarks.matmul", "--smoke", "--cpu-reference", "--no-csv"]),
+        Step("linear-registers", [python, "-m", "benchmarks.linear_registers", "--check",
+                                  "--csv", os.path.join(out, "linear_registers.csv")], 90,
+             env={"TRITON_INTERPRET": "0"},
+             dry_argv=[python, "-c", "print('linear-registers: compiles every config offline; "
+                                     "tests/test_fused_linear.py runs its check for bf16 GeLU')"]),
         Step("kernel-benchmarks", kernels + ["--quick", "--device", "cuda", "--csv", os.path.join(out, "kernels.csv")],
-             240, env={"TRITON_INTERPRET": "0"},
+             200, env={"TRITON_INTERPRET": "0"},
              dry_argv=kernels + ["--smoke", "--device", "cpu", "--no-csv", "--only", "adamw"]),
     ]
 
@@ -77,7 +88,9 @@ def run(out: str, dry_run: bool) -> int:
         left = BUDGET_S - (time.monotonic() - start)
         log = os.path.join(out, f"{step.name}.log")
         t0 = time.monotonic()
+        # the fused linear's measured backend choices land in the output folder (see linear_dispatch)
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   PARALLEL_LAYERS_CACHE_DIR=os.path.join(os.path.abspath(out), "cache"),
                    **(step.env if gpu else {}))
         with open(log, "w") as fh:
             fh.write("$ " + " ".join(argv) + "\n")

@@ -184,14 +184,14 @@ def test_backend_choice(monkeypatch):
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # CPU: the torch reference is this op's implementation, no warning
-        assert L._choose_backend(x.device, x.dtype, None) == "torch"
-        assert L._choose_backend(x.device, x.dtype, "auto") == "torch"
+        assert L.fused_linear_backend(x, w, b)[0] == "torch"
+        assert L.fused_linear_backend(x, w, b, backend="auto")[0] == "torch"
         fused_linear(x, w, b, activation="gelu")
     for forced in ("cpp", "cuda"):
         with pytest.raises(ValueError, match="has no .* kernel"):
             fused_linear(x, w, b, backend=forced)
     monkeypatch.setenv(_backend.ENV_VAR, "cpp")  # set for a whole run: this op takes the automatic choice
-    assert L._choose_backend(x.device, x.dtype, None) == "torch"
+    assert L.fused_linear_backend(x, w, b)[0] == "torch"
     with pytest.raises(ValueError, match="unknown backend"):
         fused_linear(x, w, b, backend="nope")
     monkeypatch.setattr(_backend, "triton_interpreting", lambda: False)
@@ -232,4 +232,98 @@ def test_cuda_tuned_sizes(dtype):
         x, w, b = _inputs(shape_x, n, dtype, torch.device("cuda"))
         for act in ACTS:
             _check_forward(x, w, b, act)
-        assert L._choose_backend(x.device, dtype, None) == "triton"
+        name, why = L.fused_linear_backend(x, w, b, activation="gelu")
+        if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+            assert name == "torch" and "TF32" in why
+        else:
+            assert name in ("triton", "torch"), why
+        torch.testing.assert_close(fused_linear(x, w, b, activation="gelu"),
+                                   fused_linear(x, w, b, activation="gelu", backend=name))
+
+
+class _FakeRuns:
+    """Stands in for the two forwards and the CUDA-event timer: counts calls, returns set timings."""
+
+    def __init__(self, ms):
+        self.ms, self.calls = ms, []
+
+    def run(self, which):
+        self.calls.append(which)
+
+    def timer(self, fn):
+        before = len(self.calls)
+        fn()
+        return self.ms[self.calls[before]]
+
+
+def _big_inputs(dtype=torch.bfloat16):
+    # 2*M*N*K = 2**28 > SMALL_FLOPS; meta tensors: the chooser never touches the data
+    x = torch.empty(512, 512, dtype=dtype, device="meta")
+    return x, torch.empty(512, 512, dtype=dtype, device="meta"), None
+
+
+def test_linear_dispatch_rules():
+    from parallel_layers.ops import linear_dispatch as D
+    assert D.static_choice(4096, 4096, 4096, torch.float32)[0] == "torch"      # no TF32: FMA loops
+    assert D.static_choice(16, 256, 256, torch.bfloat16)[0] == "torch"         # launch-bound
+    assert D.static_choice(4096, 4096, 4096, torch.bfloat16) is None            # measured
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert D.static_choice(4096, 4096, 4096, torch.float32) is None
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_linear_dispatch_measures_once_and_shares_the_result(tmp_path):
+    from parallel_layers.ops import linear_dispatch as D
+    path = str(tmp_path / "cache" / D.CACHE_FILE)
+    x, w, b = _big_inputs()
+    runs = _FakeRuns({"triton": 1.0, "torch": 2.0})
+    first = D.BackendChooser(path, runs.timer)
+    name, why = first.choose(x, w, b, "gelu", None, True, runs.run)
+    assert name == "triton" and "measured" in why
+    assert runs.calls[0] == "triton"                   # Triton autotunes before anything is timed
+    n = len(runs.calls)
+    assert first.choose(x, w, b, "gelu", None, True, runs.run)[0] == "triton" and len(runs.calls) == n
+    # another process: reads the file, measures nothing
+    other = _FakeRuns({"triton": 9.0, "torch": 1.0})
+    assert D.BackendChooser(path, other.timer).choose(x, w, b, "gelu", None, True, other.run)[0] == "triton"
+    assert other.calls == []
+    # another shape class (no bias) is measured on its own, and both classes stay in the file
+    assert D.BackendChooser(path, other.timer).choose(x, w, None, None, None, False, other.run)[0] == "torch"
+    assert len(D._read(path)) == 2
+    # a corrupt file is ignored (measured again), never fatal
+    with open(path, "w") as f:
+        f.write("{not json")
+    again = _FakeRuns({"triton": 3.0, "torch": 1.0})
+    assert D.BackendChooser(path, again.timer).choose(x, w, b, "gelu", None, True, again.run)[0] == "torch"
+    assert again.calls
+
+
+def test_linear_dispatch_unwritable_cache_warns_and_keeps_the_choice(tmp_path):
+    from parallel_layers.ops import linear_dispatch as D
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    x, w, b = _big_inputs()
+    runs = _FakeRuns({"triton": 2.0, "torch": 1.0})
+    chooser = D.BackendChooser(str(blocker / D.CACHE_FILE), runs.timer)
+    with pytest.warns(RuntimeWarning, match="could not write the backend cache"):
+        assert chooser.choose(x, w, b, "gelu", None, True, runs.run)[0] == "torch"
+    n = len(runs.calls)
+    assert chooser.choose(x, w, b, "gelu", None, True, runs.run)[0] == "torch" and len(runs.calls) == n
+
+
+def test_no_config_the_autotuner_tries_spills_registers():
+    """Compiled offline for sm_90 (no GPU needed): every config kept for a GeLU epilogue that also
+    stores the pre-activation (the heaviest) fits in registers."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmarks.linear_registers", "--check",
+                          "--dtypes", "bf16", "--epilogues", "gelu+pre"],
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "128x128x64 g8 s4 w8" in out.stdout and "128x256x64" not in out.stdout

@@ -10,7 +10,7 @@ from parallel_layers.gpu_check import ROOT, plan
 def test_plan_covers_what_a_gpu_machine_must_show(tmp_path):
     steps = {s.name: s for s in plan(str(tmp_path))}
     assert list(steps) == ["build", "extension", "cuda-tests", "training-parity", "nccl-self", "gloo-dp-cuda",
-                           "kernel-benchmarks"]
+                           "matmul-benchmark", "linear-registers", "kernel-benchmarks"]
     assert steps["cuda-tests"].env["TRITON_INTERPRET"] == "0"          # compiled Triton, not the interpreter
     assert "--junitxml" in steps["cuda-tests"].argv
     assert sum(s.timeout_s for s in steps.values()) <= 20 * 60
@@ -24,7 +24,8 @@ def test_dry_run_runs_and_writes_its_summary(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (out / "summary.md").read_text()
     assert "dry run on CPU" in summary and "all ok" in summary, summary
-    for name in ("extension", "training-parity", "gloo-dp-cuda", "kernel-benchmarks", "cuda-tests"):
+    for name in ("extension", "training-parity", "gloo-dp-cuda", "matmul-benchmark", "kernel-benchmarks",
+                 "cuda-tests"):
         assert f"| {name} | ok" in summary, summary
         assert os.path.getsize(out / f"{name}.log") > 0
     assert "training parity fp32 on cpu" in (out / "training-parity.log").read_text()

@@ -26,7 +26,8 @@ BLOCK_K 64 and 3-4 stages for large M; narrow tiles with a long BLOCK_K for deco
 the matmul is bound by streaming W and needs many programs in flight; two BLOCK_K 32/64 configs whose
 pipelines fit shared memory with float32 inputs). Before tuning, configs whose shared-memory pipeline
 does not fit the element size are pruned, and so are tiles much taller than M (small M) or too thin
-for it (M >= 256). The tuning key buckets M to the next
+for it (M >= 256), and, with an activation, the tiles holding 128 accumulator registers per thread
+(they spill: ``python -m benchmarks.linear_registers`` compiles every config offline and reports it). The tuning key buckets M to the next
 power of two, so a training run with varying token counts does not re-tune for every batch.
 Under ``TRITON_INTERPRET=1`` (CPU tests) autotuning is skipped and one fixed small config runs; there,
 bf16 tiles are widened to float32 before ``tl.dot`` (UPCAST_DOT), because triton 3.9's interpreter
@@ -35,6 +36,7 @@ in float32, and the tensor cores accumulate in float32 too.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Optional
 
@@ -47,6 +49,8 @@ _SQRT1_2 = 0.7071067811865476
 
 # Shared memory per SM usable by one program on H100 (227 KiB opt-in); a little headroom for the epilogue.
 _SMEM_BUDGET = 220 * 1024
+# Accumulator registers per thread at which an activation epilogue spills (measured, see _prune_configs).
+_SPILLING_ACCUMULATOR = 128
 
 
 def _interpreting() -> bool:
@@ -152,13 +156,24 @@ CONFIGS = [
 INTERPRET_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 4}
 
 
+def _accumulator_registers(c) -> int:
+    """float32 accumulator registers per thread of a config: BLOCK_M x BLOCK_N over its threads."""
+    return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
+
+
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs whose pipeline does not fit shared memory, and big-M tiles when M is tiny."""
-    elem = named_args["x_ptr"].element_size()
-    m = named_args["M"]
+    """Drop configs whose pipeline does not fit shared memory, configs that spill registers in an
+    activation epilogue, and big-M tiles when M is tiny."""
+    args = {**named_args, **kwargs}     # the constexpr flags arrive as keyword arguments
+    elem = args["x_ptr"].element_size()
+    m = args["M"]
     fits = [c for c in configs
             if c.num_stages * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * elem
             <= _SMEM_BUDGET]
+    if args.get("ACTIVATION", 0):
+        # 128 accumulator registers per thread leave too few for erf/sigmoid's temporaries: compiled for
+        # sm_90 these tiles spill 72-224 bytes per thread with GeLU (python -m benchmarks.linear_registers)
+        fits = [c for c in fits if _accumulator_registers(c) < _SPILLING_ACCUMULATOR] or fits
     fits = fits or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
     # A BLOCK_M over twice M (rounded to 16) only wastes tensor-core work and registers; for large M the
     # narrow decode tiles are never competitive, so do not spend tuning time on them.
@@ -169,6 +184,14 @@ def _prune_configs(configs, named_args, **kwargs):
 
 _even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_linear_epilogue_kernel)
 
+
+
+def _disk_cache_option() -> dict:
+    """Triton >= 3.2 can keep autotuning results in its cache folder, keyed by the kernel's source, the
+    target and the configs, so a new process (every rank of every run) does not re-tune a shape."""
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
 if _interpreting():
     _tuned_kernel = None
 else:
@@ -176,6 +199,7 @@ else:
         configs=CONFIGS,
         key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "STORE_PRE", "INPUT_PRECISION"],
         prune_configs_by={"early_config_prune": _prune_configs},
+        **_disk_cache_option(),
     )(_even_k)
 
 

@@ -12,6 +12,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -95,7 +97,7 @@ struct DeviceTable {
 };
 
 // Layout in launchers.h: one row per tensor, then one row per chunk; empty tensors get no chunk.
-DeviceTable build_table(const std::vector<Row>& rows, const at::Device& dev) {
+DeviceTable upload_table(const std::vector<Row>& rows, const at::Device& dev) {
   const int64_t chunk = PL_CUDA_CHUNK_SIZE;
   DeviceTable t;
   t.ntensors = static_cast<int64_t>(rows.size());
@@ -119,14 +121,71 @@ DeviceTable build_table(const std::vector<Row>& rows, const at::Device& dev) {
   return t;
 }
 
+// Tables already on the device. A table is a pure function of (device, stream, rows): optimizers and
+// gradient buckets call an op on the same flat-buffer views every step, so after the first step the
+// pinned buffer, its host-to-device copy and the chunk loop are skipped. A cached table is only read
+// by kernels, so reusing it on the stream it was copied on is ordered; the key holds the stream. A
+// freed tensor whose address comes back with the same size gets the same (still correct) table.
+class TableCache {
+ public:
+  DeviceTable get(const std::vector<Row>& rows, const at::Device& dev, int64_t stream) {
+    std::vector<int64_t> key;
+    key.reserve(2 + 3 * rows.size());
+    key.push_back(dev.index());
+    key.push_back(stream);
+    for (const Row& r : rows) {
+      key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(r.in)));
+      key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(r.out)));
+      key.push_back(r.numel);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto hit = entries_.find(key);
+    if (hit != entries_.end()) {
+      hit->second.last_use = ++clock_;
+      return hit->second.table;
+    }
+    DeviceTable t = upload_table(rows, dev);
+    if (entries_.size() >= kCapacity) evict_oldest();
+    entries_.emplace(std::move(key), Entry{t, ++clock_});
+    return t;
+  }
+
+ private:
+  struct Entry {
+    DeviceTable table;
+    uint64_t last_use;
+  };
+  static constexpr size_t kCapacity = 64;
+
+  void evict_oldest() {
+    auto oldest = std::min_element(entries_.begin(), entries_.end(), [](const auto& a, const auto& b) {
+      return a.second.last_use < b.second.last_use;
+    });
+    entries_.erase(oldest);
+  }
+
+  std::mutex mutex_;
+  std::map<std::vector<int64_t>, Entry> entries_;
+  uint64_t clock_ = 0;
+};
+
+DeviceTable build_table(const std::vector<Row>& rows, const at::Device& dev, int64_t stream) {
+  static TableCache cache;
+  return cache.get(rows, dev, stream);
+}
+
 // A list of contiguous CUDA tensors of one dtype on `dev`; returns that dtype's code.
 int check_list(const char* op, const char* name, const std::vector<at::Tensor>& ts, const at::Device& dev) {
   int code = PL_DTYPE_NONE;
   for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    const bool plain = t.defined() && t.is_cuda() && t.device() == dev && t.is_contiguous() &&
+                       (i == 0 || t.scalar_type() == ts[0].scalar_type());
+    if (plain && code != PL_DTYPE_NONE) continue;  // the common case: no name built, no lookup
     const std::string item = std::string(name) + "[" + std::to_string(i) + "]";
-    check_cuda(op, item, ts[i], dev);
-    const int c = dtype_code(op, item, ts[i]);
-    TORCH_CHECK(i == 0 || c == code, op, ": ", item, " has dtype ", dtype_name(ts[i].scalar_type()), " but ",
+    check_cuda(op, item, t, dev);
+    const int c = dtype_code(op, item, t);
+    TORCH_CHECK(i == 0 || c == code, op, ": ", item, " has dtype ", dtype_name(t.scalar_type()), " but ",
                 name, "[0] has ", dtype_name(ts[0].scalar_type()), "; call the op once per dtype");
     code = c;
   }
@@ -209,7 +268,7 @@ void cuda_unscale_and_norm(std::vector<at::Tensor> tensors, at::Tensor inv_scale
   for (const at::Tensor& t : tensors) rows.push_back({t.data_ptr(), t.data_ptr(), t.numel()});
   const c10::DeviceGuard guard(dev);
   check_current_stream(op, dev, stream);
-  const DeviceTable table = build_table(rows, dev);
+  const DeviceTable table = build_table(rows, dev, stream);
   at::Tensor partials = at::empty({std::max<int64_t>(table.nchunks, 1)}, norm_out.options());
   check_launch(op, pl_cuda_unscale_and_norm(table.nchunks ? table.table.data_ptr<int64_t>() : nullptr,
                                             table.ntensors, table.nchunks, PL_CUDA_CHUNK_SIZE, code, inv_p, inf_p,
@@ -237,7 +296,7 @@ void cuda_multi_tensor_cast(std::vector<at::Tensor> srcs, std::vector<at::Tensor
   }
   const c10::DeviceGuard guard(dev);
   check_current_stream(op, dev, stream);
-  const DeviceTable table = build_table(rows, dev);
+  const DeviceTable table = build_table(rows, dev, stream);
   if (table.nchunks == 0) return;
   check_launch(op, pl_cuda_multi_tensor_cast(table.table.data_ptr<int64_t>(), table.ntensors, table.nchunks,
                                              PL_CUDA_CHUNK_SIZE, src_code, dst_code, scale_p, inf_p,
@@ -288,7 +347,7 @@ BucketLaunch prepare_bucket(const char* op, const at::Tensor& bucket, const std:
                         : Row{starts[i], ts[i].data_ptr(), ts[i].numel()});
   }
   check_current_stream(op, dev, stream);
-  launch.table = build_table(rows, dev);
+  launch.table = build_table(rows, dev, stream);
   return launch;
 }
 

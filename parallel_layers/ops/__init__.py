@@ -3,9 +3,9 @@ reference (``reference_*``) beside it as the oracle."""
 from ._backend import BACKENDS, ENV_VAR, resolve as resolve_backend
 from .bucket import pack_bucket, unpack_bucket
 from .cast import multi_tensor_cast
-from .linear import fused_linear
+from .linear import fused_linear, fused_linear_backend
 from .optimizer_step import adamw_step, sgd_step
 from .unscale_norm import unscale_and_norm
 
 __all__ = ["BACKENDS", "ENV_VAR", "resolve_backend", "adamw_step", "sgd_step", "unscale_and_norm",
-           "multi_tensor_cast", "pack_bucket", "unpack_bucket", "fused_linear"]
+           "multi_tensor_cast", "pack_bucket", "unpack_bucket", "fused_linear", "fused_linear_backend"]

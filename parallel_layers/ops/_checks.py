@@ -43,12 +43,26 @@ def tensor_list(op: str, name: str, ts, *, dtypes=None, device=None) -> list:
         return ts
     first = ts[0]
     dev = device if device is not None else getattr(first, "device", None)
-    for i, t in enumerate(ts):
+    if _uniform(ts, dtypes, dev):
+        return ts
+    for i, t in enumerate(ts):  # something is wrong: find it and say which
         tensor(op, f"{name}[{i}]", t, dtypes=dtypes, device=dev)
         if t.dtype != first.dtype:
             raise TypeError(f"{op}: {name}[{i}] has dtype {_short(t.dtype)} but {name}[0] has "
                             f"{_short(first.dtype)}; call the op once per dtype")
     return ts
+
+
+def _uniform(ts, dtypes, device) -> bool:
+    """One pass over the common case (every item a contiguous tensor of the first one's dtype, on
+    ``device``): an optimizer calls a multi-tensor op on hundreds of tensors every step, and the
+    per-item checks with their messages cost ~0.6 us a tensor."""
+    first = ts[0]
+    if not isinstance(first, torch.Tensor) or (dtypes is not None and first.dtype not in dtypes):
+        return False
+    dtype = first.dtype
+    return all(isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == device and t.is_contiguous()
+               for t in ts)
 
 
 def scalar_tensor(op: str, name: str, value: Union[float, int, torch.Tensor, None], device: torch.device,

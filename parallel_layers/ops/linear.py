@@ -7,8 +7,10 @@ activation and cast to ``out_dtype`` happen on the accumulator before the single
 backward needs it, the kernel also stores the pre-activation ``z = x @ weight.T + bias`` (in x's dtype).
 
 Backends:
-- ``triton``: the default for CUDA tensors (the fused kernel). CPU tensors only when forced with
-  ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is imported (that is how CI tests it).
+- ``triton``: the fused kernel. On CUDA tensors the automatic choice takes it where it measured faster
+  than torch for the call's shape class, and never for float32 without TF32 or for small problems
+  (``linear_dispatch``; ``fused_linear_backend`` says what it picks and why). CPU tensors only when
+  forced with ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is imported (that is how CI tests it).
 - ``torch``: the reference ``F.linear`` then ``F.gelu``/``F.silu`` then ``.to(out_dtype)``. The
   implementation for CPU tensors (this op has no C++ kernel, so no fallback warning) and for CUDA when
   Triton is missing or the dtype is not one the kernel takes (e.g. float64).
@@ -30,12 +32,12 @@ recompute is what activation checkpointing is for, one level up.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from . import _backend
+from . import _backend, linear_dispatch
 
 ACTIVATIONS = (None, "gelu", "silu")
 OP = "fused_linear"
@@ -57,16 +59,44 @@ def reference_linear_epilogue(x, weight, bias, activation, out_dtype):
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def _choose_backend(device: torch.device, dtype: torch.dtype, backend: Optional[str]) -> str:
-    """"triton" or "torch" for this call (see the module docstring): ``_backend.resolve`` for an op whose
-    only kernel is Triton, plus the kernel's dtype rule (forced: an error; automatic: the reference)."""
-    name = _backend.resolve(OP, device, backend, backends=("triton",))
-    if name != "triton" or dtype in TRITON_DTYPES:
-        return name
-    if _backend.requested_backend(backend) == "triton":
-        raise TypeError(f"{OP}: the triton kernel takes inputs of dtype {TRITON_DTYPES}, got {dtype}; "
-                        f"use backend='torch' for {dtype}")
-    return "torch"
+def _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend: Optional[str]) -> Tuple[str, str]:
+    """("triton" or "torch", why) for this 2-D call (see the module docstring): ``_backend.resolve`` for an
+    op whose only kernel is Triton, the kernel's dtype rule (forced: an error; automatic: the reference),
+    then on CUDA the measured choice of ``linear_dispatch``."""
+    name = _backend.resolve(OP, x2d.device, backend, backends=("triton",))
+    forced = _backend.requested_backend(backend) != "auto"
+    if name != "triton":
+        return name, "forced" if forced else f"no triton kernel for {x2d.device.type} tensors here"
+    if x2d.dtype not in TRITON_DTYPES:
+        if forced:
+            raise TypeError(f"{OP}: the triton kernel takes inputs of dtype {TRITON_DTYPES}, got {x2d.dtype}; "
+                            f"use backend='torch' for {x2d.dtype}")
+        return "torch", f"the triton kernel does not take {x2d.dtype}"
+    if forced or x2d.device.type != "cuda":
+        return name, "forced"
+
+    def run(which):
+        forward = _triton_forward if which == "triton" else _torch_forward
+        return forward(x2d, weight, bias, activation, out_dtype, save_pre)
+    return linear_dispatch.chooser().choose(x2d, weight, bias, activation, out_dtype, save_pre, run)
+
+
+def fused_linear_backend(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                         activation: Optional[str] = None, out_dtype: Optional[torch.dtype] = None,
+                         backend: Optional[str] = None) -> Tuple[str, str]:
+    """``(backend, reason)``: what ``fused_linear`` with these arguments runs on (measuring it first if
+    the automatic choice has not seen this shape class; the pre-activation counted as stored when a
+    gradient will be needed, as in the call itself)."""
+    _check(x, weight, bias, activation, out_dtype)
+    x2d = x.reshape(-1, x.shape[-1])
+    return _choose_backend(x2d, weight, bias, activation, out_dtype, _needs_pre(x, weight, bias, activation), backend)
+
+
+def _needs_pre(x, weight, bias, activation) -> bool:
+    # The pre-activation is kept only when autograd will need it (decided here: inside forward grad
+    # mode is off, and under no_grad parameters still have requires_grad set).
+    return activation is not None and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias))
 
 
 def _triton_forward(x, weight, bias, activation, out_dtype, save_pre):
@@ -154,12 +184,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         with torch.autocast(device_type, enabled=False):
             return fused_linear(x, weight, bias, activation=activation, out_dtype=out_dtype, backend=backend)
     _check(x, weight, bias, activation, out_dtype)
-    name = _choose_backend(x.device, x.dtype, backend)
     lead = x.shape[:-1]
     x2d = x.reshape(lead.numel(), x.shape[-1])
-    # The pre-activation is kept only when autograd will need it (decided here: inside forward grad
-    # mode is off, and under no_grad parameters still have requires_grad set).
-    save_pre = activation is not None and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias))
+    save_pre = _needs_pre(x, weight, bias, activation)
+    name, _ = _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend)
     y = _FusedLinear.apply(x2d, weight, bias, activation, out_dtype, name, save_pre)
     return y.reshape(*lead, weight.shape[0])
