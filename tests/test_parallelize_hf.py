@@ -129,3 +129,123 @@ def test_plan_errors_name_the_problem(dist_pools):
         assert "'diagonal'" in msgs["bad_style"] and "colwise" in msgs["bad_style"]
         assert msgs["bad_mesh"].startswith("TypeError") and "ParallelMesh" in msgs["bad_mesh"]
         assert out_shape == (5, 6) and padded == 12 and row_shape == (3, 3)
+
+
+def _train_both(dense, model, idx, steps=3):
+    """``steps`` AdamW steps on the dense model and its parallel copy (each rank steps its shards, which is
+    the dense step sliced: AdamW is elementwise); returns the losses of both."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (dense, model)]
+    losses = []
+    for _ in range(steps):
+        pair = []
+        for m, opt in zip((dense, model), opts):
+            opt.zero_grad()
+            loss = m(input_ids=idx, labels=idx).loss
+            loss.backward()
+            opt.step()
+            pair.append(loss.item())
+        losses.append(tuple(pair))
+    return losses
+
+
+def _compare_after_steps(dense, model, idx):
+    from parallel_layers.tensor_parallel.parallelize import gather_dense_state_dict
+
+    out = model(input_ids=idx, labels=idx)
+    out_ref = dense(input_ids=idx, labels=idx)
+    out.loss.backward()
+    out_ref.loss.backward()
+    grads = gather_dense_state_dict(model, grads=True)
+    grad_err = max((_rel(grads[n], p.grad), n) for n, p in dense.named_parameters())
+    losses = _train_both(dense, model, idx)
+    params = gather_dense_state_dict(model)
+    param_err = max((_rel(params[n], t), n) for n, t in dense.state_dict().items() if t.is_floating_point())
+    return dict(logits_err=_rel(out.logits, out_ref.logits), grad_err=grad_err, losses=losses, param_err=param_err)
+
+
+def body_gpt2(rank, world, attn_impl):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from parallel_layers.tensor_parallel.parallelize import parallelize
+
+    mesh = cached_mesh(tp=world)
+    cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn_impl)
+    torch.manual_seed(0)
+    dense = GPT2LMHeadModel(cfg).to(torch.float64)
+    assert dense.lm_head.weight is dense.transformer.wte.weight
+    d = cfg.n_embd
+    plan = {"transformer.wte": "vocab", "lm_head": {"style": "colwise", "gather_output": True},
+            "transformer.h.*.attn.c_attn": {"style": "colwise", "sections": [d, d, d]},
+            "transformer.h.*.attn": {"style": "divide", "attrs": ["split_size", "num_heads", "embed_dim"]},
+            "transformer.h.*.attn.c_proj": "rowwise",
+            "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+    model = parallelize(copy.deepcopy(dense), mesh, plan)
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    res = _compare_after_steps(dense, model, idx)
+    res.update(tied=tied, still_tied=model.lm_head.weight is model.transformer.wte.weight,
+               local_c_attn=tuple(model.transformer.h[0].attn.c_attn.weight.shape))
+    return res
+
+
+def body_llama_tied(rank, world):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from parallel_layers.tensor_parallel.parallelize import parallelize
+
+    mesh = cached_mesh(tp=world)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(cfg).to(torch.float64)
+    assert dense.lm_head.weight is dense.model.embed_tokens.weight
+    model = parallelize(copy.deepcopy(dense), mesh, PLAN)
+    idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    res = _compare_after_steps(dense, model, idx)
+    res.update(tied=model.lm_head.weight is model.model.embed_tokens.weight)
+    # refused: a plan that splits one side of the tie, or splits the two sides differently
+    msgs = {}
+    for key, plan in {"one_side": {"lm_head": "colwise_gather"},
+                      "rowwise": {"model.embed_tokens": "vocab", "lm_head": "rowwise"}}.items():
+        try:
+            parallelize(copy.deepcopy(dense), mesh, plan)
+            msgs[key] = None
+        except ValueError as exc:
+            msgs[key] = str(exc)
+    res["msgs"] = msgs
+    return res
+
+
+def _check_trained(rank, out):
+    assert out["logits_err"] < 1e-10, (rank, out["logits_err"])
+    err, name = out["grad_err"]
+    assert err < 1e-10, f"rank {rank}: gradient of {name} differs by {err:.2e}"
+    for step, (got, ref) in enumerate(out["losses"]):
+        assert abs(got - ref) <= 1e-9 * abs(ref), (rank, step, got, ref)
+    err, name = out["param_err"]
+    assert err < 1e-9, f"rank {rank}: after 3 AdamW steps {name} differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_gpt2_conv1d_fused_qkv_and_tied_head(dist_pools, attn_impl):
+    """GPT-2 split in attention too: Conv1D layers, the fused c_attn split per q/k/v section, the
+    attention's split_size made local, the tied wte/lm_head kept one Parameter; equal to the dense model
+    in forward, gradients and after 3 AdamW steps."""
+    for rank, out in enumerate(dist_pools(2).run(body_gpt2, attn_impl)):
+        assert out["tied"] and out["still_tied"], rank
+        assert out["local_c_attn"] == (48, 32), out["local_c_attn"]   # [q_r | k_r | v_r] of 3 x 16, Linear layout
+        _check_trained(rank, out)
+
+
+def test_llama_tied_embeddings_stay_tied(dist_pools):
+    for rank, out in enumerate(dist_pools(2).run(body_llama_tied)):
+        assert out["tied"], rank
+        _check_trained(rank, out)
+        one_side = out["msgs"]["one_side"]
+        assert one_side and "lm_head.weight is tied to model.embed_tokens.weight" in one_side, one_side
+        assert "'model.embed_tokens'" in one_side and "untie" in one_side, one_side
+        rowwise = out["msgs"]["rowwise"]
+        assert rowwise and "split them differently" in rowwise and "'vocab'" in rowwise, rowwise
