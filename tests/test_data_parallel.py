@@ -522,3 +522,31 @@ def test_reduce_scatter_shards_match_all_reduce(dist_pools, rebuild):
             assert out["early"][0] == 0 and out["early"][1] >= 1, out["early"]
         else:
             assert out["versions"] == [0, 0] and all(e >= 1 for e in out["early"]), out
+
+
+def body_frozen_broadcast(rank, world):
+    """Replicas built from different seeds, with a frozen embedding and a buffer: after wrapping, every
+    rank holds rank 0's values of all of them, and training leaves the frozen weight untouched."""
+    group = cached_mesh(dp=world).dp_group
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(rank)
+    model = GPT(cfg)
+    model.wpe.weight.requires_grad_(False)
+    model.register_buffer("counter", torch.full((3,), float(rank)))
+    ddp = DataParallel(model, group, **CAPS)
+    gathered = [torch.empty_like(model.wpe.weight) for _ in range(world)]
+    dist.all_gather(gathered, model.wpe.weight.detach(), group=group)
+    frozen_before = model.wpe.weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    idx, tgt = _batches(1, cfg)[0]
+    ddp(idx, tgt)[1].backward()
+    opt.step()
+    return (all(torch.equal(g, gathered[0]) for g in gathered), model.counter.tolist(),
+            torch.equal(model.wpe.weight, frozen_before))
+
+
+def test_frozen_parameters_and_buffers_are_broadcast(dist_pools):
+    for rank, (same, counter, untouched) in enumerate(dist_pools(2).run(body_frozen_broadcast)):
+        assert same, f"rank {rank}: the frozen embedding differs between replicas"
+        assert counter == [0.0, 0.0, 0.0], (rank, counter)
+        assert untouched, rank

@@ -3,7 +3,7 @@
 How a step goes (PyTorch's reducer and Megatron-LM's DDP, in a few hundred lines):
 
 1. Wrap time: parameters move into a :class:`ParamAndGradBuffer` (flat, bucketed; last layers first);
-   rank 0's parameters and buffers are broadcast so every replica starts identical.
+   rank 0's parameters (frozen ones included) and buffers are broadcast so every replica starts identical.
 2. Backward: a post-accumulate-grad hook lands each gradient in the grad buffer and marks the parameter
    ready; when the last parameter of a bucket is ready (and all buckets before it were launched: the same
    order of collectives on every rank), the bucket's collective is launched with ``async_op=True`` at once,
@@ -44,6 +44,21 @@ from ..ops.bucket import pack_bucket, unpack_bucket
 from .buffers import Bucket, ParamAndGradBuffer
 
 _REDUCE_OPS = ("all_reduce", "reduce_scatter")
+
+
+def _broadcast_coalesced(tensors, group) -> None:
+    """Rank 0's values of ``tensors`` on every rank: one collective per (dtype, device)."""
+    kinds: Dict[tuple, list] = {}
+    for t in tensors:
+        if t.numel():
+            kinds.setdefault((t.dtype, t.device), []).append(t)
+    for same in kinds.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        C.broadcast(flat, 0, group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class DataParallel(nn.Module):
@@ -97,9 +112,11 @@ class DataParallel(nn.Module):
         self.layout_version = 0          # bumped when the bucket layout is rebuilt (views change)
         if broadcast_from_rank0 and self.dp_size > 1:
             with torch.no_grad():
-                C.broadcast(self.buffer.param_buffer, 0, dp_group)   # all params in one collective
-                for b in module.buffers():
-                    C.broadcast(b, 0, dp_group)
+                C.broadcast(self.buffer.param_buffer, 0, dp_group)   # all trained params in one collective
+                # frozen parameters and buffers too (as torch DDP): a frozen embedding initialised from
+                # another seed would otherwise differ between replicas for the whole run
+                frozen = [p for p in module.parameters() if not p.requires_grad]
+                _broadcast_coalesced(frozen + list(module.buffers()), dp_group)
         self._sync = True
         # Parameters whose buffer slice holds a stale value that counts as zero (cleared by zero_grad with
         # set_to_none=True): their next gradient is written over the slice instead of added to it.
