@@ -337,3 +337,13 @@ def test_a_rank_that_raises_fails_every_rank_within_the_timeout(dist_pools, mode
     msg = str(info.value)
     assert "--- rank 1 raised" in msg and "deliberate failure in stage 1" in msg
     assert "--- rank 0 raised" in msg and "pipeline rank 0" in msg    # the other rank: by the timeout
+
+
+def test_fewer_blocks_than_stages_is_refused_with_the_sizes():
+    cfg = GPTConfig(vocab_size=32, n_layer=2, n_head=2, d_model=16, max_seq_len=8, dropout=0.0)
+    for rank in range(4):      # every rank refuses alike, before anything communicates
+        with pytest.raises(ValueError, match=r"2 blocks \(n_layer\) cannot fill 4 pipeline stages"):
+            build_gpt_stages(cfg, rank, 4)
+    with pytest.raises(ValueError, match="cannot fill 4 pipeline stages .pipeline size 2 x 2 chunk"):
+        build_gpt_stages(cfg, 0, 2, num_chunks=2)
+    assert len(build_gpt_stages(cfg, 0, 4, boundaries=[1, 2, 2])) == 1    # explicit: the user's choice
