@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from ..distributed import collectives as C
 from .p2p import HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header, header_buffer, peer_failure
-from .schedules import Instr, build_schedule, check_schedule_args, format_schedule
+from .schedules import Instr, build_schedule, check_schedule_args
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 
 
@@ -115,10 +115,6 @@ class PipelineEngine:
     # ------------------------------------------------------------------ helpers
     def stage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
-
-    def describe(self) -> str:
-        return f"{self.schedule}, rank {self.rank} of {self.p}, {self.v} chunk(s), {self.m} microbatches:\n" + \
-            format_schedule(self.steps)
 
     def _split(self, t: Optional[torch.Tensor], name: str, needed: bool) -> Optional[List[torch.Tensor]]:
         if not needed:

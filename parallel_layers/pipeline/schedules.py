@@ -41,10 +41,6 @@ class Instr:
     chunk: int
     peer: int = -1     # pipeline rank of the other end (communication only)
 
-    @property
-    def is_compute(self) -> bool:
-        return self.op in ("F", "B")
-
     def __str__(self) -> str:
         name = {"F": "Forward", "B": "Backward", "SEND_ACT": "SendAct", "RECV_ACT": "RecvAct",
                 "SEND_GRAD": "SendGrad", "RECV_GRAD": "RecvGrad"}[self.op]
