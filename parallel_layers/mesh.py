@@ -2,17 +2,24 @@
 
 Ranks are laid out as a (pp, dp, tp) grid with tp fastest, as Megatron-LM does: the ranks of one
 tensor-parallel group are adjacent (same node, fastest links), data-parallel replicas next, pipeline
-stages outermost. Built on ``torch.distributed.device_mesh.DeviceMesh`` after ``init_process_group``.
-Two meshes in one process are fine: every layer takes the group it was given.
+stages outermost. Exposed as a ``torch.distributed.device_mesh.DeviceMesh`` (``mesh.device_mesh``) after
+``init_process_group``. Two meshes in one process are fine: every layer takes the group it was given.
+
+Timeouts: every group of the mesh waits at most ``timeout`` for a peer (default: the world group's, the
+``timeout=`` of ``init_process_group``). The groups are built here with ``dist.new_group(timeout=...)``
+and handed to ``DeviceMesh.from_group``: ``init_device_mesh`` creates every group smaller than the world
+with the backend's default instead (30 minutes for gloo), so one stopped rank would stall all the others
+for half an hour whatever the world's timeout said.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 DIMS = ("pp", "dp", "tp")
 
@@ -24,15 +31,71 @@ class MeshCoordinate:
     tp: int
 
 
+Timeout = Union[datetime.timedelta, float, int]
+
+
+def group_timeout(group) -> Optional[datetime.timedelta]:
+    """How long an operation on ``group`` waits for its peers, or None where its backend does not say."""
+    seconds = getattr(group, "timeout_s", None)       # a process group written in Python (the NCCL-rules backend)
+    if seconds is not None:
+        return datetime.timedelta(seconds=seconds)
+    for device in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def _as_timeout(timeout: Optional[Timeout]) -> datetime.timedelta:
+    """``timeout`` as a timedelta; None: the world group's."""
+    if timeout is None:
+        world = group_timeout(dist.group.WORLD)
+        if world is None:
+            raise ValueError(f"ParallelMesh: the world group's backend ({dist.get_backend()}) does not tell its "
+                             f"timeout; pass ParallelMesh(..., timeout=datetime.timedelta(seconds=...))")
+        return world
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"ParallelMesh: timeout={timeout!r} must be a positive datetime.timedelta or number of "
+                         f"seconds (or None: the world group's timeout)")
+    return timeout
+
+
+def _dim_ranks(pp: int, dp: int, tp: int, dim: str) -> List[List[int]]:
+    """Every group of mesh dimension ``dim``, as lists of global ranks (grid (pp, dp, tp), tp fastest)."""
+    grid = torch.arange(pp * dp * tp).reshape(pp, dp, tp).movedim(DIMS.index(dim), -1)
+    return grid.reshape(-1, grid.shape[-1]).tolist()
+
+
+def _new_dim_group(ranks_of_dim: List[List[int]], dim: str, timeout: datetime.timedelta):
+    """This rank's group of one mesh dimension. A collective over the world: every rank creates every
+    group of the dimension, in the same order (``dist.new_group``'s rule)."""
+    world = dist.get_world_size()
+    if len(ranks_of_dim) == 1 and group_timeout(dist.group.WORLD) == timeout:
+        return dist.group.WORLD                      # the dimension is the world: its group serves
+    mine = None
+    for ranks in ranks_of_dim:
+        group = dist.new_group(ranks, timeout=timeout, group_desc=f"ParallelMesh {dim} group {ranks}")
+        if dist.get_rank() in ranks:
+            mine = group
+    assert mine is not None and sum(map(len, ranks_of_dim)) == world
+    return mine
+
+
 class ParallelMesh:
     """Process groups for ``dp`` x ``tp`` x ``pp`` ranks.
 
     ``dp_group``, ``tp_group``, ``pp_group``: this rank's groups. ``dp_rank``/``tp_rank``/``pp_rank``:
     its coordinates. ``device_type`` defaults to ``"cuda"`` when the default backend is NCCL, else
-    ``"cpu"`` (gloo).
+    ``"cpu"`` (gloo). ``timeout`` (a ``datetime.timedelta`` or seconds; default: the world group's): how
+    long an operation on any of the mesh's groups waits for a peer before it raises, so a rank that stops
+    answering (hung, stopped, dead) fails the others within it.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, device_type: Optional[str] = None):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, device_type: Optional[str] = None,
+                 timeout: Optional[Timeout] = None):
         for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"ParallelMesh: {name}={size!r} must be a positive integer")
@@ -47,16 +110,17 @@ class ParallelMesh:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.dp, self.tp, self.pp = dp, tp, pp
         self.device_type = device_type
-        self.device_mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=DIMS)
-        self.pp_group = self.device_mesh.get_group("pp")
-        self.dp_group = self.device_mesh.get_group("dp")
-        self.tp_group = self.device_mesh.get_group("tp")
+        self.timeout = _as_timeout(timeout)
+        groups = {dim: _new_dim_group(_dim_ranks(pp, dp, tp, dim), dim, self.timeout) for dim in DIMS}
+        self.pp_group, self.dp_group, self.tp_group = groups["pp"], groups["dp"], groups["tp"]
+        self.device_mesh = DeviceMesh.from_group([groups[d] for d in DIMS], device_type,
+                                                 mesh=torch.arange(world).reshape(pp, dp, tp), mesh_dim_names=DIMS)
         self.rank = dist.get_rank()
         # Row-major (pp, dp, tp) with tp fastest: rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
         self.tp_rank = self.rank % tp
         self.dp_rank = (self.rank // tp) % dp
         self.pp_rank = self.rank // (tp * dp)
-        assert dist.get_rank(self.tp_group) == self.tp_rank, "DeviceMesh layout differs from (pp, dp, tp)"
+        assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from (pp, dp, tp)"
 
     @property
     def coordinate(self) -> MeshCoordinate:
@@ -85,4 +149,4 @@ def check_group(layer: str, group, mesh: Optional[ParallelMesh] = None, dim: str
     return dist.get_world_size(group)
 
 
-__all__ = ["ParallelMesh", "MeshCoordinate", "check_group"]
+__all__ = ["ParallelMesh", "MeshCoordinate", "check_group", "group_timeout"]

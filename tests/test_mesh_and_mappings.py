@@ -1,4 +1,7 @@
-"""ParallelMesh layout and the TP/SP communication patterns (forward and backward) on real gloo ranks."""
+"""ParallelMesh layout and timeouts, and the TP/SP communication patterns (forward and backward) on real
+gloo ranks."""
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,6 +41,50 @@ def body_bad_mesh(rank, world):
 def test_mesh_wrong_world_size_is_a_clear_error(dist_pools):
     for msg in dist_pools(2).run(body_bad_mesh):
         assert msg and "dp=3 x tp=2 x pp=1 = 6 ranks, but the world size is 2" in msg
+
+
+def _timeouts(mesh):
+    from parallel_layers.mesh import group_timeout
+    return {d: group_timeout(getattr(mesh, f"{d}_group")).total_seconds() for d in ("dp", "tp", "pp")}
+
+
+def body_mesh_timeouts(rank, world):
+    from parallel_layers import ParallelMesh
+    from parallel_layers.mesh import group_timeout
+    default = ParallelMesh(dp=2, pp=2)
+    explicit = ParallelMesh(dp=2, tp=2, timeout=7)
+    whole = ParallelMesh(dp=4, timeout=datetime.timedelta(seconds=9))     # a dimension that is the whole world
+    return {"world": group_timeout(dist.group.WORLD).total_seconds(), "default": _timeouts(default),
+            "explicit": _timeouts(explicit), "whole": _timeouts(whole), "attr": explicit.timeout,
+            "desc": default.dp_group.group_desc, "sub_mesh": default["pp"].get_group() is default.pp_group}
+
+
+def test_mesh_groups_honour_the_timeout(dist_pools):
+    """Every group of the mesh waits as long as the caller asked (default: the world group's timeout),
+    never the backend's 30-minute default that ``init_device_mesh`` gives the groups it creates."""
+    for rank, out in enumerate(dist_pools(4).run(body_mesh_timeouts)):
+        assert out["default"] == dict.fromkeys(("dp", "tp", "pp"), out["world"]), (rank, out)
+        assert out["explicit"] == dict.fromkeys(("dp", "tp", "pp"), 7.0), (rank, out)
+        assert out["whole"] == dict.fromkeys(("dp", "tp", "pp"), 9.0), (rank, out)
+        assert out["attr"] == datetime.timedelta(seconds=7)
+        assert out["desc"] == f"ParallelMesh dp group {[0, 1] if rank < 2 else [2, 3]}" and out["sub_mesh"], out
+
+
+def body_bad_timeouts(rank, world):
+    from parallel_layers import ParallelMesh
+    errors = []
+    for bad in (0, -1.5, "5", True, datetime.timedelta(0)):
+        try:
+            ParallelMesh(dp=world, timeout=bad)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_mesh_bad_timeout_is_a_clear_error(dist_pools):
+    for errors in dist_pools(2).run(body_bad_timeouts):
+        assert all(e and "must be a positive datetime.timedelta or number of seconds" in e for e in errors), errors
 
 
 def body_mappings(rank, world):
