@@ -280,6 +280,19 @@ def common_fields(mode: str, device: torch.device, threads: int) -> Dict[str, ob
     return dict(run_id=stamp, date=stamp, mode=mode, device=device_name(device), threads=threads, **versions())
 
 
+def max_abs_diff(ours, theirs) -> float:
+    """The largest ``|ours - theirs|`` over two equally long sequences of numbers (or tensors of one shape),
+    NaN if either holds a NaN or an infinity: a diverged run must never look close to the other (Python's
+    ``max`` returns a NaN only when it comes first)."""
+    a = torch.as_tensor(ours, dtype=torch.float64).flatten()
+    b = torch.as_tensor(theirs, dtype=torch.float64).flatten()
+    if a.shape != b.shape:
+        raise ValueError(f"max_abs_diff: {a.numel()} values against {b.numel()}; compare runs of the same length")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("nan")
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
 def comparison_row(common: Dict[str, object], case: str, ours_ms, base_ms, **extra) -> Dict[str, object]:
     """A CSV row from the timings of ours and the baseline (raw samples in ms, or ``Stats`` already
     reduced, as ``compare`` returns them): median, p20, p80 of each and

@@ -102,7 +102,7 @@ def _measure_speed(group, rank: int, size: dict, reps: int, warmup: int, reduce_
     t_ours, t_base = harness.compare(step(ours, opt, "ours"), step(theirs, zro, "theirs"),
                                      torch.device("cpu"), reps, warmup)
     # same data, same init, same updates: the loss curves agree up to rounding
-    diff = max(abs(a - b) for a, b in zip(losses["ours"], losses["theirs"]))
+    diff = harness.max_abs_diff(losses["ours"], losses["theirs"])
     return n_params, t_ours, t_base, diff
 
 

@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sysconfig
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -156,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo_out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
     p.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl_rules"),
+                   help="process-group backend of the spawned ranks: nccl_rules runs gloo with NCCL's rules "
+                        "enforced (parallel_layers.testing.nccl_rules), the CPU proof that this layout's "
+                        "communication would also run under NCCL")
     p.add_argument("--no-bind-cores", action="store_true",
                    help="leave CPU ranks free on every core (default: each bound to cores of its own where "
                         "this machine has at least one per local rank; never on CUDA)")
@@ -277,7 +282,8 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                    unit="step", dynamic_ncols=True)
     losses, step_times, skipped, val_losses = [], [], 0, []
     tokens_per_step = args.batch_size * args.seq_len
-    mem = torch.zeros(1, dtype=torch.float64, device=device)
+    # on the device the model trains on (device None: the CPU), the one NCCL would reduce it on
+    mem = torch.zeros(1, dtype=torch.float64, device=device if device is not None else torch.device("cpu"))
     evals, val_batches = validation_plan(val, args)
     for step in range(start, args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
@@ -339,7 +345,11 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     retain_freed_memory()        # a CPU rank reuses freed activations instead of faulting them back in
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if args.backend == "nccl_rules":
+        from .testing import nccl_rules
+        nccl_rules.register()
+        nccl_rules.track_host_tensors()
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     if not args.no_bind_cores:   # after the process group, so gloo's threads are bound too
         bind_rank_to_cores(rank, world)
@@ -389,6 +399,29 @@ def _checkpoint_text(args) -> str:
     return f", checkpointing the first {ckpt} block(s) of each stage" if ckpt else ""
 
 
+def relative_difference(got: float, want: float) -> float:
+    """``|got - want| / |want|``, or NaN where either value is NaN or infinite: a diverged run never agrees."""
+    if not (math.isfinite(got) and math.isfinite(want)):
+        return math.nan
+    if want == 0:
+        return 0.0 if got == 0 else math.inf
+    return abs(got - want) / abs(want)
+
+
+def within_tolerance(diffs: Sequence[float], tol: float) -> Tuple[bool, float]:
+    """``(every difference <= tol, the worst)``; the worst is NaN if any difference is (Python's ``max``
+    returns a NaN only when it comes first, so it is not used alone), and a NaN never passes."""
+    worst = math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
+    return all(d <= tol for d in diffs), worst
+
+
+def _not_finite_text(first_step: int, losses, ref_losses, val, ref_val) -> str:
+    steps = [first_step + i for i, (a, b) in enumerate(zip(losses, ref_losses))
+             if not (math.isfinite(a) and math.isfinite(b))]
+    steps += [f"val {s}" for (s, a), (_, b) in zip(val, ref_val) if not (math.isfinite(a) and math.isfinite(b))]
+    return f"NaN or infinite loss at step(s) {', '.join(map(str, steps))}; " if steps else ""
+
+
 def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher: str) -> dict:
     """Prints the run and its comparison with the single-process one (``ref``: ``(losses, val_losses)``
     from :func:`train_reference`, or None) and writes ``summary.json``."""
@@ -429,13 +462,15 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
         summary["agree"], summary["max_rel_diff"] = None, None
         print("single-process comparison skipped (--no-reference)")
     else:
-        diffs = [abs(a - b) / abs(b) for a, b in zip(par["losses"], ref_losses)]
+        if len(par["losses"]) != len(ref_losses):
+            raise RuntimeError(f"demo: the 3D run has {len(par['losses'])} losses but the single process "
+                               f"{len(ref_losses)} from step {start + 1}")
         if [s for s, _ in val] != [s for s, _ in ref_val]:
             raise RuntimeError(f"demo: validation ran after steps {[s for s, _ in val]} in the 3D run but "
                                f"{[s for s, _ in ref_val]} in the single process")
-        val_diffs = [abs(a - b) / abs(b) for (_, a), (_, b) in zip(val, ref_val)]
-        worst = max(diffs + val_diffs)
-        agree = worst <= tol
+        diffs = [relative_difference(a, b) for a, b in zip(par["losses"], ref_losses)]
+        val_diffs = [relative_difference(a, b) for (_, a), (_, b) in zip(val, ref_val)]
+        agree, worst = within_tolerance(diffs + val_diffs, tol)
         summary["agree"], summary["max_rel_diff"] = agree, worst
         summary["rel_diff_per_step"], summary["val_rel_diff"] = diffs, val_diffs
         print(f"{'step':>5} {'3D loss':>12} {'1-process':>12} {'rel diff':>10}")
@@ -448,8 +483,9 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
             print(f"{what} agree with the single-process run: max relative difference {worst:.2e} "
                   f"<= tolerance {tol:g} ({args.precision})")
         else:
-            print(f"{what} DISAGREE with the single-process run: max relative difference {worst:.2e} "
-                  f"> tolerance {tol:g} ({args.precision})")
+            print(f"{what} DISAGREE with the single-process run: "
+                  + _not_finite_text(start + 1, par["losses"], ref_losses, val, ref_val)
+                  + f"max relative difference {worst:.2e}, tolerance {tol:g} ({args.precision})")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -471,7 +507,12 @@ def _run_torchrun(args) -> int:
         torch.cuda.set_device(device)
     if not use_cuda:
         retain_freed_memory()
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=600))
+    backend = "nccl" if use_cuda else args.backend
+    if backend == "nccl_rules":
+        from .testing import nccl_rules
+        nccl_rules.register()
+        nccl_rules.track_host_tensors()
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
     if not use_cuda and not args.no_bind_cores:
         bind_rank_to_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     world = dist.get_world_size()
@@ -520,4 +561,5 @@ def main(argv=None) -> int:
     return 0 if summary["agree"] in (True, None) else 1
 
 
-__all__ = ["main", "load_corpus", "load_splits", "get_batch", "train_reference", "build_parser"]
+__all__ = ["main", "load_corpus", "load_splits", "get_batch", "train_reference", "build_parser", "summarize",
+           "relative_difference", "within_tolerance"]

@@ -342,6 +342,20 @@ def test_demo_end_to_end(tmp_path, zero):
 
 
 
+def test_demo_under_nccl_rules(tmp_path):
+    """The demo's own 8-rank job (dp2 x tp2 x pp2, interleaved, ZeRO-1) with NCCL's rules enforced."""
+    out = tmp_path / "demo_rules"
+    cmd = [sys.executable, "-m", "parallel_layers", "demo", "--backend", "nccl_rules", "--steps", "2",
+           "--n-layer", "4", "--d-model", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+           "--microbatches", "2", "--schedule", "interleaved", "--zero", "1", "--corpus-bytes", "200000",
+           "--eval-interval", "2", "--out", str(out), "--no-progress"]
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "losses and validation losses agree" in proc.stdout, proc.stdout
+
+
 def test_demo_under_torchrun(tmp_path):
     # The README's cluster command, on CPU: torchrun starts the 8 processes and sets RANK/WORLD_SIZE, so the
     # demo spawns nothing and initialises from the environment (gloo here; NCCL where CUDA is available).
