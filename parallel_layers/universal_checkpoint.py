@@ -9,20 +9,35 @@ form is the dense model itself, so nothing needs converting:
 * every parameter under the full ``GPT``'s name, in fp32 (a bf16/fp16 run saves its fp32 master
   weights), and its AdamW moments ``exp_avg`` / ``exp_avg_sq`` in the parameter's dense shape;
 * in ``meta.json``: the optimizer's step count, the caller's iteration, the model config, the loss
-  scaler's state, the layout and hyperparameters it was saved with, and the files holding the tensors.
+  scaler's state, the layout and hyperparameters it was saved with, and the manifest: for every tensor
+  the file holding it, its shape, dtype and the crc32 of each state's bytes.
+
+Integrity: ``meta.json`` carries a checksum of its own contents, and every stage file a header (the
+save it belongs to, its stage, the iteration and step). Loading checks all of it before anything is
+changed: a flipped bit, a NaN or infinite value, a file of another save or stage, a missing tensor or
+file, or an edited ``meta.json`` is refused with the file and tensor named. A save of non-finite
+tensors is refused as well (a diverged run must not become the latest checkpoint).
+
+Crash safety: ``meta.json`` is what makes a directory a checkpoint, and it is written last. Stage files
+carry a fresh name per save (``stage<k>-of-<pp>.<save id>.pt``), so a save never overwrites the files
+of the checkpoint already there; every file is written under a temporary name, fsynced and renamed
+into place, and ``meta.json`` is replaced in one rename once every stage file is on disk. Only then are
+the previous save's files removed, and only then does :func:`save_iteration` move
+``latest_checkpointed_iteration.txt``. A process killed at any moment leaves the latest complete
+checkpoint loadable (leftovers of the killed save are removed by the next save into that directory).
 
 :func:`save_universal` (a collective over the world): the ZeRO shards of each stage are summed over dp
 (each element is held by exactly one rank, every other adds zero) and the TP shards gathered over tp;
-rank (dp 0, tp 0) of each pipeline rank writes its stages' tensors to ``stage<k>-of-<pp>.pt``, then
-global rank 0 writes ``meta.json`` (last, and only after every file is written: a directory with a
-``meta.json`` is complete).
+rank (dp 0, tp 0) of each pipeline rank writes its stages' tensors, then global rank 0 writes
+``meta.json``.
 
-:func:`load_universal`: every rank reads the files and copies its own slices (its stages, its TP slice,
-its ZeRO shard) into the parameters, master weights, moments and step count. No collective. The next
-step then computes what the single-process model would from the same weights and moments.
+:func:`load_universal` (a collective over the world): every rank reads and checks the files of its own
+stages and cuts its own slices (its stages, its TP slice, its ZeRO shard); the ranks agree that every
+file is sound, then copy their slices into the parameters, master weights, moments and step count. The
+next step then computes what the single-process model would from the same weights and moments.
 
-:func:`read_universal` returns the merged dense checkpoint for single-process use: ``model`` loads into
-``GPT(config)`` and :func:`load_dense_adamw` fills a ``torch.optim.AdamW`` over it.
+:func:`read_universal` returns the merged dense checkpoint for single-process use, every file checked:
+``model`` loads into ``GPT(config)`` and :func:`load_dense_adamw` fills a ``torch.optim.AdamW`` over it.
 
 Not carried: the random streams (they are per layout: another mesh draws other dropout masks anyway),
 the position in the data (the caller's step counter; ``meta["step"]`` is the optimizer's), and the
@@ -33,7 +48,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional, Tuple
+import re
+import secrets
+import zlib
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,10 +62,75 @@ from .tensor_parallel.parallelize import gather_partition, tp_partitions
 from .tensor_parallel.random import shard
 from .zero.full_state import STATE_KEYS
 
-FORMAT = "parallel_layers.universal/1"
+FORMAT = "parallel_layers.universal/2"
+UNCHECKED_FORMATS = ("parallel_layers.universal/1",)    # written before checksums and headers existed
 META = "meta.json"
 LATEST = "latest_checkpointed_iteration.txt"
 STATES = ("param", "exp_avg", "exp_avg_sq")
+# the stage files of any save (and their temporary names): what a save may remove once it is complete
+_STAGE_FILE = re.compile(r"stage\d+-of-\d+(\.[0-9a-f]+)?\.pt(\.tmp)?")
+_SAVED_STAGE_FILE = re.compile(r"stage\d+-of-\d+\.[0-9a-f]+\.pt")
+_MANIFEST_KEYS = {"file", "shape", "dtype", "crc32"}
+
+
+class CheckpointError(ValueError):
+    """A universal checkpoint that is incomplete, corrupted or inconsistent; the message names the file
+    (and tensor) at fault."""
+
+
+# ---------------------------------------------------------------------- integrity
+def tensor_crc32(t: torch.Tensor) -> int:
+    """crc32 of a tensor's bytes (row-major, native byte order)."""
+    return zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def meta_checksum(meta: dict) -> int:
+    """crc32 of ``meta`` without its ``checksum`` field, over a canonical JSON form."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _not_finite(tensors: Dict[str, Dict[str, torch.Tensor]]) -> List[str]:
+    return [f"{n} ({k})" for n, st in tensors.items() for k in STATES if not torch.isfinite(st[k]).all()]
+
+
+# ---------------------------------------------------------------------- files, crash-safely
+def _fsync_dir(path: str) -> None:
+    """Make a rename or a new entry in ``path`` durable (POSIX; other systems cannot open a directory)."""
+    if os.name != "posix":
+        return
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write(temporary path)``, fsync, rename onto ``path``: whenever the process dies, ``path`` is
+    absent, its previous complete contents, or the new complete contents."""
+    tmp = path + ".tmp"
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _write_text(text: str) -> Callable[[str], None]:
+    def write(path: str) -> None:
+        with open(path, "w") as f:
+            f.write(text)
+    return write
+
+
+def _remove_stale(directory: str, keep: List[str]) -> None:
+    """Remove the stage files of earlier or killed saves into ``directory`` (after ``meta.json`` names
+    ``keep``) and a temporary ``meta.json`` a killed save left."""
+    for name in os.listdir(directory):
+        if (_STAGE_FILE.fullmatch(name) and name not in keep) or name == META + ".tmp":
+            os.remove(os.path.join(directory, name))
+    _fsync_dir(directory)
 
 
 # ---------------------------------------------------------------------- saving
@@ -108,41 +191,105 @@ def _layout(model) -> dict:
             "chunks per rank": e.v, "dtype": str(model.dtype)}
 
 
+def _own_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, contiguous, holding no more storage than its own elements (``torch.save`` writes
+    a view's whole storage)."""
+    t = t.detach().cpu().contiguous()
+    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+
+
+def _write_stage(directory: str, file: str, header: dict, states: Dict[str, Dict[str, torch.Tensor]]) -> dict:
+    """Write one pipeline rank's tensors to ``directory/file``; returns their manifest entries."""
+    bad = _not_finite(states)
+    if bad:
+        raise CheckpointError(f"save_universal: {len(bad)} tensor(s) of stage {header['stage']} hold NaN or infinite "
+                              f"values, e.g. {bad[:3]}: the run has diverged. Not saved; {directory!r} keeps its "
+                              f"previous checkpoint, if any. Resume from an earlier checkpoint with a lower learning "
+                              f"rate or gradient clipping")
+    tensors = {k: {n: _own_bytes(st[k]) for n, st in states.items()} for k in STATES}
+    manifest = {n: {"file": file, "shape": list(t.shape), "dtype": str(t.dtype),
+                    "crc32": {k: tensor_crc32(tensors[k][n]) for k in STATES}} for n, t in tensors["param"].items()}
+    os.makedirs(directory, exist_ok=True)
+    _write_atomically(os.path.join(directory, file),
+                      lambda tmp: torch.save({"format": FORMAT, "header": header, **tensors}, tmp))
+    return manifest
+
+
+def _gathered(obj) -> list:
+    """``obj`` of every rank of the world (rank order)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _attempt(fn: Callable[[], object]) -> dict:
+    """``{"ok": fn()}``, or ``{"error": text}`` if it raised: sent to every rank, so that all of them
+    raise together instead of waiting on the one that failed."""
+    try:
+        return {"ok": fn()}
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised there
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _raise_failures(results: list, what: str, directory: str) -> None:
+    failed: Dict[str, List[int]] = {}
+    for rank, res in enumerate(results):
+        if res is not None and "error" in res:
+            failed.setdefault(res["error"], []).append(rank)
+    if failed:
+        raise CheckpointError(f"universal checkpoint {directory!r}: {what} failed: "
+                              + "; ".join(f"rank(s) {ranks}: {err}" for err, ranks in failed.items()))
+
+
+def _check_count(name: str, value, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{where}: {name} {value!r} must be a non-negative integer")
+
+
+def _meta(model, step: int, iteration: int, save_id: str, files: List[str], manifests: List[dict]) -> dict:
+    group = model.optimizer.param_groups[0]
+    meta = {"format": FORMAT, "save": save_id, "step": step, "iteration": iteration,
+            "config": dataclasses.asdict(model.config), "files": files,
+            "tensors": {n: e for m in manifests for n, e in sorted(m.items())},
+            "saved from": _layout(model),
+            "optimizer": {k: group[k] for k in ("lr", "eps", "weight_decay")} | {"betas": list(group["betas"])},
+            "scaler": None if model.scaler is None else model.scaler.state_dict()}
+    meta["checksum"] = meta_checksum(meta)
+    return meta
+
+
+def _commit(directory: str, meta: dict) -> None:
+    """Rank 0, once every stage file is on disk: ``meta.json`` in one rename, then the earlier save's files
+    go."""
+    _write_atomically(os.path.join(directory, META), _write_text(json.dumps(meta, indent=1)))
+    _remove_stale(directory, meta["files"])
+    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
+
+
 def save_universal(model, directory: str, iteration: Optional[int] = None) -> None:
     """Save ``model`` (a ``Parallel3D``) as a universal checkpoint in ``directory``: a collective over
-    the world (every rank calls it). See the module docstring for what is saved. ``iteration``: the
-    caller's position in its data, kept as ``meta["iteration"]`` (default: the optimizer's step count,
-    which does not count the steps an fp16 run skipped)."""
+    the world (every rank calls it). See the module docstring for what is saved and how a crash is
+    survived. ``iteration``: the caller's position in its data, kept as ``meta["iteration"]`` (default:
+    the optimizer's step count, which does not count the steps an fp16 run skipped). Every rank raises
+    :class:`CheckpointError` if any rank's part failed; the checkpoint already in ``directory`` is then
+    left as it was."""
     states, step = dense_states(model)
-    m = model.mesh
-    rank = dist.get_rank()
-    os.makedirs(directory, exist_ok=True)
-    meta_path = os.path.join(directory, META)
-    if rank == 0 and os.path.exists(meta_path):
-        os.remove(meta_path)                         # the directory is incomplete until the new meta is in
-    dist.barrier()
-    files = [f"stage{k}-of-{m.pp}.pt" for k in range(m.pp)]
-    writer = m.dp_rank == 0 and m.tp_rank == 0
-    if writer:
-        path = os.path.join(directory, files[m.pp_rank])
-        torch.save({"format": FORMAT, **{k: {n: s[k].cpu() for n, s in states.items()} for k in STATES}},
-                   path + ".tmp")
-        os.replace(path + ".tmp", path)
-    # which file holds which parameter, so that a loading rank reads only the files of its own stages
-    written = [None] * dist.get_world_size()
-    dist.all_gather_object(written, (files[m.pp_rank], sorted(states)) if writer else None)
+    iteration = step if iteration is None else iteration
+    _check_count("iteration", iteration, "save_universal")
+    m, rank = model.mesh, dist.get_rank()
+    save_id = _gathered(secrets.token_hex(6))[0]              # rank 0's: one name for this save's files
+    files = [f"stage{k}-of-{m.pp}.{save_id}.pt" for k in range(m.pp)]
+    header = {"save": save_id, "stage": m.pp_rank, "pp": m.pp, "iteration": iteration, "step": step}
+    mine = None
+    if m.dp_rank == 0 and m.tp_rank == 0:                      # one writer per pipeline rank
+        mine = _attempt(lambda: _write_stage(directory, files[m.pp_rank], header, states))
+    written = _gathered(mine)
+    _raise_failures(written, "writing the stage files", directory)
+    committed = None
     if rank == 0:
-        group = model.optimizer.param_groups[0]
-        meta = {"format": FORMAT, "step": step, "iteration": step if iteration is None else iteration,
-                "config": dataclasses.asdict(model.config), "files": files,
-                "index": {n: w[0] for w in written if w is not None for n in w[1]},
-                "saved from": _layout(model),
-                "optimizer": {k: group[k] for k in ("lr", "eps", "weight_decay")} | {"betas": list(group["betas"])},
-                "scaler": None if model.scaler is None else model.scaler.state_dict()}
-        with open(meta_path + ".tmp", "w") as f:
-            json.dump(meta, f, indent=1)
-        os.replace(meta_path + ".tmp", meta_path)
-    dist.barrier()
+        meta = _meta(model, step, iteration, save_id, files, [w["ok"] for w in written if w is not None])
+        committed = _attempt(lambda: _commit(directory, meta))
+    _raise_failures(_gathered(committed), "writing meta.json", directory)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -152,14 +299,14 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 def save_iteration(model, root: str, iteration: int) -> str:
     """:func:`save_universal` into ``iteration_dir(root, iteration)``, then rank 0 points ``root``'s
-    ``latest_checkpointed_iteration.txt`` at it (Megatron-LM's name). A collective; returns the path."""
+    ``latest_checkpointed_iteration.txt`` at it (Megatron-LM's name) in one rename. A collective;
+    returns the path."""
     path = iteration_dir(root, iteration)
     save_universal(model, path, iteration=iteration)
+    done = None
     if dist.get_rank() == 0:
-        latest = os.path.join(root, LATEST)
-        with open(latest + ".tmp", "w") as f:
-            f.write(f"{iteration}\n")
-        os.replace(latest + ".tmp", latest)
+        done = _attempt(lambda: _write_atomically(os.path.join(root, LATEST), _write_text(f"{iteration}\n")))
+    _raise_failures(_gathered(done), f"pointing {LATEST} at it", path)
     return path
 
 
@@ -172,39 +319,148 @@ def resolve_checkpoint(path: str) -> str:
     latest = os.path.join(path, LATEST)
     if os.path.exists(latest):
         with open(latest) as f:
-            return iteration_dir(path, int(f.read().strip()))
+            text = f.read().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"universal checkpoint: {latest} holds {text[:40]!r}, not an iteration number; "
+                                  f"pass one of the iter_NNNNNNN directories under {path!r} instead")
+        return iteration_dir(path, int(text))
     raise FileNotFoundError(f"universal checkpoint: {path!r} holds neither a {META} (a checkpoint) nor a {LATEST} "
                             f"(a directory of them, from save_iteration)")
 
 
+def _check_meta(meta, path: str) -> None:
+    """The format, step and iteration, ``meta.json``'s checksum and its manifest."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"universal checkpoint: {path} holds a {type(meta).__name__}, not a JSON object")
+    fmt = meta.get("format")
+    if fmt in UNCHECKED_FORMATS:
+        raise CheckpointError(f"universal checkpoint: {path} is format {fmt!r}, written before checkpoints carried "
+                              f"checksums; this version loads only verifiable ones ({FORMAT!r}). Load it with the "
+                              f"version that wrote it and save it again")
+    if fmt != FORMAT:
+        raise CheckpointError(f"universal checkpoint {os.path.dirname(path)!r}: format {fmt!r}, expected {FORMAT!r}")
+    for key in ("step", "iteration"):
+        _check_count(key, meta.get(key), f"universal checkpoint: {path}")
+    if meta.get("checksum") != meta_checksum(meta):
+        raise CheckpointError(f"universal checkpoint: {path} does not match its checksum (edited or corrupted); "
+                              f"load an earlier checkpoint")
+    _check_manifest(meta, path)
+
+
+def _check_manifest(meta: dict, path: str) -> None:
+    """Stage files named as a save names them, and every tensor in one of them with all it is checked by."""
+    files, tensors = meta.get("files"), meta.get("tensors")
+    if (not isinstance(files, list) or not isinstance(tensors, dict) or not tensors
+            or not all(isinstance(e, dict) and _MANIFEST_KEYS <= set(e) for e in tensors.values())):
+        raise CheckpointError(f"universal checkpoint: {path} lacks its list of files or a complete tensor manifest "
+                              f"({sorted(_MANIFEST_KEYS)} of every tensor)")
+    odd = [f for f in files if not (isinstance(f, str) and _SAVED_STAGE_FILE.fullmatch(f))]
+    if odd:
+        raise CheckpointError(f"universal checkpoint: {path} lists files that are no stage files of a save: {odd[:3]}")
+    strays = sorted({e["file"] for e in tensors.values()} - set(files))
+    if strays:
+        raise CheckpointError(f"universal checkpoint: {path} puts tensors in files it does not list: {strays}")
+
+
 def read_meta(directory: str) -> dict:
+    """``directory``'s ``meta.json``, checked (format, checksum, step and iteration); not the stage files."""
     path = os.path.join(directory, META)
     if not os.path.exists(path):
         raise FileNotFoundError(f"universal checkpoint: no {META} in {directory!r} (not a universal checkpoint, "
                                 f"or its save did not finish); save one with save_universal(model, directory)")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"universal checkpoint {directory!r}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"universal checkpoint: {path} is not valid JSON ({exc}): corrupted; load an "
+                              f"earlier checkpoint") from exc
+    _check_meta(meta, path)
     return meta
 
 
-def _read_files(directory: str, files) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{"param" | "exp_avg" | "exp_avg_sq": {name: tensor}}`` of ``files``, memory-mapped: only the
-    tensors a caller touches are read from disk."""
+def _open_stage(directory: str, file: str) -> dict:
+    path = os.path.join(directory, file)
+    if not os.path.exists(path):
+        raise CheckpointError(f"universal checkpoint: {path} is missing ({META} lists it)")
+    try:
+        data = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises several types for a damaged zip
+        raise CheckpointError(f"universal checkpoint: {path} cannot be read ({type(exc).__name__}: {exc}): "
+                              f"truncated or corrupted") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("header"), dict):
+        raise CheckpointError(f"universal checkpoint: {path} is not a stage file of format {FORMAT!r}")
+    return data
+
+
+def _check_header(path: str, header: dict, meta: dict, stage: int) -> None:
+    """The file belongs to this save, at this stage."""
+    h = header
+    if h.get("save") != meta["save"]:
+        raise CheckpointError(f"universal checkpoint: {path} belongs to another save (iteration {h.get('iteration')}, "
+                              f"step {h.get('step')}) than its {META} (iteration {meta['iteration']}, step "
+                              f"{meta['step']}): a stage file copied from another checkpoint")
+    pp = len(meta["files"])
+    if (h.get("stage"), h.get("pp")) != (stage, pp):
+        raise CheckpointError(f"universal checkpoint: {path} holds stage {h.get('stage')} of {h.get('pp')}, but "
+                              f"{META} lists it as stage {stage} of {pp}: stage files swapped or renamed")
+    if (h.get("iteration"), h.get("step")) != (meta["iteration"], meta["step"]):
+        raise CheckpointError(f"universal checkpoint: {path} was saved at iteration {h.get('iteration')}, step "
+                              f"{h.get('step')}, but {META} says iteration {meta['iteration']}, step {meta['step']}")
+
+
+def _check_tensor(path: str, name: str, state: str, t, entry: dict) -> None:
+    where = f"universal checkpoint: {path}: {name} ({state})"
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointError(f"{where} is a {type(t).__name__}, not a tensor")
+    if list(t.shape) != entry["shape"] or str(t.dtype) != entry["dtype"]:
+        raise CheckpointError(f"{where} is {tuple(t.shape)} {t.dtype}, but {META} says {tuple(entry['shape'])} "
+                              f"{entry['dtype']}")
+    crc = tensor_crc32(t)
+    if crc != entry["crc32"].get(state):
+        raise CheckpointError(f"{where} does not match its checksum (crc32 {crc:#010x}, {META}: "
+                              f"{entry['crc32'].get(state)}): the file is corrupted; load an earlier checkpoint")
+    if not torch.isfinite(t).all():
+        raise CheckpointError(f"{where} holds NaN or infinite values; load an earlier checkpoint")
+
+
+def _check_stage(path: str, file: str, data: dict, meta: dict) -> None:
+    """Every tensor ``meta.json`` puts in ``file``, in every state, and nothing else, as recorded."""
+    listed = sorted(n for n, e in meta["tensors"].items() if e["file"] == file)
+    for state in STATES:
+        held = data.get(state)
+        if not isinstance(held, dict):
+            raise CheckpointError(f"universal checkpoint: {path} has no {state} tensors")
+        missing = [n for n in listed if n not in held]
+        if missing:
+            raise CheckpointError(f"universal checkpoint: {path} lacks {len(missing)} tensor(s) {META} puts in it: "
+                                  f"{missing[:5]} ({state})")
+        extra = sorted(set(held) - set(listed))
+        if extra:
+            raise CheckpointError(f"universal checkpoint: {path} holds tensors {META} does not list: {extra[:5]} "
+                                  f"({state})")
+        for name in listed:
+            _check_tensor(path, name, state, held[name], meta["tensors"][name])
+
+
+def _read_files(directory: str, meta: dict, files) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{"param" | "exp_avg" | "exp_avg_sq": {name: tensor}}`` of ``files``, every one checked against
+    ``meta`` (memory-mapped: the checks read each tensor once)."""
     merged = {k: {} for k in STATES}
-    for name in files:
-        data = torch.load(os.path.join(directory, name), weights_only=True, map_location="cpu", mmap=True)
+    for file in files:
+        path = os.path.join(directory, file)
+        data = _open_stage(directory, file)
+        _check_header(path, data["header"], meta, meta["files"].index(file))
+        _check_stage(path, file, data, meta)
         for k in STATES:
             merged[k].update(data[k])
     return merged
 
 
 def read_universal(directory: str) -> dict:
-    """The whole dense checkpoint: ``meta.json``'s fields plus ``model`` (a ``GPT`` state dict in fp32),
-    ``exp_avg`` and ``exp_avg_sq`` (by the same names)."""
+    """The whole dense checkpoint, every file checked: ``meta.json``'s fields plus ``model`` (a ``GPT``
+    state dict in fp32), ``exp_avg`` and ``exp_avg_sq`` (by the same names)."""
     meta = read_meta(directory)
-    merged = _read_files(directory, meta["files"])
+    merged = _read_files(directory, meta, meta["files"])
     return dict(meta, model=merged["param"], exp_avg=merged["exp_avg"], exp_avg_sq=merged["exp_avg_sq"])
 
 
@@ -238,25 +494,37 @@ def _local_slice(chunk, name: str, p: nn.Parameter, dense: torch.Tensor, parts: 
     return dense
 
 
-@torch.no_grad()
-def load_universal(model, directory: str) -> dict:
-    """Load a universal checkpoint into ``model`` (a ``Parallel3D`` of any mesh, ZeRO stage, schedule or
-    dtype built with the same model config); returns its ``meta.json`` (``meta["step"]``: the
-    optimizer steps taken). Every rank reads the files holding its stages; no collective."""
+def _read_local(model, directory: str) -> Tuple[dict, Dict[int, tuple]]:
+    """``meta.json`` and ``{id(param): (param, {state: this rank's slice})}`` of this rank's stages, read
+    from the files holding them, each checked."""
     meta = read_meta(directory)
     check_config(model.config, meta, directory)
     mine = _named_params(model)
-    missing = sorted({chunk.dense_name(n) for chunk, n, _ in mine} - set(meta["index"]))
+    missing = sorted({chunk.dense_name(n) for chunk, n, _ in mine} - set(meta["tensors"]))
     if missing:
-        raise ValueError(f"universal checkpoint {directory!r}: {len(missing)} parameters of this rank's stages "
-                         f"are in none of its files {meta['files']}: {missing[:5]}")
-    tensors = _read_files(directory, sorted({meta["index"][chunk.dense_name(n)] for chunk, n, _ in mine}))
+        raise CheckpointError(f"universal checkpoint {directory!r}: {len(missing)} parameters of this rank's stages "
+                              f"are in none of its files {meta['files']}: {missing[:5]}")
+    files = sorted({meta["tensors"][chunk.dense_name(n)]["file"] for chunk, n, _ in mine})
+    tensors = _read_files(directory, meta, files)
     local = {}
     for chunk in model.chunks:
         parts = tp_partitions(chunk)
         for name, p in chunk.named_parameters():
             dn = chunk.dense_name(name)
             local[id(p)] = (p, {k: _local_slice(chunk, name, p, tensors[k][dn], parts) for k in STATES})
+    return meta, local
+
+
+@torch.no_grad()
+def load_universal(model, directory: str) -> dict:
+    """Load a universal checkpoint into ``model`` (a ``Parallel3D`` of any mesh, ZeRO stage, schedule or
+    dtype built with the same model config); returns its ``meta.json`` (``meta["step"]``: the
+    optimizer steps taken). A collective over the world: every rank reads and checks the files holding
+    its stages, and if any rank finds a fault every rank raises :class:`CheckpointError` naming it,
+    before the model is touched."""
+    read = _attempt(lambda: _read_local(model, directory))
+    _raise_failures(_gathered(None if "ok" in read else read), "loading", directory)
+    meta, local = read["ok"]
     step, opt = meta["step"], model.optimizer
     if model.zero == 0:
         for p, st in local.values():
@@ -284,4 +552,5 @@ def load_dense_adamw(optimizer: torch.optim.Optimizer, model: nn.Module, ckpt: d
 
 
 __all__ = ["save_universal", "load_universal", "read_universal", "read_meta", "check_config", "load_dense_adamw",
-           "dense_states", "iteration_dir", "save_iteration", "resolve_checkpoint"]
+           "dense_states", "iteration_dir", "save_iteration", "resolve_checkpoint", "CheckpointError",
+           "tensor_crc32", "meta_checksum"]

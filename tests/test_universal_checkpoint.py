@@ -1,10 +1,17 @@
 """Universal checkpoints: a Parallel3D run trains 2 steps on one mesh and saves; fresh processes on
 ANOTHER mesh (other dp, tp, pp, ZeRO stage, schedule), built from another seed, load it and train 3
 more steps. Losses, gradient norms and final weights must be the single-process GPT's over the same 5
-steps (every rank checked), and the checkpoint must resume that GPT in a single process too."""
+steps (every rank checked), and the checkpoint must resume that GPT in a single process too.
+
+Integrity: every corruption of a saved checkpoint (a flipped bit, a NaN, a file of another save or stage,
+an edited meta.json, a missing tensor or file) is refused naming the file and tensor, on every rank; a
+save killed before any of its disk operations leaves the latest complete checkpoint loadable."""
 import dataclasses
 import json
+import math
+import os
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +20,8 @@ from parallel_layers.models.gpt import GPT, GPTConfig
 from parallel_layers.parallel3d import Parallel3D
 from parallel_layers.testing import WorkerPool, cached_mesh
 from parallel_layers.universal_checkpoint import (STATES, check_config, dense_states, load_dense_adamw,
-                                                  load_universal, read_meta, read_universal, save_universal)
+                                                  load_universal, read_meta, read_universal, resolve_checkpoint,
+                                                  save_iteration, save_universal)
 
 CFG = dict(vocab_size=63, n_layer=4, n_head=2, d_model=16, max_seq_len=8, bias=False)   # 63: vocab padded at tp 2
 # (no linear biases: the key bias gets a zero gradient in exact arithmetic, so AdamW steps it on rounding noise)
@@ -106,6 +114,12 @@ def _rel_t(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _worst(errors):
+    """The largest ``(error, name)``, a NaN error counting as the largest (Python's ``max`` keeps a NaN only
+    when it comes first)."""
+    return max(errors, key=lambda e: math.inf if math.isnan(e[0]) else e[0])
+
+
 def _world(layout):
     dp, tp, pp = layout[0]
     return dp * tp * pp
@@ -125,9 +139,9 @@ def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case
     assert ckpt["step"] == SAVED_AT and ckpt["saved from"]["mesh (dp, tp, pp)"] == list(saving[0]), ckpt["saved from"]
     # the checkpoint is the single-process model after 2 steps: weights and both moments, every parameter
     names = [n for n, _ in dense.named_parameters()]
-    assert sorted(ckpt["model"]) == sorted(names) == sorted(ckpt["index"])
-    for n, f in ckpt["index"].items():       # the index a loading rank reads only its own stages' files by
-        assert n in torch.load(str(tmp_path / "ckpt" / f), weights_only=True, mmap=True)["param"], (n, f)
+    assert sorted(ckpt["model"]) == sorted(names) == sorted(ckpt["tensors"])
+    for n, entry in ckpt["tensors"].items():  # the manifest a loading rank reads only its own stages' files by
+        assert n in torch.load(str(tmp_path / "ckpt" / entry["file"]), weights_only=True, mmap=True)["param"], n
     for n, p in dense.named_parameters():
         st = opt.state[p]
         assert _rel_t(ckpt["model"][n], p.detach()) < TOL, n
@@ -141,7 +155,7 @@ def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case
         got = [(s["loss"], s["grad_norm"]) for s in a + b["steps"]]
         for i, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, ref)):
             assert _rel(loss, ref_loss) < TOL and _rel(norm, ref_norm) < TOL, (r, i, loss, ref_loss, norm, ref_norm)
-        worst = max((_rel_t(t, final[n]), n) for n, t in b["params"].items())
+        worst = _worst([(_rel_t(t, final[n]), n) for n, t in b["params"].items()])
         assert worst[0] < TOL, (r, worst)
 
     # and in a single process: GPT + torch AdamW from the same files continue like the reference
@@ -151,7 +165,7 @@ def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case
     cont = _train(single, single_opt, _batches()[SAVED_AT:])
     for (loss, norm), (ref_loss, ref_norm) in zip(cont, ref[SAVED_AT:]):
         assert _rel(loss, ref_loss) < TOL and _rel(norm, ref_norm) < TOL
-    assert max(_rel_t(t, final[n]) for n, t in single.state_dict().items()) < TOL
+    assert _worst([(_rel_t(t, final[n]), n) for n, t in single.state_dict().items()])[0] < TOL
 
 
 def _fp16_model(dims, zero, seed):
@@ -200,16 +214,19 @@ def test_universal_checkpoint_fp16_carries_master_weights_and_scaler(dist_pools,
 def test_universal_checkpoint_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no meta.json"):
         read_meta(str(tmp_path))
-    meta = {"format": "parallel_layers.universal/1", "step": 3, "files": [],
+    meta = {"format": "parallel_layers.universal/2", "step": 3, "files": [],
             "config": dict(dataclasses.asdict(_cfg(True)), n_layer=6)}
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"another model: n_layer: saved 6, here 4"):
-        check_config(_cfg(True), read_meta(str(tmp_path)), str(tmp_path))
+        check_config(_cfg(True), meta, str(tmp_path))
     check_config(_cfg(True), dict(meta, config=dataclasses.asdict(_cfg(True))), str(tmp_path))   # same: accepted
     runtime = dataclasses.asdict(_cfg(True, sequence_parallel=True)) | {"dropout": 0.1, "seed": 7}
     check_config(_cfg(True), dict(meta, config=runtime), str(tmp_path))      # runtime settings may differ
     (tmp_path / "meta.json").write_text(json.dumps(dict(meta, format="other/9")))
     with pytest.raises(ValueError, match="format 'other/9'"):
+        read_meta(str(tmp_path))
+    # written before checksums: refused with what to do, never loaded unchecked
+    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, format="parallel_layers.universal/1")))
+    with pytest.raises(ValueError, match=r"written before checkpoints carried checksums.*save it again"):
         read_meta(str(tmp_path))
     shutil.rmtree(tmp_path)
 
@@ -248,3 +265,263 @@ def test_demo_saves_and_resumes_on_another_layout(tmp_path):
     assert [s for s, _ in b["val_losses"]["parallel"]] == [4]
     done = _demo(tmp_path, "--steps", "4", "--load", str(ckpt), "--out", str(tmp_path / "done"))
     assert done.returncode != 0 and "is at iteration 4" in done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------- integrity and crash safety
+def body_save_twice(rank, world, root):
+    """pp 2 (two stage files): iterations 1 and 2 under ``root``, one training step apart."""
+    model = _model(((1, 1, 2), 1, "1f1b", True), seed=0)
+    for iteration, (x, y) in enumerate(_batches()[:2], start=1):
+        model.train_step(x, y)
+        save_iteration(model, root, iteration)
+
+
+@pytest.fixture(scope="module")
+def saved(_pools, tmp_path_factory):
+    root = tmp_path_factory.mktemp("integrity") / "root"
+    _pools(2, os.environ.get("PL_TEST_BACKEND", "gloo")).run(body_save_twice, str(root), timeout=240)
+    return root
+
+
+def _meta(path):
+    return json.loads((path / "meta.json").read_text())
+
+
+def _stage_file(path, k):
+    return path / _meta(path)["files"][k]
+
+
+def _reseal(path, edit):
+    """Edit ``meta.json`` and give it a matching checksum: a consistent forgery, not a corruption."""
+    from parallel_layers.universal_checkpoint import meta_checksum
+    meta = _meta(path)
+    edit(meta)
+    meta["checksum"] = meta_checksum(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def _flip_bit(path):
+    f = _stage_file(path, 1)
+    raw = torch.load(f, weights_only=True)["param"]["blocks.3.mlp.fc.weight"].numpy().tobytes()
+    data = bytearray(f.read_bytes())
+    at = data.find(raw)
+    assert at > 0 and data.find(raw, at + 1) == -1
+    data[at + 9] ^= 0x04
+    f.write_bytes(bytes(data))
+
+
+def _nan_resealed(path):
+    from parallel_layers.universal_checkpoint import tensor_crc32
+    f = _stage_file(path, 0)
+    data = torch.load(f, weights_only=True)
+    t = data["exp_avg"]["wte.weight"]
+    t[3, 1] = float("nan")
+    torch.save(data, f)
+    _reseal(path, lambda m: m["tensors"]["wte.weight"]["crc32"].update(exp_avg=tensor_crc32(t)))
+
+
+def _from_iteration_1(path):
+    shutil.copy(_stage_file(path.parent / "iter_0000001", 1), _stage_file(path, 1))
+
+
+def _swap_stage_files(path):
+    a, b = _stage_file(path, 0), _stage_file(path, 1)
+    a.rename(path / "swap")
+    b.rename(a)
+    (path / "swap").rename(b)
+
+
+def _step(step, reseal):
+    def corrupt(path):
+        if reseal:
+            _reseal(path, lambda m: m.update(step=step))
+        else:
+            (path / "meta.json").write_text(json.dumps(dict(_meta(path), step=step)))
+    return corrupt
+
+
+def _drop_tensor(path):
+    f = _stage_file(path, 0)
+    data = torch.load(f, weights_only=True)
+    del data["param"]["wte.weight"]
+    torch.save(data, f)
+
+
+def _truncate(path):
+    f = _stage_file(path, 0)
+    f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+
+
+STAGE0, STAGE1 = r"stage0-of-2\.[0-9a-f]+\.pt", r"stage1-of-2\.[0-9a-f]+\.pt"
+CORRUPTIONS = {
+    "bit-flip": (_flip_bit, STAGE1 + r": blocks\.3\.mlp\.fc\.weight \(param\) does not match its checksum"),
+    "nan-tensor": (_nan_resealed, STAGE0 + r": wte\.weight \(exp_avg\) holds NaN or infinite values"),
+    "stage-file-of-another-iteration": (_from_iteration_1, STAGE1 + r" belongs to another save \(iteration 1, "
+                                        r"step 1\) than its meta\.json \(iteration 2, step 2\)"),
+    "swapped-stage-files": (_swap_stage_files, STAGE0 + r" holds stage 1 of 2, but meta\.json lists it as stage 0"),
+    "step-1000": (_step(1000, False), r"meta\.json does not match its checksum"),
+    "step-minus-5": (_step(-5, False), r"meta\.json: step -5 must be a non-negative integer"),
+    "step-1000-resealed": (_step(1000, True), STAGE0 + r" was saved at iteration 2, step 2, but meta\.json says "
+                                                      r"iteration 2, step 1000"),
+    "missing-tensor": (_drop_tensor, STAGE0 + r" lacks 1 tensor\(s\) meta\.json puts in it: \['wte\.weight'\] "
+                                              r"\(param\)"),
+    "missing-file": (lambda p: _stage_file(p, 1).unlink(), STAGE1 + " is missing"),
+    "truncated-file": (_truncate, STAGE0 + " cannot be read"),
+    "meta-not-json": (lambda p: (p / "meta.json").write_text((p / "meta.json").read_text()[:100]),
+                      r"meta\.json is not valid JSON"),
+}
+
+
+def _copy(saved, tmp_path):
+    shutil.copytree(saved, tmp_path / "root")
+    return tmp_path / "root"
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corrupted_checkpoint_is_refused_naming_the_file_and_tensor(saved, tmp_path, case):
+    from parallel_layers.universal_checkpoint import CheckpointError
+    root = _copy(saved, tmp_path)
+    corrupt, message = CORRUPTIONS[case]
+    read_universal(resolve_checkpoint(str(root)))          # sound before
+    corrupt(root / "iter_0000002")
+    with pytest.raises(CheckpointError, match=message):
+        read_universal(resolve_checkpoint(str(root)))
+    read_universal(str(root / "iter_0000001"))              # the earlier checkpoint still loads
+
+
+def test_latest_that_names_no_iteration_is_refused(saved, tmp_path):
+    from parallel_layers.universal_checkpoint import CheckpointError
+    root = _copy(saved, tmp_path)
+    assert read_universal(resolve_checkpoint(str(root)))["iteration"] == 2
+    (root / "latest_checkpointed_iteration.txt").write_text("abc\n")
+    with pytest.raises(CheckpointError, match=r"latest_checkpointed_iteration\.txt holds 'abc', not an iteration"):
+        resolve_checkpoint(str(root))
+
+
+def body_load_refused(rank, world, path):
+    from parallel_layers.universal_checkpoint import CheckpointError
+    model = _model(((1, 1, 2), 1, "1f1b", True), seed=99)
+    before = model.dense_state_dict()
+    try:
+        load_universal(model, path)
+    except CheckpointError as exc:
+        after = model.dense_state_dict()
+        return str(exc), all(torch.equal(before[n], after[n]) for n in before)
+    return None, None
+
+
+def test_load_is_refused_on_every_rank_before_the_model_changes(saved, tmp_path, dist_pools):
+    """Only rank 1 reads the damaged stage-1 file; rank 0 refuses too (naming rank 1's finding) instead of
+    starting a step that would wait on rank 1."""
+    root = _copy(saved, tmp_path)
+    _flip_bit(root / "iter_0000002")
+    for rank, (msg, untouched) in enumerate(dist_pools(2).run(body_load_refused, str(root / "iter_0000002"))):
+        assert msg is not None and untouched, (rank, msg)
+        assert "rank(s) [1]" in msg and "blocks.3.mlp.fc.weight (param) does not match its checksum" in msg, msg
+
+
+class _Killed(BaseException):
+    """The process died here (a BaseException, so that no ``except Exception`` in the save sees it)."""
+
+
+class _DyingAt:
+    """Counts the disk operations of a save (writes, fsyncs, renames, removals); the ``at``-th kills the
+    process instead, a write half done. ``at`` 0: count only."""
+
+    def __init__(self, at):
+        self.at, self.count = at, 0
+        self._patches = [mock.patch.object(os, n, self._op(n, getattr(os, n))) for n in ("replace", "remove", "fsync")]
+        self._patches.append(mock.patch.object(torch, "save", self._op("save", torch.save)))
+
+    def _op(self, name, real):
+        def op(*args, **kwargs):
+            self.count += 1
+            if self.count != self.at:
+                return real(*args, **kwargs)
+            if name == "save":
+                real(*args, **kwargs)
+                with open(args[1], "r+b") as f:
+                    f.truncate(os.path.getsize(args[1]) // 2)
+            raise _Killed(f"{name} #{self.at}")
+        return op
+
+    def __enter__(self):
+        for p in self._patches:
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        for p in self._patches:
+            p.stop()
+
+
+def _same(got, want):
+    return sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def _state_after_kill(root, old, new):
+    """(which weights the latest checkpoint under ``root`` holds: "old" | "new" | a reason, its iteration)."""
+    try:
+        ckpt = read_universal(resolve_checkpoint(root))
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        return f"unloadable: {type(exc).__name__}: {exc}", None
+    return ("old" if _same(ckpt["model"], old) else "new" if _same(ckpt["model"], new) else "neither",
+            ckpt["iteration"])
+
+
+def body_killed_saves(rank, world, base):
+    from parallel_layers.universal_checkpoint import iteration_dir
+    model = _model(((1, 1, 1), 0, "1f1b", True), seed=0)
+    model.train_step(*_batches()[0])
+    pristine = os.path.join(base, "pristine")
+    save_iteration(model, pristine, 1)
+    old = read_universal(iteration_dir(pristine, 1))["model"]
+    model.train_step(*_batches()[1])
+    new = {n: st["param"] for n, st in dense_states(model)[0].items()}
+    outcomes, leftovers = [], {}
+    for iteration in (2, 1):                  # the next iteration, and the saved one again
+        with _DyingAt(0) as counter:
+            save_iteration(model, os.path.join(base, f"count{iteration}"), iteration)
+        for at in range(1, counter.count + 1):
+            root = os.path.join(base, f"{iteration}-{at}")
+            shutil.copytree(pristine, root)
+            try:
+                with _DyingAt(at):
+                    save_iteration(model, root, iteration)
+                died = None
+            except _Killed as exc:
+                died = str(exc)
+            outcomes.append((iteration, at, died, *_state_after_kill(root, old, new)))
+        root = os.path.join(base, f"{iteration}-{counter.count // 2}")
+        save_iteration(model, root, iteration)        # complete, over what the killed one left
+        meta = read_meta(iteration_dir(root, iteration))
+        leftovers[iteration] = sorted(set(os.listdir(iteration_dir(root, iteration))) - {"meta.json", *meta["files"]})
+    p = next(model.model.parameters())
+    keep = p.detach().clone()
+    with torch.no_grad():
+        p.view(-1)[0] = float("nan")
+    try:
+        save_iteration(model, pristine, 3)
+        refused = None
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        refused = str(exc)
+    with torch.no_grad():
+        p.copy_(keep)
+    return outcomes, leftovers, refused, _state_after_kill(pristine, old, new)
+
+
+def test_a_save_killed_at_any_moment_leaves_the_latest_complete_checkpoint_loadable(dist_pools, tmp_path):
+    """A 1-rank run saves iteration 1, trains a step, then saves again (as iteration 2, and as iteration 1
+    over the first), killed before each disk operation in turn (a write dies half done): the latest
+    checkpoint then loads, holding the old weights until the new save is complete, the new ones after."""
+    outcomes, leftovers, refused, pristine = dist_pools(1).run(body_killed_saves, str(tmp_path), timeout=240)[0]
+    for iteration in (2, 1):
+        mine = [o for o in outcomes if o[0] == iteration]
+        held = [o[3] for o in mine]
+        assert all(h in ("old", "new") for h in held), [o for o in mine if o[3] not in ("old", "new")]
+        assert held[0] == "old" and held[-1] == "new" and held == sorted(held, reverse=True), mine  # old, then new
+        assert all(it == (1 if h == "old" else iteration) for _, _, _, h, it in mine), mine
+        assert len(mine) >= 8 and all(o[2] for o in mine), mine         # every operation was a kill point
+        assert leftovers[iteration] == [], leftovers
+    assert refused is not None and "hold NaN or infinite values" in refused, refused
+    assert pristine == ("old", 1)        # the refused save left the latest checkpoint as it was
