@@ -308,6 +308,23 @@ def test_shape_mismatch_between_stages_is_a_clear_error(dist_pools):
         assert kind == "RuntimeError" and f"pipeline rank {r}" in msg and "neighbouring stage" in msg, out[r]
 
 
+def body_tied_copies(rank, world):
+    from parallel_layers.mesh import group_timeout
+    mesh = cached_mesh(pp=world)
+    group = tied_embedding_group(mesh.pp_group)
+    torch.manual_seed(rank)                          # seeded differently on purpose
+    stage = build_gpt_stages(_config(n_layer=2), rank, world, tied_group=group)[0]
+    copies = [torch.empty_like(stage.wte.weight) for _ in range(world)]
+    dist.all_gather(copies, stage.wte.weight.detach(), group=mesh.pp_group)
+    return torch.equal(copies[0], copies[1]), group_timeout(group) == group_timeout(mesh.pp_group)
+
+
+def test_tied_embedding_copies_start_equal_and_share_the_timeout(dist_pools):
+    for rank, (equal, same_timeout) in enumerate(dist_pools(2).run(body_tied_copies)):
+        assert equal, f"rank {rank}: the first and last stage's tied embeddings differ"
+        assert same_timeout, rank
+
+
 class _Boom(nn.Module):
     def __init__(self, inner):
         super().__init__()

@@ -132,10 +132,12 @@ class GPTStage(nn.Module):
             C.all_reduce(w.grad, self.tied_group)
 
 
-def tied_embedding_group(pp_group):
+def tied_embedding_group(pp_group, timeout=None):
     """A group of the first and last rank of every pipeline group (a collective over the whole world:
     every rank must call it, in the same order). Returns this rank's group, or None if it is neither
-    first nor last, or if the pipeline has one rank."""
+    first nor last, or if the pipeline has one rank. ``timeout``: default the pipeline group's."""
+    from ..mesh import group_timeout
+    timeout = timeout if timeout is not None else group_timeout(pp_group)
     mine = dist.get_process_group_ranks(pp_group)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -143,7 +145,8 @@ def tied_embedding_group(pp_group):
     for ranks in sorted({tuple(r) for r in every}):
         if len(ranks) < 2:
             continue
-        g = dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=False)
+        g = dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=False, timeout=timeout,
+                           group_desc=f"tied embedding group [{ranks[0]}, {ranks[-1]}]")
         if list(ranks) == mine and dist.get_rank() in (ranks[0], ranks[-1]):
             result = g
     return result
@@ -215,6 +218,11 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     modules = {"wte": wte, "wpe": wpe, "blocks": blocks, "ln_f": ln_f, "lm_head": lm_head}
     if has_first and has_last:
         tied_group = None                    # one rank holds both ends: they share the module
+    if tied_group is not None and config.tie_embeddings:
+        # The two copies of the tied embedding start as the first stage's, even on ranks seeded
+        # differently (finish_grads keeps them equal from then on).
+        with torch.no_grad():
+            C.broadcast(wte.weight, 0, tied_group)
     return [GPTStage(config, s, S, ranges[s], tp, modules, checkpoint=checkpoint,
                      tied_group=tied_group if (s in (0, S - 1)) else None) for s in mine]
 
