@@ -166,13 +166,13 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     S = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"build_gpt_stages: pp_rank={pp_rank} outside 0..{pp_size - 1}")
+    ranges = partition_layers(config.n_layer, S, boundaries, require_divisible)
     if boundaries is None and config.n_layer < S:
         # a stage without blocks holds no parameters (its data-parallel wrapper has nothing to reduce)
         # and only relays activations: refuse it here, on every rank alike, before any communication
         raise ValueError(f"build_gpt_stages: {config.n_layer} blocks (n_layer) cannot fill {S} pipeline stages "
                          f"(pipeline size {pp_size} x {num_chunks} chunk(s)); every stage needs a block: use "
                          f"n_layer >= {S}, a smaller pipeline size or fewer chunks, or pass explicit boundaries")
-    ranges = partition_layers(config.n_layer, S, boundaries, require_divisible)
     mine = stage_ids(pp_rank, pp_size, num_chunks)
     owned_layers = {i for s in mine for i in range(*ranges[s])}
     has_first, has_last = 0 in mine, S - 1 in mine
