@@ -37,7 +37,8 @@ def grads_and_flags(items, where: str) -> Tuple[List[torch.Tensor], List[bool]]:
     An item is a parameter (``nn.Parameter``, or a leaf that requires grad): its ``main_grad`` when set (the
     fp32 gradient buffer of Megatron-style data parallelism), else ``.grad``; parameters without a gradient
     are skipped. Any other tensor *is* a gradient (e.g. a ZeRO shard). ``tensor_parallel`` is read from the
-    parameter, or from the gradient tensor itself.
+    parameter, or from the gradient tensor itself. A parameter whose gradient lives in a ZeRO shard (its
+    ``.grad`` is the ZeRO optimizer's guard) is a ``RuntimeError`` naming ``optimizer.clip_grad_norm_``.
     """
     if isinstance(items, torch.Tensor):
         items = [items]
@@ -46,6 +47,9 @@ def grads_and_flags(items, where: str) -> Tuple[List[torch.Tensor], List[bool]]:
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"{where}: item {i} is a {type(item).__name__}; pass parameters or gradient tensors")
         if isinstance(item, nn.Parameter) or (item.requires_grad and item.is_leaf):
+            sharded = getattr(item.grad, "sharded_grad_message", None)
+            if sharded is not None:     # a ZeRO guard: neither .grad nor main_grad holds this gradient
+                raise RuntimeError(sharded)
             g = getattr(item, "main_grad", None)
             if g is None:
                 g = item.grad

@@ -11,8 +11,8 @@ into its shard, for any dp size and layout (no collective). ``ZeroOptimizer`` (s
 universal checkpoints of ``Parallel3D`` build on them.
 
 :func:`full_state_dict` and :func:`load_full_state_dict` are those two methods' common part, for
-either optimizer (``shard_pieces``, ``master``, ``exp_avg``, ``exp_avg_sq``, ``low``, ``param_groups``,
-``steps_taken`` / ``set_steps_taken``).
+either optimizer (``shard_pieces``, ``master``, ``exp_avg``, ``exp_avg_sq``, ``low``, ``steps_taken`` /
+``set_steps_taken``, and the group and per-parameter step helpers of ``optimizer._ZeroAdamW``).
 
 ``pieces``: the optimizer's ``shard_pieces()``, ``(param, start in its flat view, start in the flat
 state, length)`` for every piece of a parameter in this rank's shard. ``flats``: this rank's flat
@@ -78,27 +78,32 @@ NamedParams = Callable[[], List[Tuple[str, nn.Parameter]]]
 
 
 def full_state_dict(opt, named_params: NamedParams, group) -> dict:
-    """``opt``'s whole state: step count, ``param_groups`` and :func:`gather_full_state` of its shards (a
-    collective over ``group``). ``named_params`` is called after ``opt.shard_pieces()``, which may
-    rebuild the layout it lists."""
+    """``opt``'s whole state: step counts (``"step"``: steps taken; ``"steps"``: each parameter's own
+    count by name, AdamW's bias correction), ``param_groups`` (parameters by name) and
+    :func:`gather_full_state` of its shards (a collective over ``group``). ``named_params`` is called after
+    ``opt.shard_pieces()``, which may rebuild the layout it lists."""
     pieces = opt.shard_pieces()
-    return {"step": opt.steps_taken, "param_groups": [dict(grp) for grp in opt.param_groups],
+    return {"step": opt.steps_taken, "steps": opt._steps_by_name(), "param_groups": opt._named_param_groups(),
             "state": gather_full_state(named_params(), pieces, (opt.master, opt.exp_avg, opt.exp_avg_sq), group)}
 
 
 @torch.no_grad()
 def load_full_state_dict(opt, state: dict, named_params: NamedParams, owner: str) -> List[Tuple[str, nn.Parameter]]:
     """Load a :func:`full_state_dict` of any dp size into ``opt``: this rank's shard of the masters and
-    moments, the low-precision copy from the masters, the step count, and ``param_groups`` when the
-    dict has them. Returns the named parameters it loaded."""
+    moments, the low-precision copy from the masters, the step counts (``"steps"`` by name when the dict
+    has them, else ``"step"`` for every parameter), and ``param_groups`` when the dict has them (by name:
+    the same grouping; or one group without ``"params"``, from before param groups). Returns the named
+    parameters it loaded."""
     pieces = opt.shard_pieces()
     named = named_params()
     scatter_full_state(state["state"], named, pieces, (opt.master, opt.exp_avg, opt.exp_avg_sq), owner)
     if opt.low is not None:
         opt.low.copy_(opt.master)
     if "param_groups" in state:
-        opt.param_groups = [dict(grp, betas=tuple(grp["betas"])) for grp in state["param_groups"]]
+        opt._load_param_groups(state["param_groups"], f"{owner}.load_full_state_dict")
     opt.set_steps_taken(int(state["step"]))
+    if state.get("steps") is not None:
+        opt._load_steps(state["steps"], int(state["step"]))
     return named
 
 

@@ -58,14 +58,35 @@ through the same reduction path as above), drops them, frees every full buffer a
 on (:meth:`release_gathered` leaves without collectives, after an error). Peak memory is then a whole
 stage's full parameters and gradients, for the length of one step.
 
+Gradient accumulation (:meth:`no_sync`, as DDP's): inside it a unit's backward adds into its full gradient
+buffer and keeps it, with no reduce-scatter; the first backward outside it adds its own gradients and
+reduces the sum once. Memory: every unit's full gradient buffer lives across the micro-batches (FSDP's
+no_sync costs the same); the gradients accumulate in the parameter dtype.
+
+Parameters between steps (and whenever their unit is not gathered) hold no elements: each is a
+:class:`_ShardedParameter`, whose shape, dtype, device and hooks are always there but whose elements can
+only be read while its unit is gathered (its forward or backward, or inside :meth:`gathered_parameters`);
+any other read raises a ``RuntimeError`` naming the parameter and that context manager (rather than
+reading freed memory, which would crash the process). After a backward ``p.grad`` is a guard too (the gradient
+is in ``grad_buffer``, sharded): ``torch.nn.utils.clip_grad_norm_`` on the parameters raises and names
+``ZeroStage3Optimizer.clip_grad_norm_``. Setting ``p.grad = None`` (``module.zero_grad()``) drops the
+parameter from the next step, as in torch.
+
+Which parameters got a gradient since the last step is recorded per rank (the optimizer leaves the others
+untouched, as torch does). Ranks that may differ in it (data-dependent use of a parameter inside a unit
+every rank runs) need ``find_unused_parameters=True``: the step then agrees on it with one small
+all-reduce.
+
 Not supported: a parameter shared between two units (error, by name), a unit called outside the root's
-forward, reentrant checkpointing, two forwards before one backward.
+forward (a unit every rank does not run: its gather is a collective), reentrant checkpointing, two
+forwards before one backward.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -73,8 +94,114 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..distributed import collectives as C
+from .optimizer import guarded_in, is_metadata, sharded_grad_message, sharded_grad_placeholder
 
 SHARD_ALIGN = 16   # elements; every shard (and so every unit's slice of shard_buffer) starts aligned
+
+
+_GRAD_GET = torch.Tensor.grad.__get__
+_GRAD_SET = torch.Tensor.grad.__set__
+_GRAD_DEL = torch.Tensor.grad.__delete__
+
+
+def _raw_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """``p.grad`` as autograd holds it (no guard): what the wrapper itself works on."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.grad
+
+
+def _set_raw_grad(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        p.grad = g
+
+
+class _ParamInfo:
+    """What a :class:`_ShardedParameter` knows of its place: wrapper, unit, name, this rank's piece."""
+
+    def __init__(self, wrapper: "ZeroStage3", unit: "_Unit", name: str, offset: int, numel: int, shape):
+        self.wrapper_ref = weakref.ref(wrapper)
+        self.unit, self.name, self.shape, self.numel = unit, name, tuple(shape), numel
+        self.piece = (max(offset, unit.lo) - offset, min(offset + numel, unit.hi) - offset)
+        self.placeholder = None
+
+    def readable(self) -> bool:
+        u = self.unit
+        return u.gather_work is None and u.full.untyped_storage().nbytes() > 0
+
+    def read_error(self) -> RuntimeError:
+        a, b = self.piece
+        held = (f"elements [{a}, {b}) of its {self.numel} (flattened, in the wrapper's shard_buffer)" if a < b
+                else f"none of its {self.numel} elements")
+        return RuntimeError(
+            f"ZeroStage3: parameter {self.name!r} (shape {self.shape}) is sharded over the data-parallel group: "
+            f"this rank holds {held}, and its full value exists only while its unit "
+            f"{self.unit.name or '<root>'!r} runs. Read it inside `with zmodel.gathered_parameters(): ...` (a "
+            f"collective: every rank of the group enters it), or copy every parameter with "
+            f"zmodel.full_state_dict()")
+
+    def grad_pending(self, p) -> bool:
+        w = self.wrapper_ref()
+        return w is not None and id(p) in w._grad_seen
+
+    def drop_grad(self, p) -> None:
+        w = self.wrapper_ref()
+        if w is not None:
+            w._grad_seen.discard(id(p))
+
+    def grad_guard(self, p) -> torch.Tensor:
+        if self.placeholder is None:
+            how = ("ZeRO-3: after backward it lives in this rank's slice of ZeroStage3.grad_buffer, averaged over "
+                   "the group")
+            self.placeholder = sharded_grad_placeholder(
+                p, sharded_grad_message("ZeroStage3", self.name, self.shape, how))
+        return self.placeholder
+
+
+class _ShardedParameter(nn.Parameter):
+    """A parameter of a :class:`ZeroStage3` module.
+
+    Metadata (shape, dtype, device, ``requires_grad``, hooks, ``p.grad is None``) is always available.
+    Elements only while the parameter's unit is gathered; any other read raises a ``RuntimeError`` naming
+    the parameter and ``gathered_parameters()``. ``p.grad`` reads as a guard (:mod:`.optimizer`'s
+    ``_ShardedGrad``) while a gradient for it waits in the wrapper's gradient shard; assigning None drops it.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func == _GRAD_GET:
+            return cls._read_grad(args[0])
+        if func == _GRAD_SET or func == _GRAD_DEL:
+            value = args[1] if func == _GRAD_SET and len(args) > 1 else None
+            info = getattr(args[0], "_zero3_info", None)
+            if value is None and info is not None:
+                info.drop_grad(args[0])
+        else:
+            if not is_metadata(func):
+                for p in guarded_in(args, kwargs, _ShardedParameter):
+                    info = getattr(p, "_zero3_info", None)
+                    if info is not None and not info.readable():
+                        raise info.read_error()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @staticmethod
+    def _read_grad(p):
+        g = _raw_grad(p)
+        info = getattr(p, "_zero3_info", None)
+        if g is None and info is not None and info.grad_pending(p):
+            return info.grad_guard(p)
+        return g
+
+
+_SHARDED_CLASSES: Dict[type, type] = {nn.Parameter: _ShardedParameter}
+
+
+def _sharded_class(cls: type) -> type:
+    """``_ShardedParameter`` for ``nn.Parameter``; for a subclass of it, a class deriving from both."""
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (_ShardedParameter, cls), {})
+    return _SHARDED_CLASSES[cls]
 
 
 class _Unit:
@@ -85,11 +212,12 @@ class _Unit:
         self.index, self.name, self.module = index, name, module
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.numels = [p.numel() for p in self.params]
         self.offsets, self.offset_of, pos = [], {}, 0
-        for p in self.params:
+        for p, n in zip(self.params, self.numels):
             self.offsets.append(pos)
             self.offset_of[id(p)] = pos
-            pos += p.numel()
+            pos += n
         self.numel = pos
         self.padded = max(1, math.ceil(pos / (SHARD_ALIGN * dp))) * SHARD_ALIGN * dp
         self.shard_numel = self.padded // dp
@@ -107,6 +235,7 @@ class _Unit:
         # last): they stay autograd's tensors until the last one, so no full buffer lives through backward.
         self.eager_grads = index != 0
         self.grad_valid = False                 # grad_shard holds this backward's (or an earlier) sum
+        self.accumulated = False                # grad_full holds no_sync() sums not reduced yet
         self.phase = "idle"                     # idle | forward | backward | reduced
         self.ready = 0                          # parameters whose gradient has been accumulated
 
@@ -145,16 +274,44 @@ class ZeroStage3(nn.Module):
     viewing them has been used (counted by saved-tensor hooks around the forward). Pass False when the
     root's parameters are used inside an activation-checkpointed region (the checkpoint's own hooks hide
     those saves, and its recomputation would read freed parameters).
+    ``find_unused_parameters``: ranks may differ in which parameters get a gradient (a data-dependent
+    branch inside a unit every rank runs); the optimizer's step then agrees on it with one small all-reduce.
     After backward, this rank's averaged fp32 gradient shards are in ``grad_buffer`` (accumulated across
     backwards until :meth:`zero_grad`).
+
+    Use with :class:`ZeroStage3Optimizer` (param groups, schedulers, ``clip_grad_norm_``: see its
+    docstring)::
+
+        z = ZeroStage3(model, mesh.dp_group)
+        opt = ZeroStage3Optimizer(z, lr=3e-4, weight_decay=0.1, no_decay=lambda name, p: p.ndim < 2)
+        for i, (x, y) in enumerate(micro_batches):
+            with z.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                (z(x, y)[1] / len(micro_batches)).backward()    # reduce-scattered once, on the last
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        with z.gathered_parameters():                           # every rank: reading needs the gather
+            print(model.blocks[0].attn.qkv.weight.norm())
+
+    Between steps a parameter's elements are not on any rank in full: reading one outside
+    :meth:`gathered_parameters` raises a ``RuntimeError`` that names it (see the module docstring).
     """
 
     def __init__(self, module: nn.Module, dp_group, *,
                  wrap: Union[None, Callable[[str, nn.Module], bool], Sequence[nn.Module]] = None,
                  param_dtype: Optional[torch.dtype] = None, prefetch: bool = True, broadcast_from_rank0: bool = True,
-                 free_root_early: bool = True):
+                 free_root_early: bool = True, find_unused_parameters: bool = False):
         super().__init__()
         self.module, self.dp_group, self.prefetch = module, dp_group, bool(prefetch)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self._grad_seen: set = set()   # ids of the parameters a backward reached since the last step/zero_grad
+        self._seen_before_held: set = set()
+        self._sync = True              # False inside no_sync(): gradients accumulate, unreduced
+        self._full_names = {id(p): n for n, p in module.named_parameters()}
+        already = [n for n, p in module.named_parameters() if isinstance(p, _ShardedParameter)]
+        if already:
+            raise ValueError(f"ZeroStage3: parameter {already[0]!r} already belongs to another ZeroStage3; wrap "
+                             f"each module once")
         self.free_root_early = bool(free_root_early)
         self.dp_size, self.dp_rank = C.world_size(dp_group), C.rank(dp_group)
         names = {id(m): n for n, m in module.named_modules()}
@@ -227,13 +384,16 @@ class ZeroStage3(nn.Module):
             if broadcast:
                 C.broadcast(u.full, 0, self.dp_group)
             u.shard.copy_(u.full[u.lo:u.hi])
-            for p, o in zip(u.params, u.offsets):
-                p.data = u.full[o:o + p.numel()].view(p.shape)   # the old storage is released
+            for p, o, n in zip(u.params, u.offsets, u.numels):
+                p.data = u.full[o:o + n].view(p.shape)   # the old storage is released
                 p.grad = None
+                # from here on, reading its elements while the unit is not gathered raises (see the class)
+                p._zero3_info = _ParamInfo(self, u, self._full_names[id(p)], o, n, p.shape)
+                p.__class__ = _sharded_class(type(p))
             u.full.untyped_storage().resize_(0)
             u.grad_full.untyped_storage().resize_(0)
             mod = u.module
-            mod.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+            mod.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u, a))
             mod.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
             for p in u.params:
                 if p.requires_grad:
@@ -289,12 +449,12 @@ class ZeroStage3(nn.Module):
             self._gather(self.units[order[i]], prefetch=True)
 
     # ------------------------------------------------------------------ forward hooks
-    def _pre_forward(self, u: _Unit) -> None:
+    def _pre_forward(self, u: _Unit, args: tuple = ()) -> Optional[tuple]:
         if self._held:
-            return
+            return None
         if u.phase == "backward":          # recomputation under activation checkpointing
             self._wait_gather(u)
-            return
+            return None
         if u.index == 0:
             self.timeline, self._cur_order = [], []
             self.peak_gathered_bytes = self._live_bytes
@@ -304,6 +464,29 @@ class ZeroStage3(nn.Module):
         self._prefetch_after(u, self._fwd_order, +1)
         u.phase = "forward"
         self._event("forward_start", u)
+        if self.find_unused_parameters and u.index != 0 and torch.is_grad_enabled():
+            return self._reduce_after_backward_of(u, args)
+        return None
+
+    def _reduce_after_backward_of(self, u: _Unit, args: tuple) -> Optional[tuple]:
+        """``find_unused_parameters``: ``u``'s inputs pass through :class:`_AfterBackward`, whose backward
+        runs once ``u``'s backward is over (autograd accumulates parameter gradients first), whichever of its
+        parameters got a gradient; it reduces ``u`` there. Every rank reduces the units in the same order,
+        even when their gradients arrive differently (FSDP2's post-backward does the same)."""
+        where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not where:
+            return None          # no gradient flows out of u: it is reduced at the end of backward
+        outs = _AfterBackward.apply(lambda u=u: self._after_unit_backward(u), *[args[i] for i in where])
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        new = list(args)
+        for i, o in zip(where, outs):
+            new[i] = o
+        return tuple(new)
+
+    @torch.no_grad()
+    def _after_unit_backward(self, u: _Unit) -> None:
+        if not self._held and u.phase == "backward":
+            self._reduce(u)
 
     def _post_forward(self, u: _Unit, out) -> None:
         if self._held:
@@ -347,6 +530,7 @@ class ZeroStage3(nn.Module):
 
     @torch.no_grad()
     def _on_grad(self, u: _Unit, p: torch.nn.Parameter) -> None:
+        self._grad_seen.add(id(p))
         if self._held:
             return
         # Copy the gradient autograd just made into the unit's flat buffer and drop it at once: at most one
@@ -361,22 +545,34 @@ class ZeroStage3(nn.Module):
                 self._alloc(u.grad_full, u.nbytes)
                 u.grad_full.zero_()
             o = u.offset_of[id(p)]
-            u.grad_full[o:o + p.numel()].add_(p.grad.reshape(-1))
-            p.grad = None
+            g = _raw_grad(p)
+            u.grad_full[o:o + g.numel()].add_(g.reshape(-1))
+            _set_raw_grad(p, None)
         u.ready += 1
-        if u.phase == "backward" and u.ready == u.n_grad:
+        # all of the unit's gradients are in: reduce now (with find_unused_parameters another rank may
+        # miss some, and its order of reductions would differ: _AfterBackward triggers them instead)
+        if u.phase == "backward" and u.ready == u.n_grad and not self.find_unused_parameters:
             self._reduce(u)
 
     @torch.no_grad()
     def _reduce(self, u: _Unit) -> None:
-        """Launch the reduction of ``u``'s full gradient buffer (async); free its parameters."""
+        """Launch the reduction of ``u``'s full gradient buffer (async); free its parameters. Inside
+        :meth:`no_sync` the buffer is kept instead (the next backward adds to it)."""
         if self._alloc(u.grad_full, u.nbytes):       # no pre-backward ran: gradients were made by autograd
             u.grad_full.zero_()
-        for p, o in zip(u.params, u.offsets):
-            view = u.grad_full[o:o + p.numel()]
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.add_(p.grad.reshape(-1))
-                p.grad = None              # free it now: at most one such copy alive beside grad_full
+        for p, o, n in zip(u.params, u.offsets, u.numels):
+            view = u.grad_full[o:o + n]
+            g = _raw_grad(p)
+            if g is not None and g.data_ptr() != view.data_ptr():
+                self._grad_seen.add(id(p))     # held mode: autograd's (or a pipeline's) gradient
+                view.add_(g.reshape(-1))
+                _set_raw_grad(p, None)         # free it now: at most one such copy alive beside grad_full
+        if not self._sync and not self._held:
+            u.accumulated, u.phase = True, "reduced"
+            self._event("accumulate", u)
+            if u.index != 0 and not u.has_frozen:
+                self._reshard(u)
+            return
         self._finish_reduce()              # one reduction in flight at a time: bounded memory
         u.rs_out, work = C.reduce_scatter_dim0(u.grad_full, self.dp_group, async_op=True)
         u.rs_work, u.phase = work, "reduced"
@@ -406,15 +602,18 @@ class ZeroStage3(nn.Module):
             torch.mul(mine, 1.0 / self.dp_size, out=u.grad_shard)
             u.grad_valid = True
         u.rs_work = u.rs_out = None
+        u.accumulated = False
         for p in u.params:
-            p.grad = None
+            _set_raw_grad(p, None)
         self._free(u.grad_full)
         self._event("reduce_wait", u)
 
     def _end_backward(self) -> None:
         for u in self.units:
-            # some parameter got no gradient (it counts as zero), or no pre-backward ran for the unit
-            if u.phase == "backward" or (u.phase != "reduced" and any(p.grad is not None for p in u.params)):
+            # some parameter got no gradient (it counts as zero), or no pre-backward ran for the unit, or
+            # (the backward after no_sync) it holds accumulated gradients but got none in this backward
+            if u.phase == "backward" or (u.phase != "reduced" and (
+                    any(_raw_grad(p) is not None for p in u.params) or (self._sync and u.accumulated))):
                 self._reduce(u)
         self._finish_reduce()
         if self.has_grads():
@@ -483,7 +682,8 @@ class ZeroStage3(nn.Module):
         for u in self.units:
             self._wait_gather(u)
             for p in u.params:
-                p.grad = None
+                _set_raw_grad(p, None)
+        self._seen_before_held = set(self._grad_seen)   # what release_gathered() goes back to
         self._held = True
 
     @torch.no_grad()
@@ -506,19 +706,50 @@ class ZeroStage3(nn.Module):
     def release_gathered(self) -> None:
         """Leave :meth:`gather_all` WITHOUT collectives (e.g. after an exception, when other ranks may not
         reach the reduction): drop the full gradients, free the full buffers; ``grad_buffer`` untouched."""
+        self._grad_seen = set(self._seen_before_held)
         for u in self.units:
             for p in u.params:
-                p.grad = None
+                _set_raw_grad(p, None)
             if u.gathered_grad():
                 self._free(u.grad_full)
             self._reshard(u)
-            u.phase, u.rs_work, u.rs_out = "idle", None, None
+            u.phase, u.rs_work, u.rs_out, u.accumulated = "idle", None, None, False
         self._rs_pending = None
         self._held = False
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate each unit's gradients in its full gradient buffer, with no
+        reduce-scatter; the next backward outside reduces the sum once (DDP's ``no_sync``)::
+
+            for i, (x, y) in enumerate(micro_batches):
+                with z.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    (z(x, y)[1] / len(micro_batches)).backward()
+
+        Parameters are still gathered and freed per unit (each micro-batch's forward and backward gathers
+        them again); the full gradient buffers stay allocated until that last backward."""
+        if self._held:
+            raise RuntimeError("ZeroStage3.no_sync: gather_all() is active; its reduce_scatter_and_free() already "
+                               "reduces once for any number of micro-batches")
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def _unreduced_units(self) -> List[str]:
+        """Units holding gradients accumulated under :meth:`no_sync` and not reduced yet."""
+        return [u.name or "<root>" for u in self.units if u.accumulated]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradient shards; ``set_to_none`` (torch's default) frees them until the next backward
-        (FSDP2 does the same: between steps a rank holds parameters and optimizer state only)."""
+        """Clear the gradient shards (and gradients accumulated under :meth:`no_sync`); ``set_to_none``
+        (torch's default) frees them until the next backward (FSDP2 does the same: between steps a rank
+        holds parameters and optimizer state only)."""
+        self._grad_seen.clear()
+        for u in self.units:
+            if u.accumulated:
+                self._free(u.grad_full)
+                u.accumulated = False
         if set_to_none:
             self.grad_buffer.untyped_storage().resize_(0)
         elif self.has_grads():
@@ -531,7 +762,9 @@ class ZeroStage3(nn.Module):
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = False):
-        """Gather every unit (a collective); with ``writeback`` copy this rank's slice back on exit."""
+        """Gather every unit (a collective over the dp group: every rank enters it); the parameters are
+        readable inside. ``writeback``: copy this rank's slice of the (edited) parameters back on exit.
+        Keep clones, not views: the memory is freed on exit."""
         for u in self.units:
             self._gather(u)
         for u in self.units:
@@ -543,6 +776,11 @@ class ZeroStage3(nn.Module):
                 if writeback:
                     u.shard.copy_(u.full[u.lo:u.hi])
                 self._reshard(u)
+
+    def gathered_parameters(self, writeback: bool = False):
+        """``with z.gathered_parameters(): ...``: every parameter readable (and with ``writeback``,
+        editable) inside; a collective over the dp group. Same as :meth:`summon_full_params`."""
+        return self.summon_full_params(writeback=writeback)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The module's plain ``state_dict`` (clones), gathered (a collective over the DP group)."""
@@ -575,6 +813,21 @@ class ZeroStage3(nn.Module):
 
 
 _ROOT_SAVED = object()   # marks a packed saved tensor that views the root's parameters
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward calls ``callback`` (the unit's backward is then over)."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        out = tuple(t.view_as(t) for t in tensors)
+        return out if len(out) > 1 else out[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
 
 
 class _Done:

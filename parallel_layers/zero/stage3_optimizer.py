@@ -1,8 +1,9 @@
-"""AdamW for :class:`ZeroStage3`: one fused kernel call over this rank's shard of every unit.
+"""AdamW for :class:`ZeroStage3`: fused kernel calls over this rank's shard of every unit.
 
 ``ZeroStage3`` keeps all of this rank's parameter shards in one flat tensor (``shard_buffer``) and the
-averaged fp32 gradient shards in another of the same layout (``grad_buffer``), so a step is ONE
-``parallel_layers.ops.adamw_step`` over ``S = shard_numel`` elements:
+averaged fp32 gradient shards in another of the same layout (``grad_buffer``), so a step is one
+``parallel_layers.ops.adamw_step`` call per *run* of ``S = shard_numel`` elements (pieces of parameters
+with a gradient, the same lr/betas/eps and the same step count: one call in the common case):
 
 * fp32 model: the parameter shard *is* the master copy (stage 3 has no replicated parameters to keep
   apart from it), updated in place; state = exp_avg + exp_avg_sq, 8 bytes per shard element.
@@ -11,44 +12,61 @@ averaged fp32 gradient shards in another of the same layout (``grad_buffer``), s
 
 Nothing is gathered after the step: the next forward gathers each unit when it needs it. Padding
 elements have zero parameter and gradient, so Adam leaves them zero. ``found_inf`` (a device tensor)
-skips the step with parameters, states and the step count bit-identical, without a host sync.
+skips the step with parameters, states and step counts bit-identical, without a host sync. Param groups,
+schedulers, per-parameter step counts, parameters without a gradient (frozen ones included: they live
+in the shard too) and clipping behave as in :mod:`.optimizer`.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple
 
 import torch
 
-from ..ops.optimizer_step import adamw_step
 from . import memory as M
 from . import full_state
-from .optimizer import step_multipliers
+from .optimizer import STATE_FORMAT, NoDecay, _ZeroAdamW
 from .stage3 import ZeroStage3
 
 _STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
-class ZeroStage3Optimizer:
-    """Sharded AdamW over a :class:`ZeroStage3` module (same hyper-parameters as ``torch.optim.AdamW``).
+class ZeroStage3Optimizer(_ZeroAdamW):
+    """Sharded AdamW over a :class:`ZeroStage3` module; a ``torch.optim.Optimizer`` taking
+    ``torch.optim.AdamW``'s param groups (hyper-parameters read at every step).
 
-    ``step(grad_scale=, found_inf=, clip_coef=)`` as ``ZeroOptimizer.step``: ``grad_scale`` is the loss
-    scale the gradients carry (divided out), ``clip_coef`` multiplies them, nonzero ``found_inf`` skips.
-    ``no_decay``: parameters (or a predicate on ``(name, param)``) without weight decay.
+    Typical use (biases and norms without weight decay, a scheduler, accumulation, clipping)::
+
+        z = ZeroStage3(model, mesh.dp_group)
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        rest = [p for p in model.parameters() if p.ndim < 2]
+        opt = ZeroStage3Optimizer(z, [{"params": decay, "weight_decay": 0.1},
+                                      {"params": rest, "weight_decay": 0.0}], lr=3e-4, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+        for micro_batches in loader:
+            for i, (x, y) in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1
+                with contextlib.nullcontext() if last else z.no_sync():   # reduce once, on the last
+                    (z(x, y)[1] / len(micro_batches)).backward()
+            norm = opt.clip_grad_norm_(1.0)     # NOT torch.nn.utils.clip_grad_norm_: the grads are shards
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+
+    ``params=None``: every parameter of the module, one group (``no_decay=`` parameters or a predicate on
+    ``(name, param)`` splits off a group without weight decay). ``step(grad_scale=, found_inf=,
+    clip_coef=)`` as ``ZeroOptimizer.step``. A parameter is updated only in a step where a backward
+    reached it (on any rank when the module was built with ``find_unused_parameters=True``, on this rank
+    otherwise); frozen parameters never change.
     """
 
-    def __init__(self, zmodule: ZeroStage3, *, lr: float, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0,
-                 no_decay: Union[None, Sequence[torch.nn.Parameter], Callable[[str, torch.nn.Parameter], bool]] = None,
-                 backend: Optional[str] = None):
+    _owner = "ZeroStage3Optimizer"
+
+    def __init__(self, zmodule: ZeroStage3, params=None, *, lr: float = 1e-3,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 no_decay: NoDecay = None, backend: Optional[str] = None):
         if not isinstance(zmodule, ZeroStage3):
             raise TypeError(f"ZeroStage3Optimizer: expected a ZeroStage3 module, got {type(zmodule).__name__}")
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"ZeroStage3Optimizer: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"ZeroStage3Optimizer: betas={betas!r} must be a pair in [0, 1)")
         self.z, self.backend = zmodule, backend
-        self.param_groups = [dict(lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
-                                  weight_decay=float(weight_decay))]
         shard = zmodule.shard_buffer
         self.device = shard.device
         low = shard.dtype != torch.float32
@@ -56,106 +74,96 @@ class ZeroStage3Optimizer:
         self.low = shard if low else None
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self._step = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self._decay_vec = self._decay_vector(no_decay)
+        self._init_groups(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
 
-    def _decay_vector(self, no_decay) -> Optional[torch.Tensor]:
-        """Per-element decay mask of the shard when some parameters are excluded, else None."""
-        if no_decay is None or self.param_groups[0]["weight_decay"] == 0:
-            return None
-        if callable(no_decay):
-            skip = {id(p) for n, p in self.z.module.named_parameters() if no_decay(n, p)}
-        else:
-            skip = {id(p) for p in no_decay}
-        vec = torch.zeros_like(self.master)
-        pos = 0
+    # ------------------------------------------------------------------ what _ZeroAdamW asks
+    def _module_named_params(self):
+        return list(self.z.module.named_parameters())
+
+    def _shard_pieces_raw(self):
+        out, pos = [], 0
         for u in self.z.units:
-            for p, o in zip(u.params, u.offsets):
-                a, b = max(o, u.lo), min(o + p.numel(), u.hi)
-                if a < b and id(p) not in skip:
-                    vec[pos + a - u.lo:pos + b - u.lo] = 1.0
+            for p, o, n in zip(u.params, u.offsets, u.numels):
+                a, b = max(o, u.lo), min(o + n, u.hi)
+                if a < b:
+                    out.append((p, a - o, pos + a - u.lo, b - a))
             pos += u.shard_numel
-        return vec
+        return out
 
-    @torch.no_grad()
-    def step(self, closure=None, *, grad_scale=None, found_inf=None, clip_coef=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.z.has_grads():     # no backward since zero_grad(): torch.optim skips such params too
-            return loss
-        dev, g = self.device, self.param_groups[0]
-        scale, inf = step_multipliers("ZeroStage3Optimizer", dev, grad_scale, clip_coef, found_inf)
-        keep = (inf == 0).to(torch.float32)
-        self._step.add_(keep)          # counts the steps taken; read on the device by the kernel
-        lr, wd = g["lr"], g["weight_decay"]
-        if self._decay_vec is not None:  # mixed mask: decoupled decay first (skipped with the step)
-            self.master.addcmul_(self.master, self._decay_vec * keep, value=-lr * wd)
-            wd = 0.0
-        beta1, beta2 = g["betas"]
-        adamw_step(self.master, self.z.grad_buffer, self.exp_avg, self.exp_avg_sq, lr=lr, step=self._step,
-                   beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=wd, grad_scale=scale, found_inf=inf,
-                   param_copy=self.low, backend=self.backend)
-        return loss
+    def _grad_source(self) -> torch.Tensor:
+        if not self.z.has_grads():
+            raise RuntimeError("ZeroStage3Optimizer: there is no gradient shard (no backward since zero_grad(), "
+                               "which frees it); run a backward first")
+        return self.z.grad_buffer
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def _local_had_grads(self) -> List[bool]:
+        seen = self.z._grad_seen
+        return [id(p) in seen for p in self._all_params]
+
+    def _agree_on_grads(self) -> bool:
+        return self.z.find_unused_parameters and self.z.dp_size > 1
+
+    def _grad_group(self):
+        return self.z.dp_group
+
+    def _consume_grads(self) -> None:
+        self.z._grad_seen.clear()
+
+    def _zero_grads(self, set_to_none: bool) -> None:
         self.z.zero_grad(set_to_none)
+
+    def _before_step(self) -> None:
+        unreduced = self.z._unreduced_units()
+        if unreduced:
+            raise RuntimeError(f"ZeroStage3Optimizer: the gradients of {len(unreduced)} unit(s) (e.g. "
+                               f"{unreduced[0]!r}) were accumulated under ZeroStage3.no_sync() and never reduced "
+                               f"over the data-parallel group; run the last micro-batch's backward outside "
+                               f"no_sync() before clipping or stepping")
 
     # ------------------------------------------------------------------ checkpoints
     def shard_pieces(self) -> List[Tuple[torch.nn.Parameter, int, int, int]]:
         """Where each parameter's state lives on this rank: ``(param, start in the parameter's flat view,
         start in this rank's flat state (master, exp_avg, exp_avg_sq, and the module's ``shard_buffer``
         and ``grad_buffer``), length)`` for every piece of a parameter in this rank's shard."""
-        out, pos = [], 0
-        for u in self.z.units:
-            for p, o in zip(u.params, u.offsets):
-                a, b = max(o, u.lo), min(o + p.numel(), u.hi)
-                if a < b:
-                    out.append((p, a - o, pos + a - u.lo, b - a))
-            pos += u.shard_numel
-        return out
-
-    @property
-    def steps_taken(self) -> int:
-        return int(self._step.item())
-
-    def set_steps_taken(self, n: int) -> None:
-        """Resume the step count (AdamW's bias correction) at ``n``."""
-        self._step.fill_(n)
+        return self._shard_pieces_raw()
 
     def full_state_dict(self) -> dict:
         """The whole state, whatever the dp size (:mod:`.full_state`): every parameter's fp32 master
         weights (the parameters themselves for an fp32 model) and AdamW moments in its shape, by the
-        module's parameter name, with the step count and ``param_groups``. A collective over the dp
-        group; :meth:`load_full_state_dict` loads it at any dp size (resuming on more or fewer ranks)."""
+        module's parameter name, with the step counts and ``param_groups`` (parameters by name). A
+        collective over the dp group; :meth:`load_full_state_dict` loads it at any dp size (resuming on
+        more or fewer ranks)."""
         return full_state.full_state_dict(self, self._named_params, self.z.dp_group)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
         """Load a :meth:`full_state_dict` saved at any dp size (no collective): this rank's shard of the
-        parameters, masters and moments, the step count, and ``param_groups`` when the dict has them."""
+        parameters, masters and moments, the step counts, and ``param_groups`` when the dict has them."""
         full_state.load_full_state_dict(self, state, self._named_params, "ZeroStage3Optimizer")
 
     def _named_params(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return list(self.z.module.named_parameters())
 
     def state_dict(self) -> dict:
-        """This rank's optimizer shard (clones). Save it with the module's ``state_dict()``, per rank."""
-        return {"dp_size": self.z.dp_size, "dp_rank": self.z.dp_rank, "layout": self.z._layout(),
-                "param_groups": [dict(grp) for grp in self.param_groups], "step": self._step.clone(),
-                **{k: getattr(self, k).clone() for k in _STATES}}
+        """This rank's optimizer shard (clones), ``param_groups`` (parameters by name) and every
+        parameter's step count. Save it with the module's ``state_dict()``, per rank."""
+        return {"format": STATE_FORMAT, "dp_size": self.z.dp_size, "dp_rank": self.z.dp_rank,
+                "layout": self.z._layout(), "param_groups": self._named_param_groups(), "step": self._step.clone(),
+                "steps": self._steps_by_name(), **{k: getattr(self, k).clone() for k in _STATES}}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """Load a :meth:`state_dict` of the same dp rank, dp size, units and param groups (a state saved
+        before param groups existed loads too, as in ``ZeroOptimizer.load_state_dict``)."""
         if state.get("dp_size") != self.z.dp_size or state.get("dp_rank") != self.z.dp_rank:
             raise ValueError(f"ZeroStage3Optimizer.load_state_dict: state of dp rank {state.get('dp_rank')} of "
                              f"{state.get('dp_size')}, loading into rank {self.z.dp_rank} of {self.z.dp_size}; "
                              f"resume with the same data-parallel size")
         if state["layout"] != self.z._layout():
             raise ValueError("ZeroStage3Optimizer.load_state_dict: the saved unit layout differs from the module's")
-        self.param_groups = [dict(grp, betas=tuple(grp["betas"])) for grp in state["param_groups"]]
+        self._load_param_groups(state["param_groups"], "ZeroStage3Optimizer.load_state_dict")
         self._step.copy_(state["step"])
+        self._load_steps(state.get("steps"), int(state["step"].item()))
         for k in _STATES:
             getattr(self, k).copy_(state[k])
         if self.low is not None:
