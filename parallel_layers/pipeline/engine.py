@@ -11,6 +11,10 @@ elsewhere). ``engine.evaluate(inputs, targets)`` returns the same mean loss from
 
 A chunk is any module ``chunk(x, targets=None)``: stage 0 receives the microbatch of ``inputs``; the
 last stage receives ``targets`` and returns a scalar loss; every other stage maps a tensor to a tensor.
+Side inputs, ``engine.step(inputs, targets, attention_mask=..., position_ids=...)``: tensors every
+rank holds (batch along dim 0) that every stage needs, split into the same microbatches and passed to
+every chunk call as keyword arguments, so only the hidden states travel between stages (each stage
+rebuilds masks and rotary tables from them, as Megatron-LM's stages do).
 Every step records this rank's timeline (compute and message waits, a few ``perf_counter`` calls per
 instruction; :meth:`gather_timeline`, :meth:`bubble_fraction`, :meth:`draw_timeline`); no barrier is
 taken for it, so ``record_timeline`` changes nothing and is kept for compatibility.
@@ -63,9 +67,10 @@ class _StepState:
     """What one step (or evaluation) of the engine carries between its instructions. Keys ``(mb, chunk)``
     unless said otherwise."""
 
-    def __init__(self, train: bool, mb_inputs, mb_targets):
+    def __init__(self, train: bool, mb_inputs, mb_targets, mb_side: List[Dict[str, torch.Tensor]]):
         self.train = train
         self.mb_inputs, self.mb_targets = mb_inputs, mb_targets
+        self.mb_side = mb_side                                      # per microbatch: side inputs (kwargs)
         self.inputs_of: Dict[Tuple[int, int], torch.Tensor] = {}   # received input (requires grad)
         self.outputs: Dict[Tuple[int, int], torch.Tensor] = {}     # output, or the scaled loss
         self.out_grads: Dict[Tuple[int, int], torch.Tensor] = {}   # d loss / d output
@@ -134,11 +139,12 @@ class PipelineEngine:
         return out
 
     # ------------------------------------------------------------------ one step
-    def step(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None):
-        """One training step: forward and backward of every microbatch (see the module docstring)."""
-        return self._run(self._train, inputs, targets)
+    def step(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, **side):
+        """One training step: forward and backward of every microbatch (see the module docstring;
+        ``side``: side inputs, passed to every chunk)."""
+        return self._run(self._train, inputs, targets, side)
 
-    def evaluate(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None):
+    def evaluate(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, **side):
         """The mean loss over the microbatches of ``inputs``/``targets``, forward only (Megatron-LM's
         ``forward_only``, DeepSpeed's ``eval_batch``): the schedule's forward-only instruction list
         (:func:`~parallel_layers.pipeline.schedules.build_schedule`), under ``torch.no_grad`` with the
@@ -155,16 +161,19 @@ class PipelineEngine:
             for c in self.chunks:
                 c.eval()
             with torch.no_grad():
-                return self._run(self._eval, inputs, targets)
+                return self._run(self._eval, inputs, targets, side)
         finally:
             for m, mode in modes:
                 m.training = mode
             self.timeline = kept
 
-    def _run(self, prog: _Program, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
+    def _run(self, prog: _Program, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+             side: Dict[str, torch.Tensor]):
         holds_first, holds_last = 0 in map(self.stage, range(self.v)), self.S - 1 in map(self.stage, range(self.v))
+        split_side = {k: self._split(t, k, True) for k, t in side.items() if t is not None}
         st = _StepState(not prog.forward_only, self._split(inputs, "inputs", holds_first),
-                        self._split(targets, "targets", holds_last))
+                        self._split(targets, "targets", holds_last),
+                        [{k: v[mb] for k, v in split_side.items()} for mb in range(self.m)])
         self._header_links = prog.header_links
         self.prefetched_receives = 0                                 # how many, this step (tests, tuning)
         self.timeline.start()
@@ -221,13 +230,14 @@ class PipelineEngine:
                     x = st.outputs.pop((mb, c - 1)).detach()
             else:
                 x = st.inputs_of[(mb, c)] if st.train else st.inputs_of.pop((mb, c))
+            side = st.mb_side[mb]
             if s == self.S - 1:
-                loss = self._timed("F", mb, c, lambda: self.chunks[c](x, st.mb_targets[mb]))
+                loss = self._timed("F", mb, c, lambda: self.chunks[c](x, st.mb_targets[mb], **side))
                 st.losses.append(loss.detach())
                 if st.train:
                     st.outputs[(mb, c)] = loss / self.m
             else:
-                st.outputs[(mb, c)] = self._timed("F", mb, c, lambda: self.chunks[c](x))
+                st.outputs[(mb, c)] = self._timed("F", mb, c, lambda: self.chunks[c](x, **side))
             return
         out = st.outputs.pop((mb, c))
         grad = None if s == self.S - 1 else st.out_grads.pop((mb, c))
