@@ -275,6 +275,16 @@ class RowParallelLinear(nn.Module):
 
 
 # ---------------------------------------------------------------------- sequence-parallel gradients
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain tensor on the same memory. Under ZeRO ``p.grad`` is a guard that refuses to be
+    read (its values are this rank's, not the data-parallel sum); summing the sequence-parallel partial
+    gradients over TP is right on exactly those local values, before the data-parallel reduction."""
+    if type(t) is torch.Tensor:
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor)
+
+
 def allreduce_sequence_parallel_grads(module: Union[nn.Module, Iterable[nn.Module]], tp_group) -> int:
     """Sum over the TP group the gradients of every parameter marked ``sequence_parallel = True``.
 
@@ -292,7 +302,7 @@ def allreduce_sequence_parallel_grads(module: Union[nn.Module, Iterable[nn.Modul
         for p in m.parameters():
             if getattr(p, "sequence_parallel", False) and p.grad is not None and id(p) not in seen:
                 seen.add(id(p))
-                grads.append(p.grad)
+                grads.append(_plain(p.grad))
     if not grads or C.world_size(tp_group) == 1:
         return len(grads)
     buckets: dict = {}
