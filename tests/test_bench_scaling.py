@@ -39,11 +39,17 @@ def _by(rows, prefix):
     return {(int(r["case"][len(prefix):]), _f(r, "x")): r for r in rows if r["case"].startswith(prefix)}
 
 
+def _figure(label, text):
+    """The number printed after the regex ``label`` in a row's text. "nan" and "inf" count as numbers: a
+    diverged run prints them, and they must reach the comparison (and fail it) rather than the regex."""
+    m = re.search(label + r" ([-+]?(?:nan|inf|[0-9.e+-]+))", text)
+    assert m, f"no figure after {label!r} in {text!r}"
+    return float(m.group(1))
+
+
 def _component(row, name):
     """MiB of one component (params, grads, optimizer) from the row's memory split."""
-    m = re.search(rf"\b{name} ([0-9.e+-]+)", row["baseline"])
-    assert m, f"no {name} in {row['baseline']!r}"
-    return float(m.group(1))
+    return _figure(rf"\b{name}", row["baseline"])
 
 
 def test_rows_complete(rows):
@@ -84,8 +90,8 @@ def test_every_variant_trains_the_same_model(rows):
     for r in rows:
         if not r["case"].startswith(("scale_world", "scale_model")):
             continue
-        diff = float(re.search(r"max \|loss - \w+ loss\| ([0-9.e+-]+)", r["baseline"]).group(1))
-        fell = float(re.search(r"loss fell ([0-9.e+-]+)", r["baseline"]).group(1))
+        diff = _figure(r"max \|loss - \w+ loss\|", r["baseline"])
+        fell = _figure(r"loss fell", r["baseline"])
         assert diff < 1e-3 and fell > 1e-3, r["baseline"]
 
 

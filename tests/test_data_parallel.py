@@ -20,6 +20,7 @@ from parallel_layers.data_parallel import DataParallel, ParamAndGradBuffer, over
 from parallel_layers.data_parallel.fused_grads import grad_sink
 from parallel_layers.models import GPT, GPTConfig
 from parallel_layers.testing import cached_mesh
+from parallel_layers.testing.compare import worst
 
 SMALL = dict(vocab_size=101, n_layer=2, n_head=4, d_model=32, max_seq_len=16, dropout=0.0, bias=False)
 CAPS = dict(bucket_cap_mb=0.01, first_bucket_cap_mb=0.004)
@@ -37,7 +38,7 @@ def _rel_norm(a, b):
 
 
 def _max_param_err(ref: dict, got: dict):
-    return max((_rel_norm(got[k], v), k) for k, v in ref.items())
+    return worst((_rel_norm(got[k], v), k) for k, v in ref.items())
 
 
 def _mean_over(group, x: float) -> float:
@@ -209,7 +210,7 @@ def body_no_sync(rank, world):
     launched_in_no_sync = ddp.last_sync_timeline is not None
     _, l2 = ddp(idx[lo + half:lo + per], tgt[lo + half:lo + per])
     (l2 / 2).backward()
-    err = max((_rel_norm(p.grad, q.grad), n) for (n, p), q in zip(ddp.module.named_parameters(), dense.parameters()))
+    err = worst((_rel_norm(p.grad, q.grad), n) for (n, p), q in zip(ddp.module.named_parameters(), dense.parameters()))
     return launched_in_no_sync, err
 
 
@@ -310,7 +311,7 @@ def body_fused_writes(rank, world, tie):
             (0.5 * ddp(idx[lo + half:lo + per], tgt[lo + half:lo + per])[1]).backward()
             out.append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
         grads[fuse], writes[fuse] = out, calls
-    err = max((_rel_norm(a[n], b[n]), n) for a, b in zip(grads[True], grads[False]) for n in a)
+    err = worst((_rel_norm(a[n], b[n]), n) for a, b in zip(grads[True], grads[False]) for n in a)
     bf16 = DataParallel(GPT(cfg).to(torch.bfloat16), group)
     copied = copy.deepcopy(ddp.module)            # e.g. an EMA copy: plain autograd, its own .grad
     copied(idx, tgt)[1].backward()
@@ -356,9 +357,9 @@ def body_stale_slices(rank, world):
             (w * dense(idx[sl], tgt[sl], use_extra=use)).backward()
         return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in dense.named_parameters()}
 
-    def worst(ref):
+    def worst_grad(ref):
         got = {n: p.main_grad for n, p in ddp.module.named_parameters()}
-        return max((_rel_norm(got[n], r) if r.norm() > 0 else got[n].abs().max().item(), n) for n, r in ref.items())
+        return worst((_rel_norm(got[n], r) if r.norm() > 0 else got[n].abs().max().item(), n) for n, r in ref.items())
 
     out = {}
     # 1. synced backward; the extra layer is used on rank 1 only (zeros on rank 0 count, scaled by 1/world)
@@ -366,7 +367,7 @@ def body_stale_slices(rank, world):
     assert all(p.grad is None for p in ddp.module.parameters())
     ddp(idx[lo:lo + per], tgt[lo:lo + per], use_extra=rank == 1).backward()
     ref = dense_grads(*[(slice(r * per, (r + 1) * per), r == 1, 1.0 / world) for r in range(world)])
-    out["unused_on_one_rank"] = worst(ref)
+    out["unused_on_one_rank"] = worst_grad(ref)
     # 2. no_sync micro-batch without the extra layer, then a synced one with it
     poison_and_clear()
     with ddp.no_sync():
@@ -377,7 +378,7 @@ def body_stale_slices(rank, world):
     for r in range(world):
         parts += [(slice(r * per, r * per + half), False, 0.5 / world),
                   (slice(r * per + half, (r + 1) * per), True, 0.5 / world)]
-    out["no_sync_then_sync"] = worst(dense_grads(*parts))
+    out["no_sync_then_sync"] = worst_grad(dense_grads(*parts))
     # 3. a user-assigned .grad (added to, scaled at launch) beside landed gradients (scaled when written)
     poison_and_clear()
     head = ddp.module.gpt.blocks[-1].mlp.fc2.weight
@@ -385,7 +386,7 @@ def body_stale_slices(rank, world):
     ddp(idx[lo:lo + per], tgt[lo:lo + per]).backward()
     ref = dense_grads(*[(slice(r * per, (r + 1) * per), False, 1.0 / world) for r in range(world)])
     ref["gpt.blocks.1.mlp.fc2.weight"] += 1.0
-    out["user_grad_mixed_bucket"] = worst(ref)
+    out["user_grad_mixed_bucket"] = worst_grad(ref)
     # 4. sync_gradients() right after zero_grad(): every gradient is zero
     poison_and_clear()
     ddp.sync_gradients()
@@ -420,18 +421,18 @@ def body_bf16_bound(rank, world):
     torch.manual_seed(0)
     local = GPT(cfg)
     local(*mine)[1].backward()
-    worst = 0.0
+    ratios = []
     for n, p in local.named_parameters():
         s = p.grad.abs() / world
         dist.all_reduce(s, group=group)
         bound = world * 2.0 ** -8 * s * 1.001 + 1e-30
-        worst = max(worst, ((got[torch.bfloat16][n] - got[None][n]).abs() / bound).max().item())
-    return worst
+        ratios.append(((got[torch.bfloat16][n] - got[None][n]).abs() / bound).max().item())
+    return worst(ratios)
 
 
 def test_bf16_communication_within_rounding_bound(dist_pools):
-    for rank, worst in enumerate(dist_pools(2).run(body_bf16_bound)):
-        assert worst <= 1.0, f"rank {rank}: bf16-communicated gradient exceeds the bound by {worst:.2f}x"
+    for rank, ratio in enumerate(dist_pools(2).run(body_bf16_bound)):
+        assert ratio <= 1.0, f"rank {rank}: bf16-communicated gradient exceeds the bound by {ratio:.2f}x"
 
 
 # ---------------------------------------------------------------------- wrap-time broadcast, buffer layout
@@ -491,7 +492,8 @@ def body_reduce_scatter(rank, world, rebuild):
     ar = DataParallel(GPT(cfg), group, reduce_op="all_reduce", rebuild_bucket_order=False, **CAPS)
     torch.manual_seed(0)
     rs = DataParallel(GPT(cfg), group, reduce_op="reduce_scatter", rebuild_bucket_order=rebuild, **CAPS)
-    out = dict(err=0.0, shard_err=0.0, versions=[], early=[])
+    out = dict(versions=[], early=[])
+    errs, shard_errs = [], []
     for idx, tgt in _batches(2, cfg):
         for m in (ar, rs):
             m.zero_grad()
@@ -500,12 +502,13 @@ def body_reduce_scatter(rank, world, rebuild):
         for b in rs.buffer.buckets:
             shard = rs.bucket_grad_shard(b)
             s0, s1 = b.shard_range(rank)
-            out["shard_err"] = max(out["shard_err"], (shard - b.grad_data[s0:s1]).abs().max().item())
+            shard_errs.append((shard - b.grad_data[s0:s1]).abs().max().item())
             for p, start_p, start_s, n in b.param_shard_overlaps(rank):
                 want = ref[id(p)].reshape(-1)[start_p:start_p + n]
-                out["err"] = max(out["err"], (shard[start_s:start_s + n] - want).abs().max().item())
+                errs.append((shard[start_s:start_s + n] - want).abs().max().item())
         out["versions"].append(rs.layout_version)
         out["early"].append(overlap_report(rs.last_sync_timeline)["launched_before_backward_end"])
+    out["err"], out["shard_err"] = worst(errs), worst(shard_errs)
     out["layout"] = [rs._names[id(p)] for b in rs.buffer.buckets for p in b.params]
     out["arrival"] = rs.last_sync_timeline["arrival"]
     return out

@@ -1,5 +1,7 @@
 """Faults in real processes: a rank that stops answering (SIGSTOP: hung, not dead) makes every other rank of
-a 3D run fail within the mesh's timeout, not gloo's 30-minute default."""
+a 3D run fail within the mesh's timeout, not gloo's 30-minute default, and a failed collective names its
+operation and process group (gloo's own text names neither)."""
+import datetime
 import os
 import signal
 import subprocess
@@ -57,3 +59,45 @@ def test_a_stopped_rank_fails_the_others_within_the_mesh_timeout():
         assert res["error"] is not None, f"rank {rank} finished a step without rank 3"
         assert "timed out" in res["error"].lower(), (rank, res["error"])
         assert res["seconds"] < min(TIMEOUT_S + SLACK_S, STOP_S), (rank, res)
+    # Grid (pp, dp, tp) = (2, 2, 1): dp groups [0, 1] and [2, 3]. Rank 2 waits on rank 3 in its gradient
+    # reduction; rank 0 on rank 1, itself stuck on a pipeline receive from rank 3 (that one is
+    # point-to-point, not a collective). The collective's error names the operation and the group.
+    for rank, dp_ranks in ((0, [0, 1]), (2, [2, 3])):
+        want = (f"reduce_scatter_dim0 (SUM) over ParallelMesh dp group {dp_ranks} (ranks {dp_ranks}, "
+                f"timeout {TIMEOUT_S:g} s) failed: ")
+        assert want in out[rank]["error"], (rank, out[rank]["error"])
+
+
+class _TimedOutWork:
+    def wait(self, timeout=None):
+        raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+
+    def is_completed(self):
+        return True
+
+
+def test_collective_errors_describe_groups_without_a_description():
+    """A group c10d never named nor registered (the NCCL-rules backend's, made by hand) is still described
+    by its backend, size and timeout; the backend's error is kept as the cause."""
+    from parallel_layers.distributed.collectives import NamedWork, describe_group
+    from parallel_layers.testing.nccl_rules import NcclRulesGroup
+
+    group = NcclRulesGroup(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
+    assert describe_group(group) == "an unnamed nccl_rules group (ranks unknown, size 1, timeout 5 s)"
+    with pytest.raises(RuntimeError) as info:
+        NamedWork(_TimedOutWork(), "all_reduce", group, dist.ReduceOp.MAX).wait()
+    assert str(info.value) == ("all_reduce (MAX) over an unnamed nccl_rules group (ranks unknown, size 1, "
+                               "timeout 5 s) failed: Timed out waiting 3000ms for recv operation to complete")
+    assert "Timed out" in str(info.value.__cause__)
+
+
+def body_describe(rank, world):
+    from parallel_layers.distributed.collectives import describe_group
+    unnamed = dist.new_group(timeout=datetime.timedelta(seconds=7))
+    return describe_group(None), describe_group(dist.group.WORLD), describe_group(unnamed)
+
+
+def test_collective_errors_describe_the_world_and_unnamed_groups(dist_pools):
+    for world, world_again, unnamed in dist_pools(2, "gloo").run(body_describe):
+        assert world == world_again == "the world group (ranks [0, 1], timeout 60 s)", world
+        assert unnamed == "an unnamed gloo group (ranks [0, 1], timeout 7 s)", unnamed

@@ -19,6 +19,7 @@ import torch
 
 from parallel_layers.models import GPT, GPTConfig
 from parallel_layers.testing import cached_mesh
+from parallel_layers.testing.compare import worst
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 SMALL = dict(vocab_size=101, n_layer=2, n_head=4, d_model=32, max_seq_len=16, dropout=0.0)
@@ -47,8 +48,7 @@ def _max_rel(full: dict, ref: dict, metric=_rel, select=None) -> tuple:
     if select is not None:
         full = {k: select(k, v) for k, v in full.items()}
         ref = {k: select(k, v) for k, v in ref.items()}
-    worst = max(full, key=lambda k: metric(full[k], ref[k]))
-    return metric(full[worst], ref[worst]), worst
+    return worst((metric(full[k], ref[k]), k) for k in full)
 
 
 def body_parity(rank, world, tp, overrides, dtype, steps=5, seed=7):

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from parallel_layers.testing import cached_mesh
+from parallel_layers.testing.compare import worst
 
 pytest.importorskip("transformers")
 
@@ -65,7 +66,7 @@ def body_llama(rank, world, kv_heads, attn_impl):
     grads = gather_dense_state_dict(model, grads=True)
     ref_grads = {n: p.grad for n, p in dense.named_parameters()}
     assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
-    grad_err = max((_rel(grads[n], ref_grads[n]), n) for n in grads)
+    grad_err = worst((_rel(grads[n], ref_grads[n]), n) for n in grads)
     params = gather_dense_state_dict(model)
     param_equal = all(torch.equal(params[n], t) for n, t in dense.state_dict().items())
     local_q = model.model.layers[0].self_attn.q_proj.weight.shape
@@ -156,10 +157,10 @@ def _compare_after_steps(dense, model, idx):
     out.loss.backward()
     out_ref.loss.backward()
     grads = gather_dense_state_dict(model, grads=True)
-    grad_err = max((_rel(grads[n], p.grad), n) for n, p in dense.named_parameters())
+    grad_err = worst((_rel(grads[n], p.grad), n) for n, p in dense.named_parameters())
     losses = _train_both(dense, model, idx)
     params = gather_dense_state_dict(model)
-    param_err = max((_rel(params[n], t), n) for n, t in dense.state_dict().items() if t.is_floating_point())
+    param_err = worst((_rel(params[n], t), n) for n, t in dense.state_dict().items() if t.is_floating_point())
     return dict(logits_err=_rel(out.logits, out_ref.logits), grad_err=grad_err, losses=losses, param_err=param_err)
 
 

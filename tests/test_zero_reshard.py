@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from parallel_layers.testing import WorkerPool, cached_mesh
+from parallel_layers.testing.compare import worst
 
 # bias=False: see tests/test_zero.py (the key bias's gradient is rounding noise that Adam amplifies)
 CFG = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32, max_seq_len=16, bias=False)
@@ -93,8 +94,8 @@ def test_zero_state_resumes_at_another_dp_size(dist_pools, tmp_path, stage, save
         resumed = pool.run(body_resume, stage, path, timeout=120)
     ref = _reference()
     for r, params in enumerate(resumed):
-        worst = max((_rel(params[k], v), k) for k, v in ref.items())
-        assert worst[0] < 1e-5, (r, worst)
+        err, name = worst((_rel(params[k], v), k) for k, v in ref.items())
+        assert err < 1e-5, (r, name, err)
 
 
 def test_load_full_state_dict_names_what_is_missing(dist_pools, tmp_path):

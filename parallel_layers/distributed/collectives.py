@@ -7,14 +7,22 @@ old names. Gloo (CPU) and NCCL (GPU) both run these paths.
 All functions gather/scatter along dim 0 of contiguous tensors; callers move other dims first.
 On gloo (CPU) reduce-scatter and all-gather run as a ring of sends and receives (:mod:`.ring`): gloo only
 emulates them, with full-size collectives. They return the same ``(out, work)``.
+
+Failures: a collective that fails (a peer timed out, hung or died) raises ``RuntimeError("<op> over <group>
+(ranks ..., timeout ...) failed: <the backend's error>")``, from the backend's error; an async one raises
+so from ``work.wait()``. The backends' own text (gloo: "Timed out waiting 3000ms for recv") names neither
+the group nor the operation, and a rank is in several groups at once. The description is built only when
+something failed: the success path adds a ``try`` and, for ``async_op=True``, one small wrapper object.
 """
 from __future__ import annotations
 
+import datetime
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from ..mesh import group_timeout
 from . import ring
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -29,11 +37,101 @@ def rank(group) -> int:
     return 0 if group is None and not dist.is_initialized() else dist.get_rank(group)
 
 
+# ----------------------------------------------------------------------------------------- failures
+_RANKS_SHOWN = 16     # a group's ranks listed in full up to this many; beyond, the first ones and the count
+
+
+def _ranks_text(group) -> str:
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - a group c10d does not know (made by hand): its size still tells
+        return f"ranks unknown, size {group.size()}"
+    if len(ranks) <= _RANKS_SHOWN:
+        return f"ranks {ranks}"
+    return f"ranks [{', '.join(map(str, ranks[:_RANKS_SHOWN]))}, ...] ({len(ranks)} ranks)"
+
+
+def _timeout_text(group) -> str:
+    timeout: Optional[datetime.timedelta] = group_timeout(group)
+    return "timeout unknown" if timeout is None else f"timeout {timeout.total_seconds():g} s"
+
+
+def _group_name(group) -> str:
+    """The group's ``group_desc`` (``ParallelMesh`` sets one per group), else what kind of group it is."""
+    if dist.is_initialized() and group is dist.distributed_c10d._get_default_group():
+        return "the world group"
+    desc = getattr(group, "group_desc", None)        # a Python group may never have been given one
+    if desc and desc not in ("undefined", "default_pg"):
+        return desc
+    try:
+        backend = dist.get_backend(group)
+    except Exception:  # noqa: BLE001 - a group c10d does not know
+        backend = group.name() if hasattr(group, "name") else type(group).__name__
+    return f"an unnamed {backend} group"
+
+
+def describe_group(group) -> str:
+    """``group`` for an error message: e.g. "ParallelMesh dp group [0, 1] (ranks [0, 1], timeout 3 s)".
+    None is the world group. Never raises: it runs while another error is on its way up."""
+    if group is None:
+        if not dist.is_initialized():
+            return "the world group (torch.distributed not initialised)"
+        group = dist.distributed_c10d._get_default_group()
+    try:
+        return f"{_group_name(group)} ({_ranks_text(group)}, {_timeout_text(group)})"
+    except Exception as exc:  # noqa: BLE001 - the original error matters more than this description
+        return f"{type(group).__name__} group (not describable: {exc})"
+
+
+def _failure(what: str, group, exc: BaseException, op=None) -> RuntimeError:
+    """The error to raise ``from exc``: the operation and the group it ran over, then the backend's text."""
+    if op is not None:
+        what = f"{what} ({getattr(op, 'name', op)})"
+    return RuntimeError(f"{what} over {describe_group(group)} failed: {exc}")
+
+
+class NamedWork:
+    """What an ``async_op=True`` collective returns: the backend's work, whose ``wait()`` failure is
+    re-raised naming the operation and the group (see the module docstring)."""
+
+    __slots__ = ("work", "what", "group", "op")
+
+    def __init__(self, work, what: str, group, op=None):
+        self.work, self.what, self.group, self.op = work, what, group, op
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        try:
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+        except RuntimeError as exc:
+            raise _failure(self.what, self.group, exc, self.op) from exc
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def __getattr__(self, name):       # anything else a backend's work offers (get_future, ...)
+        if name in NamedWork.__slots__:  # not set yet (a copy being built): no recursion into self.work
+            raise AttributeError(name)
+        return getattr(self.work, name)
+
+
+def _named(work, what: str, group, op=None):
+    return None if work is None else NamedWork(work, what, group, op)
+
+
+# ----------------------------------------------------------------------------------------- collectives
+# Only RuntimeError is re-raised with the group: it is what c10d raises when a peer fails or times out
+# (DistBackendError and friends derive from it); ValueError / TypeError are about the arguments and
+# already say what is wrong with them.
+
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place sum (or ``op``) over ``group``; a no-op for a group of one."""
     if world_size(group) == 1:
         return None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    try:
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    except RuntimeError as exc:
+        raise _failure("all_reduce", group, exc, op) from exc
+    return _named(work, "all_reduce", group, op) if async_op else work
 
 
 def all_gather_dim0(tensor: torch.Tensor, group, out: Optional[torch.Tensor] = None,
@@ -47,11 +145,14 @@ def all_gather_dim0(tensor: torch.Tensor, group, out: Optional[torch.Tensor] = N
     if n == 1:
         out.copy_(tensor)
         return (out, None) if async_op else out
-    if ring.applies(tensor, group):
-        work = ring.all_gather(out, tensor, group, async_op=async_op)
-    else:
-        work = _all_gather_flat(out, tensor, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+    try:
+        if ring.applies(tensor, group):
+            work = ring.all_gather(out, tensor, group, async_op=async_op)
+        else:
+            work = _all_gather_flat(out, tensor, group=group, async_op=async_op)
+    except RuntimeError as exc:
+        raise _failure("all_gather_dim0", group, exc) from exc
+    return (out, _named(work, "all_gather_dim0", group)) if async_op else out
 
 
 def reduce_scatter_dim0(tensor: torch.Tensor, group, out: Optional[torch.Tensor] = None,
@@ -68,15 +169,21 @@ def reduce_scatter_dim0(tensor: torch.Tensor, group, out: Optional[torch.Tensor]
     if n == 1:
         out.copy_(tensor)
         return (out, None) if async_op else out
-    if ring.applies(tensor, group, op):
-        work = ring.reduce_scatter(out, tensor, group, async_op=async_op)
-    else:
-        work = _reduce_scatter_flat(out, tensor, op=op, group=group, async_op=async_op)
-    return (out, work) if async_op else out
+    try:
+        if ring.applies(tensor, group, op):
+            work = ring.reduce_scatter(out, tensor, group, async_op=async_op)
+        else:
+            work = _reduce_scatter_flat(out, tensor, op=op, group=group, async_op=async_op)
+    except RuntimeError as exc:
+        raise _failure("reduce_scatter_dim0", group, exc, op) from exc
+    return (out, _named(work, "reduce_scatter_dim0", group, op)) if async_op else out
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group):
     if world_size(group) == 1:
         return tensor
-    dist.broadcast(tensor, group_src=src_group_rank, group=group)
+    try:
+        dist.broadcast(tensor, group_src=src_group_rank, group=group)
+    except RuntimeError as exc:
+        raise _failure(f"broadcast from group rank {src_group_rank}", group, exc) from exc
     return tensor

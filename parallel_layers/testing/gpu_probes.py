@@ -16,6 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .compare import worst
+
 # fp32: ours and the reference differ by summation order only (Triton's tiles against cuBLAS's, the fused
 # AdamW's one pass against torch's foreach); bf16: both round every activation to 8 significant bits, so
 # the per-step loss may differ by a few bf16 ulps (2^-8 ~ 4e-3) after 5 steps of drift.
@@ -49,7 +51,7 @@ def training_parity(device: torch.device, precision: str, steps: int = 5) -> flo
             opt.zero_grad()
             losses[which].append(loss.item())
     os.environ.pop("PARALLEL_LAYERS_BACKEND", None)
-    return max(abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["torch"]))
+    return worst(abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["torch"]))
 
 
 def _nccl_self(rank: int, world: int, port: int) -> None:
@@ -92,10 +94,10 @@ def _gloo_dp(rank: int, world: int, port: int, device_type: str) -> None:
         xr = torch.randn(16, 32, generator=torch.Generator().manual_seed(r)).to(device)
         dense(xr).square().mean().backward()
         grads.append([p.grad for p in dense.parameters()])
-    worst = max(((p.grad - sum(gs) / world).abs().max() / (sum(gs) / world).abs().max()).item()
+    err = worst(((p.grad - sum(gs) / world).abs().max() / (sum(gs) / world).abs().max()).item()
                 for p, *gs in zip(net.parameters(), *grads))
-    assert worst < 1e-5, worst
-    print(f"rank {rank}: DataParallel over gloo with {device} tensors: averaged gradients match (rel {worst:.1e})")
+    assert err < 1e-5, err
+    print(f"rank {rank}: DataParallel over gloo with {device} tensors: averaged gradients match (rel {err:.1e})")
     dist.destroy_process_group()
 
 
