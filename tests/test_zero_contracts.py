@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel_layers.testing import cached_mesh
+from parallel_layers.testing.compare import worst
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 VOCAB, D, B, T = 11, 16, 8, 4
@@ -90,7 +91,7 @@ def _mean_loss(loss, group, world):
 
 
 def _max_diff(full, ref):
-    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return worst((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
 
 
 def _local(t, rank, world):
@@ -123,7 +124,7 @@ def body_schedulers(rank, world, stage):
             loss.backward()
             opt.step()
             opt.zero_grad()
-            loss_err = max(loss_err, abs(_mean_loss(loss, cached_mesh(dp=world).dp_group, world) - loss_ref.item()))
+            loss_err = worst([loss_err, abs(_mean_loss(loss, cached_mesh(dp=world).dp_group, world) - loss_ref.item())])
             lrs.append(([g["lr"] for g in opt.param_groups], [g["lr"] for g in ref_opt.param_groups]))
             for s in scheds:
                 s.step()
@@ -299,7 +300,7 @@ def body_clip_all_reduce(rank, world):
         ref_opt.zero_grad()
         dp(_local(x, rank, world), _local(y, rank, world)).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item()
-        norm_err = max(norm_err, abs(norm - ref_norm) / ref_norm)
+        norm_err = worst([norm_err, abs(norm - ref_norm) / ref_norm])
         opt.step()
         opt.zero_grad()
     return norm_err, _max_diff(_full(dp, model, 1), ref)
