@@ -41,6 +41,7 @@ import torch
 
 from .cpu_affinity import available_cores, bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
+from .testing.compare import worst as worst_error
 from .testing.workers import free_port
 
 FP32_RTOL = 1e-4          # per-step relative loss agreement in fp32 (rounding only)
@@ -409,10 +410,9 @@ def relative_difference(got: float, want: float) -> float:
 
 
 def within_tolerance(diffs: Sequence[float], tol: float) -> Tuple[bool, float]:
-    """``(every difference <= tol, the worst)``; the worst is NaN if any difference is (Python's ``max``
-    returns a NaN only when it comes first, so it is not used alone), and a NaN never passes."""
-    worst = math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
-    return all(d <= tol for d in diffs), worst
+    """``(every difference <= tol, the worst)``; the worst is NaN if any difference is
+    (:func:`~parallel_layers.testing.compare.worst`), and a NaN never passes."""
+    return all(d <= tol for d in diffs), (worst_error(diffs) if diffs else 0.0)
 
 
 def _not_finite_text(first_step: int, losses, ref_losses, val, ref_val) -> str:

@@ -59,6 +59,7 @@ from .distributed import collectives as C
 from .mesh import ParallelMesh
 from .models.gpt import GPTConfig
 from .pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
+from .pipeline.stage import sum_tied_grads
 from .pipeline.timeline import draw
 from .zero.optimizer import ZeroOptimizer
 from .zero.stage3 import ZeroStage3
@@ -199,10 +200,7 @@ class Parallel3D:
         except BaseException:
             self.z.release_gathered()                # no collective: the other ranks may never get there
             raise
-        for p in self._tied_params:                  # first and last stage: sum the tied (full) gradients
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, self.tied_group)
+        sum_tied_grads(self._tied_params, self.tied_group)   # first and last stage: the tied (full) gradients
         self.z.reduce_scatter_and_free()             # once per step, over dp; reshard
         norm, coef = self._clip()
         self.optimizer.step(clip_coef=coef)

@@ -168,7 +168,7 @@ def body_gpt2(rank, world, attn_impl):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from parallel_layers.tensor_parallel.parallelize import parallelize
+    from parallel_layers.tensor_parallel.parallelize import gpt2_plan, parallelize
 
     mesh = cached_mesh(tp=world)
     cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,
@@ -176,13 +176,7 @@ def body_gpt2(rank, world, attn_impl):
     torch.manual_seed(0)
     dense = GPT2LMHeadModel(cfg).to(torch.float64)
     assert dense.lm_head.weight is dense.transformer.wte.weight
-    d = cfg.n_embd
-    plan = {"transformer.wte": "vocab", "lm_head": {"style": "colwise", "gather_output": True},
-            "transformer.h.*.attn.c_attn": {"style": "colwise", "sections": [d, d, d]},
-            "transformer.h.*.attn": {"style": "divide", "attrs": ["split_size", "num_heads", "embed_dim"]},
-            "transformer.h.*.attn.c_proj": "rowwise",
-            "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
-    model = parallelize(copy.deepcopy(dense), mesh, plan)
+    model = parallelize(copy.deepcopy(dense), mesh, gpt2_plan(cfg.n_embd))
     tied = model.lm_head.weight is model.transformer.wte.weight
     idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     res = _compare_after_steps(dense, model, idx)

@@ -63,6 +63,12 @@ def _groups(named, lr=LR):
             {"params": rest, "weight_decay": 0.0, "lr": lr * 0.5, "betas": (0.8, 0.99), "eps": 1e-6}]
 
 
+def _torch_adamw(ref):
+    """The oracle: torch AdamW over the single-process model, with the same groups."""
+    return torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                             foreach=False)
+
+
 def _wrap(model, stage, world, find_unused=False, cap=0.001):
     """(wrapper, make_optimizer(params)); cap: small buckets (several runs and bucket edges in a shard)."""
     from parallel_layers.data_parallel.ddp import DataParallel
@@ -107,8 +113,7 @@ def body_schedulers(rank, world, stage):
         ref = copy.deepcopy(model)
         wrapper, make = _wrap(model, stage, world)
         opt = make(_groups(list(model.named_parameters())))
-        ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR, betas=BETAS, eps=EPS,
-                                    weight_decay=WD, foreach=False)
+        ref_opt = _torch_adamw(ref)
         if kind == "lambda":     # a lambda per group: the groups' learning rates differ at every step
             lambdas = [lambda s: 1.0 / (s + 1), lambda s: 0.8 ** s]
             scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambdas) for o in (opt, ref_opt)]
@@ -157,8 +162,7 @@ def body_untouched(rank, world, stage):
     ref = copy.deepcopy(model)
     wrapper, make = _wrap(model, stage, world, find_unused=True)
     opt = make(_groups(list(model.named_parameters())))
-    ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR, betas=BETAS, eps=EPS,
-                                weight_decay=WD, foreach=False)
+    ref_opt = _torch_adamw(ref)
     start = _full(wrapper, model, stage)
     opt.step()                                         # no backward at all: torch's AdamW does nothing
     opt.zero_grad()
@@ -214,8 +218,7 @@ def body_clip(rank, world, stage):
     ref = copy.deepcopy(model)
     wrapper, make = _wrap(model, stage, world)
     opt = make(_groups(list(model.named_parameters())))
-    ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR, betas=BETAS, eps=EPS,
-                                weight_decay=WD, foreach=False)
+    ref_opt = _torch_adamw(ref)
     norms, errors = [], []
     for i, (x, y) in enumerate(_data()):
         ref(x, y).backward()
@@ -290,8 +293,7 @@ def body_clip_all_reduce(rank, world):
                       first_bucket_cap_mb=0.001)
     opt = ZeroOptimizer(dp, _groups(list(model.named_parameters())), stage=1, lr=LR, betas=BETAS, eps=EPS,
                         weight_decay=WD)
-    ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR, betas=BETAS, eps=EPS,
-                                weight_decay=WD, foreach=False)
+    ref_opt = _torch_adamw(ref)
     norm_err = 0.0
     for x, y in _data():
         ref(x, y).backward()
@@ -321,8 +323,7 @@ def body_no_sync(rank, world, micro):
     z = ZeroStage3(model, cached_mesh(dp=world).dp_group)
     opt = ZeroStage3Optimizer(z, _groups(list(model.named_parameters())), lr=LR, betas=BETAS, eps=EPS,
                               weight_decay=WD)
-    ref_opt = torch.optim.AdamW(_groups(list(ref.named_parameters())), lr=LR, betas=BETAS, eps=EPS,
-                                weight_decay=WD, foreach=False)
+    ref_opt = _torch_adamw(ref)
     reduces = []
     for x, y in _data():
         ref(x, y).backward()

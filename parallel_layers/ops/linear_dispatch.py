@@ -25,6 +25,7 @@ The Triton kernel's own config choice is cached on disk by Triton (``cache_resul
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -88,9 +89,7 @@ class BackendChooser:
     def key(x, weight, bias, activation, out_dtype, save_pre) -> str:
         m, k = x.shape
         n = weight.shape[0]
-        name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
-        versions = f"torch {torch.__version__} triton {_triton_version()}"
-        return (f"{name} | {versions} | {str(x.dtype)[6:]}->{str(out_dtype or x.dtype)[6:]} | act {activation} | "
+        return (f"{_machine(x.device)} | {str(x.dtype)[6:]}->{str(out_dtype or x.dtype)[6:]} | act {activation} | "
                 f"bias {bias is not None} | pre {save_pre} | M<={_next_pow2(m)} N={n} K={k}")
 
     def choose(self, x, weight, bias, activation, out_dtype, save_pre,
@@ -155,12 +154,17 @@ def _reason(entry: dict) -> str:
             f"torch {entry.get('torch_ms', float('nan')):.4g} ms")
 
 
-def _triton_version() -> str:
+@functools.lru_cache(maxsize=None)
+def _machine(device: torch.device) -> str:
+    """What a measurement depends on besides the shape: the GPU and the library versions (once per
+    device: the key is built on every automatic CUDA call)."""
     try:
         import triton
-        return triton.__version__
+        triton_version = triton.__version__
     except ImportError:
-        return "none"
+        triton_version = "none"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"{name} | torch {torch.__version__} triton {triton_version}"
 
 
 _chooser: Optional[BackendChooser] = None

@@ -30,8 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..distributed import collectives as C
-from .stage import partition_layers, stage_ids
+from .stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
 
 
 def _get(model: nn.Module, dotted: str) -> Optional[nn.Module]:
@@ -152,10 +151,7 @@ class ModelStage(nn.Module):
 
     def finish_grads(self) -> None:
         """After backward: the tied weights' gradients summed over the first and last stage."""
-        for p in self.tied:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, self.tied_group)
+        sum_tied_grads(self.tied, self.tied_group)
 
 
 def _tied_between(model: nn.Module, recipe: Recipe) -> List[nn.Parameter]:
@@ -199,9 +195,7 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     for name in (() if has_last else recipe.last):
         _set(model, name, None)
     if tied and (has_first or has_last):
-        with torch.no_grad():
-            for p in tied:
-                C.broadcast(p, 0, tied_group)   # start as the first stage's (group rank 0)
+        start_tied_equal(tied, tied_group)
         holder = next(st for st in stages if st.is_first or st.is_last)
         holder.tied = tied
     return stages

@@ -126,10 +126,24 @@ class GPTStage(nn.Module):
             from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
             allreduce_sequence_parallel_grads(self, self.tp_group)
         if self.tied_group is not None and hasattr(self, "wte") and self.config.tie_embeddings:
-            w = self.wte.weight
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            C.all_reduce(w.grad, self.tied_group)
+            sum_tied_grads([self.wte.weight], self.tied_group)
+
+
+def start_tied_equal(params, tied_group) -> None:
+    """Weights tied between the first and last stage start as the first stage's (group rank 0), even on
+    ranks seeded differently; :func:`sum_tied_grads` keeps them equal from then on."""
+    with torch.no_grad():
+        for p in params:
+            C.broadcast(p, 0, tied_group)
+
+
+def sum_tied_grads(params, tied_group) -> None:
+    """Sum the tied weights' gradients over the first and last stage (a missing one counts as zero: one
+    end may not have used the weight this step)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        C.all_reduce(p.grad, tied_group)
 
 
 def tied_embedding_group(pp_group, timeout=None):
@@ -219,13 +233,11 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     if has_first and has_last:
         tied_group = None                    # one rank holds both ends: they share the module
     if tied_group is not None and config.tie_embeddings:
-        # The two copies of the tied embedding start as the first stage's, even on ranks seeded
-        # differently (finish_grads keeps them equal from then on).
-        with torch.no_grad():
-            C.broadcast(wte.weight, 0, tied_group)
+        start_tied_equal([wte.weight], tied_group)
     return [GPTStage(config, s, S, ranges[s], tp, modules, checkpoint=checkpoint,
                      tied_group=tied_group if (s in (0, S - 1)) else None) for s in mine]
 
 
 __all__ = ["partition_layers", "stage_ids", "GPTStage", "build_gpt_stages", "tied_embedding_group",
+           "start_tied_equal", "sum_tied_grads",
            "checkpointed"]

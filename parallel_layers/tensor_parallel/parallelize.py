@@ -34,14 +34,7 @@ layer's ``from_dense`` (``sequence_parallel``, ``activation``, ``input_is_parall
   ``{"style": "divide", "attrs": ["split_size", "num_heads", "embed_dim"]}``.
 
 Hugging Face's ``Conv1D`` (GPT-2's linears, weight stored ``[in, out]``) is taken wherever ``nn.Linear``
-is. A GPT-2 plan::
-
-    d = config.n_embd
-    plan = {"transformer.wte": "vocab", "lm_head": {"style": "colwise", "gather_output": True},
-            "transformer.h.*.attn.c_attn": {"style": "colwise", "sections": [d, d, d]},
-            "transformer.h.*.attn": {"style": "divide", "attrs": ["split_size", "num_heads", "embed_dim"]},
-            "transformer.h.*.attn.c_proj": "rowwise",
-            "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+is. :func:`gpt2_plan` is the whole plan for ``GPT2LMHeadModel`` (attention, MLP, tied head).
 
 Tied weights stay tied: parameters shared by several modules (``lm_head.weight is
 embed_tokens.weight``) are split alike and stay one ``Parameter`` on every rank (the vocabulary
@@ -240,6 +233,18 @@ def parallelize(model: nn.Module, mesh: Union[ParallelMesh, "dist.ProcessGroup"]
     return model
 
 
+def gpt2_plan(n_embd: int) -> Dict[str, Union[str, dict]]:
+    """The plan for Hugging Face ``GPT2LMHeadModel`` (``n_embd``: ``config.n_embd``): the fused ``c_attn``
+    split per q/k/v section, the attention's split size and head count made local, the MLP and
+    attention output row-wise, the tied embedding and head over the vocabulary."""
+    d = n_embd
+    return {"transformer.wte": "vocab", "lm_head": {"style": "colwise", "gather_output": True},
+            "transformer.h.*.attn.c_attn": {"style": "colwise", "sections": [d, d, d]},
+            "transformer.h.*.attn": {"style": "divide", "attrs": ["split_size", "num_heads", "embed_dim"]},
+            "transformer.h.*.attn.c_proj": "rowwise",
+            "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
 def _gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     if C.world_size(group) == 1:
         return t.clone()
@@ -297,4 +302,4 @@ def gather_dense_state_dict(model: nn.Module, *, grads: bool = False) -> Dict[st
     return out
 
 
-__all__ = ["parallelize", "gather_dense_state_dict", "tp_partitions", "gather_partition"]
+__all__ = ["parallelize", "gpt2_plan", "gather_dense_state_dict", "tp_partitions", "gather_partition"]
