@@ -161,7 +161,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
             torch.manual_seed(0)
             chunks = build_gpt_stages(cfg, rank, world, num_chunks=v)
             variants[f"ours_{sched}"] = (PipelineEngine(chunks, group, schedule=sched, num_microbatches=m,
-                                                        record_timeline=True, broadcast_loss=False), chunks)
+                                                        broadcast_loss=False), chunks)
             torch.manual_seed(0)
             tchunks = build_gpt_stages(cfg, rank, world, num_chunks=v)
             stages = [PipelineStage(TorchChunk(c), c.stage_index, world * v, torch.device("cpu"), group=group)

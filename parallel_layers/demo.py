@@ -269,7 +269,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     model = Parallel3D(model_config(args), mesh, zero=args.zero, schedule=args.schedule,
                        num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
-                       record_timeline=True, seed=args.seed, device=device,
+                       seed=args.seed, device=device,
                        checkpoint=checkpoint_setting(args))
     start, saved, load_s = 0, [], None
     if args.load:

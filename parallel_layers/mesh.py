@@ -14,7 +14,6 @@ for half an hour whatever the world's timeout said.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import torch
@@ -22,13 +21,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 DIMS = ("pp", "dp", "tp")
-
-
-@dataclass(frozen=True)
-class MeshCoordinate:
-    pp: int
-    dp: int
-    tp: int
 
 
 Timeout = Union[datetime.timedelta, float, int]
@@ -122,10 +114,6 @@ class ParallelMesh:
         self.pp_rank = self.rank // (tp * dp)
         assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from (pp, dp, tp)"
 
-    @property
-    def coordinate(self) -> MeshCoordinate:
-        return MeshCoordinate(pp=self.pp_rank, dp=self.dp_rank, tp=self.tp_rank)
-
     def __getitem__(self, dim: str):
         """The sub-``DeviceMesh`` of one dimension (for DTensor interop), e.g. ``mesh["tp"]``."""
         return self.device_mesh[dim]
@@ -149,4 +137,4 @@ def check_group(layer: str, group, mesh: Optional[ParallelMesh] = None, dim: str
     return dist.get_world_size(group)
 
 
-__all__ = ["ParallelMesh", "MeshCoordinate", "check_group", "group_timeout"]
+__all__ = ["ParallelMesh", "check_group", "group_timeout"]

@@ -84,7 +84,7 @@ class Parallel3D:
                  num_microbatches: int = 4, num_chunks: Optional[int] = None, lr: float = 1e-3,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  max_grad_norm: Optional[float] = 1.0, dtype: torch.dtype = torch.float32,
-                 bucket_cap_mb: float = 25.0, record_timeline: bool = False, seed: int = 0,
+                 bucket_cap_mb: float = 25.0, seed: int = 0,
                  device: Optional[torch.device] = None, loss_scaler: Optional[DynamicLossScaler] = None,
                  checkpoint: Union[bool, int] = False):
         if zero not in (0, 1, 2, 3):
@@ -142,7 +142,7 @@ class Parallel3D:
         engine_chunks = [_ScaledLossStage(c, self.scaler) if (self.scaler is not None and c.is_last) else c
                          for c in self.chunks]
         self.engine = PipelineEngine(engine_chunks, mesh.pp_group, schedule=schedule,
-                                     num_microbatches=num_microbatches, record_timeline=record_timeline,
+                                     num_microbatches=num_microbatches,
                                      device=device)
 
     # ------------------------------------------------------------------ one step

@@ -47,8 +47,7 @@ def body_parity(rank, world, schedule, m, v, tie, timeline_png, dtype=torch.floa
     torch.manual_seed(0)
     chunks = build_gpt_stages(cfg, mesh.pp_rank, world, num_chunks=v, tied_group=_tied(mesh) if tie else None,
                               dtype=dtype)
-    engine = PipelineEngine(chunks, mesh.pp_group, schedule=schedule, num_microbatches=m,
-                            record_timeline=bool(timeline_png))
+    engine = PipelineEngine(chunks, mesh.pp_group, schedule=schedule, num_microbatches=m)
     loss = engine.step(idx, targets)
     errs, names = [], []
     for chunk in chunks:
@@ -163,7 +162,7 @@ def body_evaluate(rank, world, schedule, m, v, dropout):
     dense = GPT(cfg, dtype=torch.float64)
     torch.manual_seed(0)
     chunks = build_gpt_stages(cfg, mesh.pp_rank, world, num_chunks=v, tied_group=_tied(mesh), dtype=torch.float64)
-    engine = PipelineEngine(chunks, mesh.pp_group, schedule=schedule, num_microbatches=m, record_timeline=True)
+    engine = PipelineEngine(chunks, mesh.pp_group, schedule=schedule, num_microbatches=m)
     frozen = chunks[0].blocks[0]              # a user's module left in eval mode keeps it after evaluate()
     frozen.eval()
     dense.blocks[chunks[0].layer_range[0]].eval()

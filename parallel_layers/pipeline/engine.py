@@ -17,7 +17,7 @@ every chunk call as keyword arguments, so only the hidden states travel between 
 rebuilds masks and rotary tables from them, as Megatron-LM's stages do).
 Every step records this rank's timeline (compute and message waits, a few ``perf_counter`` calls per
 instruction; :meth:`gather_timeline`, :meth:`bubble_fraction`, :meth:`draw_timeline`); no barrier is
-taken for it, so ``record_timeline`` changes nothing and is kept for compatibility.
+taken for it.
 
 Receives are posted one communication step ahead of need where their shape is known (see
 :meth:`PipelineEngine._prefetch`), so a message's transfer overlaps the computation before it. The
@@ -86,7 +86,7 @@ class _StepState:
 class PipelineEngine:
     def __init__(self, chunks: Sequence[nn.Module], pp_group, *, schedule: str = "1f1b", num_microbatches: int,
                  tensor_shape: Optional[Sequence[int]] = None, broadcast_loss: bool = True,
-                 record_timeline: bool = False, device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None):
         self.chunks = list(chunks)
         if not self.chunks:
             raise ValueError("PipelineEngine: no chunks given")
@@ -99,7 +99,6 @@ class PipelineEngine:
         self.steps = build_schedule(schedule, self.p, num_microbatches, self.rank, self.v)
         self.tensor_shape = None if tensor_shape is None else tuple(int(x) for x in tensor_shape)
         self.broadcast_loss = broadcast_loss
-        self.record_timeline = record_timeline
         # the device communication buffers live on: the chunks' (NCCL moves only device tensors)
         self.device = device if device is not None else next(
             (p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
