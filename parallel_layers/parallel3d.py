@@ -1,52 +1,67 @@
-"""3D parallelism: the reference GPT over one ``ParallelMesh(dp, tp, pp)``.
+"""3D parallelism for any model: data parallel or ZeRO 0-3 x tensor parallel x pipeline, over one
+``ParallelMesh(dp, tp, pp)``.
 
-TP inside each stage (``mesh.tp_group``), the pipeline across stages (``mesh.pp_group``), and plain data
-parallelism or ZeRO stage 1/2 (or 3, below) across replicas (``mesh.dp_group``). One training step
-(:meth:`Parallel3D.train_step`):
+Two ways in, one training path:
 
-1. the pipeline schedule runs over the microbatches of this replica's slice of the batch; every
-   backward only accumulates into DataParallel's flat fp32 grad buffer (``no_sync``);
-2. tied input/output embedding gradients are summed between the first and the last stage (on the fp32
-   main grads, so it holds for bf16 models too);
-3. gradients are reduced over dp ONCE (:meth:`DataParallel.sync_gradients`: all-reduce, or
-   reduce-scatter into the ZeRO shard);
+* ``Parallel3D(config, mesh, ...)`` with a :class:`~parallel_layers.models.gpt.GPTConfig`: the reference
+  GPT, every rank building only its own stages (:func:`~parallel_layers.pipeline.build_gpt_stages`) from
+  the same seed as ``GPT(config)``;
+* ``Parallel3D(model, mesh, loss_fn=..., ...)`` with an ``nn.Module`` you built (Hugging Face
+  ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``BertForMaskedLM`` or your own), unmodified: its recipe
+  (:mod:`~parallel_layers.pipeline.recipes`: shipped for those families, ``Recipe.sequential`` for a
+  plain stack of blocks) says where the blocks are; the recipe's tensor-parallel plan (or ``tp_plan=``)
+  splits the layers over ``mesh.tp_group`` (:func:`~parallel_layers.tensor_parallel.parallelize`), and
+  :func:`~parallel_layers.pipeline.split_model` keeps this rank's stages, balanced by block count,
+  parameter count (``boundaries="parameters"``) or measured costs (``block_costs=``). Side inputs
+  (attention masks, position ids, token types) are passed to :meth:`train_step` by keyword; every stage
+  rebuilds what its blocks need from them, so one tensor travels between stages. Weights tied between
+  the first and last stage stay tied. ``loss_fn(logits, targets)`` is yours.
+
+One training step (:meth:`train_step`):
+
+1. the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved``) runs over the microbatches of this
+   replica's slice of the batch; every backward only accumulates (no reduction per microbatch);
+2. tied weight gradients are summed between the first and the last stage;
+3. gradients are reduced over dp once: all-reduce (``zero=0``), reduce-scatter into the ZeRO shard
+   (``zero=1, 2``), or, with ZeRO-3 (parameters gathered once per step and kept for every microbatch),
+   reduce-scatter of the full gradients, freeing them and the parameters;
 4. the global gradient norm (:func:`parallel_layers.amp.clip_grad_norm_`): TP shards summed over tp and
-   replicated parameters counted once, stages summed over pp, ZeRO shards summed over dp (plain DP
-   holds identical full gradients: dp is not summed), the last stage's tied embedding copy left out;
-5. the optimizer step (``torch.optim.AdamW`` for plain DP in fp32; :class:`ZeroOptimizer` otherwise,
-   which keeps fp32 master weights for bf16/fp16 models), with the clip coefficient.
+   replicated parameters counted once, stages summed over pp, ZeRO shards summed over dp, the last
+   stage's tied copy left out;
+5. the optimizer step with the clip coefficient: ``torch.optim.AdamW`` (``zero=0``),
+   :class:`~parallel_layers.zero.ZeroOptimizer` (1, 2: fp32 master weights for bf16/fp16 models) or
+   :class:`~parallel_layers.zero.ZeroStage3Optimizer` (3). Each mode is one class of
+   :mod:`parallel_layers.replicas` behind one interface.
 
-fp16 (``dtype=torch.float16``, ZeRO 1 or 2 only: it needs the fp32 master weights) adds a
-:class:`DynamicLossScaler`. On the last stage every microbatch's loss is computed in fp32 from the fp16
-logits (Megatron's default: an fp16 loss would cap ``scale / m`` at fp16's 65504 in its backward) and its
-*gradient* multiplied by the scale (:class:`_ScaledLossStage`), so the loss the engine reports stays
-unscaled. Step 4 then measures the norm of the unscaled gradients (``inv_scale``) and, in the same two
-all-reduces (over tp, dp for ZeRO shards, and pp: every group, so every rank of the mesh), agrees on
-``found_inf``. The ZeRO step divides the scale out on the fly and, when ``found_inf`` is set, leaves
-parameters, master weights, moments and step count bit-identical; ``scaler.update(found_inf)`` then backs
-off or grows the scale, the same decision on every rank since the flag is the same everywhere.
+fp16 (``dtype=torch.float16``, ZeRO 1 or 2) adds a :class:`DynamicLossScaler`: on the last stage every
+microbatch's loss is computed in fp32 from the fp16 logits and its *gradient* multiplied by the scale
+(:class:`_ScaledLossStage`), so the loss reported stays unscaled; step 4 measures the unscaled norm and
+agrees on ``found_inf`` over every group in the same all-reduces; an overflowing step leaves
+parameters, master weights, moments and step count bit-identical and the scale backs off.
+``skip_nonfinite=True`` (fp32/bf16, off by default, as Megatron-LM's check of the gradient norm): a step
+whose global gradient norm is inf or NaN is skipped on every rank, with everything left bit-identical;
+``skipped_steps`` counts them and :meth:`train_step` reports ``skipped``.
 
-ZeRO-3 (``zero=3``, fp32 only): this rank's stages are wrapped in ONE :class:`ZeroStage3` over the dp
-group, so between steps a rank holds 1/dp of its stages' parameters (``shard_buffer``), of the fp32
-gradients (the shard) and of the AdamW state (:meth:`memory_report`), and no full parameter or
-gradient. A step gathers every parameter of the stages once (:meth:`ZeroStage3.gather_all`) and keeps
-them gathered for the forward and backward of every microbatch
-(gathering per microbatch would repeat the all-gathers m times, torch issues #164756, #165467); autograd
-accumulates full-size gradients across the microbatches, the tied embedding gradients are summed between
-the first and last stage (on those full gradients, over the tied-embedding group), then
-:meth:`ZeroStage3.reduce_scatter_and_free` reduces them over dp once (averaged into the fp32 gradient
-shard) and frees the full parameters and gradients. The norm sums the shards over dp (each element once;
-the last stage's tied copy left out) and :class:`ZeroStage3Optimizer` steps the shard. The tied copies
-stay equal: both get the same summed gradient, the same clip coefficient and the same AdamW update.
+``checkpoint``: activation checkpointing, True for every block, an int ``n`` for the first ``n`` blocks
+of each stage; backward recomputes them with the forward's RNG state, so dropout masks replay exactly.
+``no_decay(name, p)``: parameters without weight decay (biases and norms: ``lambda n, p: p.ndim < 2``);
+``optimizer`` is a ``torch.optim.Optimizer`` whose groups torch LR schedulers drive.
 
-Every rank builds only its own stages (:func:`build_gpt_stages`), from the same seed as ``GPT(config)``,
-so the result matches the single-process model trained on the full batch.
+Example: Llama at dp2 x tp2 x pp2 (8 ranks) with ZeRO-1::
+
+    mesh = ParallelMesh(dp=2, tp=2, pp=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)                 # same weights on every rank
+    loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    p3d = Parallel3D(model, mesh, loss_fn=loss_fn, zero=1, schedule="1f1b", num_microbatches=4,
+                     lr=3e-4, weight_decay=0.1, no_decay=lambda n, p: p.ndim < 2)
+    out = p3d.train_step(input_ids, labels, attention_mask=mask)   # the global batch on every rank
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -54,173 +69,209 @@ import torch.nn as nn
 
 from .amp.clip import clip_grad_norm_
 from .amp.scaler import DynamicLossScaler
-from .data_parallel.ddp import DataParallel
 from .distributed import collectives as C
 from .mesh import ParallelMesh
 from .models.gpt import GPTConfig
 from .pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
-from .pipeline.stage import sum_tied_grads
+from .pipeline.any_model import split_model
+from .pipeline.recipes import Recipe, recipe_for
 from .pipeline.timeline import draw
-from .zero.optimizer import ZeroOptimizer
-from .zero.stage3 import ZeroStage3
-from .zero.stage3_optimizer import ZeroStage3Optimizer
+from .replicas import replica_mode
+
+
+def _check_modes(zero: int, dtype: torch.dtype, loss_scaler, skip_nonfinite: bool) -> None:
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"Parallel3D: zero={zero!r} must be 0 (plain data parallel), 1, 2 or 3")
+    if zero == 3 and dtype != torch.float32:
+        raise ValueError(f"Parallel3D: zero=3 supports fp32 models only (dtype={dtype}); use zero=1 or 2 for "
+                         f"bf16/fp16 (fp32 master weights, loss scaling)")
+    if zero == 0 and dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"Parallel3D: a {dtype} model needs fp32 master weights; use zero=1 or 2 "
+                         f"(ZeroOptimizer keeps them) or dtype=torch.float32")
+    if loss_scaler is not None and dtype != torch.float16:
+        raise ValueError(f"Parallel3D: a loss_scaler is for fp16 models (dtype={dtype}); bf16 and fp32 have "
+                         f"fp32's exponent range and need none (skip_nonfinite=True skips a step whose gradient "
+                         f"norm is inf/NaN)")
+    if skip_nonfinite and dtype == torch.float16:
+        raise ValueError("Parallel3D: skip_nonfinite is for fp32/bf16 runs; fp16 runs skip non-finite steps "
+                         "through their loss scaler already")
+
+
+def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, num_chunks, schedule,
+                checkpoint, dtype, device, seed):
+    torch.manual_seed(seed)
+    # build_gpt_stages draws fp16/bf16 weights in fp32 and rounds them (models/gpt.py: draw_dtype), so
+    # every dtype starts from the fp32 model's weights.
+    chunks = build_gpt_stages(config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=tp_group,
+                              require_divisible=schedule == "interleaved", checkpoint=checkpoint, dtype=dtype,
+                              device=device)
+    tied, duplicates = [], set()
+    for chunk in chunks:                  # the copies: first stage (counted in the norm), last stage (duplicate)
+        if tied_group is not None and hasattr(chunk, "wte"):
+            tied.append(chunk.wte.weight)
+            if not chunk.is_first:
+                duplicates.add(id(chunk.wte.weight))
+    return chunks, tied, duplicates
+
+
+def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_plan, loss_fn, num_chunks,
+                  boundaries, block_costs, checkpoint):
+    if loss_fn is None:
+        raise ValueError(f"Parallel3D: pass loss_fn(logits, targets) for {type(model).__name__} (the last stage "
+                         f"computes it)")
+    recipe = recipe if recipe is not None else recipe_for(model)
+    if tp_group is not None:
+        from .tensor_parallel.parallelize import parallelize
+        plan = tp_plan if tp_plan is not None else (recipe.tp_plan(model) if recipe.tp_plan else None)
+        if plan is None:
+            raise ValueError(f"Parallel3D: tp={mesh.tp} needs a tensor-parallel plan for {type(model).__name__}; "
+                             f"pass tp_plan={{module pattern: style}} (see parallelize) or give its recipe one")
+        parallelize(model, tp_group, plan)
+    tied_group = tied_embedding_group(mesh.pp_group) if mesh.pp > 1 else None
+    chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
+                         block_costs=block_costs, loss_fn=loss_fn, tied_group=tied_group, checkpoint=checkpoint,
+                         sum_tied_grads_in_stage=False)
+    tied, duplicates = [], set()
+    for chunk in chunks:
+        tied.extend(chunk.tied)
+        if chunk.tied and not chunk.is_first:
+            duplicates.update(id(p) for p in chunk.tied)
+    return chunks, tied, duplicates, (tied_group if tied else None)
+
+
+def _describe(model: nn.Module) -> dict:
+    """What a checkpoint of this model must match: its class and every parameter's dense shape."""
+    return {"class": type(model).__name__,
+            "parameters": {n: list(p.shape) for n, p in model.named_parameters()}}
 
 
 class Parallel3D:
-    """The reference GPT trained over ``mesh``: see the module docstring.
+    """A model trained over ``mesh``: see the module docstring.
 
+    ``model``: a :class:`GPTConfig` (the reference GPT; ``seed``: its weights are those of
+    ``torch.manual_seed(seed); GPT(config)``) or an ``nn.Module`` (any model; every rank passes the same
+    weights; ``loss_fn``, ``recipe``, ``tp_plan``, ``boundaries``, ``block_costs`` apply; the module is
+    changed in place: TP layers swapped in, the parts other ranks run dropped).
     ``zero``: 0 (plain DP, all-reduce), 1 or 2 (ZeRO over reduce-scatter), 3 (parameters sharded too,
-    gathered once per step; fp32 only). ``schedule``: ``gpipe``,
-    ``1f1b`` or ``interleaved`` (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``:
-    None disables clipping. ``seed``: the weights are those of ``torch.manual_seed(seed); GPT(config)``.
-    ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16);
-    must be None for other dtypes. ``checkpoint``: activation checkpointing, True for every block, an int
-    ``n`` for the first ``n`` blocks of each stage (Megatron-LM's ``--recompute-method block``); backward
-    recomputes them with the forward's RNG state (default generator and TP dropout stream), so dropout
-    masks replay exactly; with ZeRO-3 the recomputation uses the parameters kept gathered for the step.
+    gathered once per step; fp32 only). ``schedule``: ``gpipe``, ``1f1b`` or ``interleaved``
+    (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``: None disables clipping.
+    ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16).
+    ``optimizer_options``: more keyword arguments for the ZeRO optimizers.
     """
 
-    def __init__(self, config: GPTConfig, mesh: ParallelMesh, *, zero: int = 0, schedule: str = "1f1b",
-                 num_microbatches: int = 4, num_chunks: Optional[int] = None, lr: float = 1e-3,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 max_grad_norm: Optional[float] = 1.0, dtype: torch.dtype = torch.float32,
-                 bucket_cap_mb: float = 25.0, seed: int = 0,
+    def __init__(self, model: Union[GPTConfig, nn.Module], mesh: ParallelMesh, *, zero: int = 0,
+                 schedule: str = "1f1b", num_microbatches: int = 4, num_chunks: Optional[int] = None,
+                 lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 no_decay: Optional[Callable] = None, max_grad_norm: Optional[float] = 1.0,
+                 dtype: Optional[torch.dtype] = None, bucket_cap_mb: float = 25.0, seed: int = 0,
                  device: Optional[torch.device] = None, loss_scaler: Optional[DynamicLossScaler] = None,
-                 checkpoint: Union[bool, int] = False):
-        if zero not in (0, 1, 2, 3):
-            raise ValueError(f"Parallel3D: zero={zero!r} must be 0 (plain data parallel), 1, 2 or 3")
-        if zero == 3 and dtype != torch.float32:
-            raise ValueError(f"Parallel3D: zero=3 supports fp32 models only (dtype={dtype}); use zero=1 or 2 for "
-                             f"bf16/fp16 (fp32 master weights, loss scaling)")
-        if zero == 0 and dtype != torch.float32 and dtype != torch.float64:
-            raise ValueError(f"Parallel3D: a {dtype} model needs fp32 master weights; use zero=1 or 2 "
-                             f"(ZeroOptimizer keeps them) or dtype=torch.float32")
-        if loss_scaler is not None and dtype != torch.float16:
-            raise ValueError(f"Parallel3D: a loss_scaler is for fp16 models (dtype={dtype}); bf16 and fp32 have "
-                             f"fp32's exponent range and need none")
+                 checkpoint: Union[bool, int] = False, skip_nonfinite: bool = False,
+                 loss_fn: Optional[Callable] = None, recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
+                 boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
+                 optimizer_options: Optional[dict] = None):
+        is_gpt = isinstance(model, GPTConfig)
+        if not is_gpt and not isinstance(model, nn.Module):
+            raise TypeError(f"Parallel3D: model must be a GPTConfig or an nn.Module, not {type(model).__name__}")
+        if dtype is None:
+            dtype = torch.float32 if is_gpt else next(model.parameters()).dtype
+        _check_modes(zero, dtype, loss_scaler, skip_nonfinite)
         if dtype == torch.float16 and loss_scaler is None:
             loss_scaler = DynamicLossScaler(device=device)
-        self.scaler = loss_scaler
         if num_chunks is None:
             num_chunks = 2 if schedule == "interleaved" else 1
-        self.config, self.mesh, self.zero, self.dtype = config, mesh, zero, dtype
-        self.max_grad_norm = max_grad_norm
+        self.mesh, self.zero, self.dtype, self.scaler = mesh, zero, dtype, loss_scaler
+        self.max_grad_norm, self.skip_nonfinite, self.skipped_steps = max_grad_norm, skip_nonfinite, 0
         self.num_microbatches = num_microbatches
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
-        # a collective over the whole world: every rank calls it, in the same order
-        self.tied_group = tied_embedding_group(mesh.pp_group) if (config.tie_embeddings and mesh.pp > 1) else None
-        torch.manual_seed(seed)
-        # build_gpt_stages draws fp16/bf16 weights in fp32 and rounds them (models/gpt.py: draw_dtype), so
-        # every dtype starts from the fp32 model's weights.
-        self.chunks: List[nn.Module] = build_gpt_stages(
-            config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=self.tp_group,
-            require_divisible=schedule == "interleaved", checkpoint=checkpoint, dtype=dtype, device=device)
+        if is_gpt:
+            self.config = model
+            self.description = dataclasses.asdict(model)
+            # a collective over the whole world: every rank calls it, in the same order
+            self.tied_group = tied_embedding_group(mesh.pp_group) if (model.tie_embeddings and mesh.pp > 1) else None
+            chunks, tied, duplicates = _gpt_stages(model, mesh, self.tp_group, self.tied_group, num_chunks=num_chunks,
+                                                   schedule=schedule, checkpoint=checkpoint, dtype=dtype,
+                                                   device=device, seed=seed)
+        else:
+            self.config = getattr(model, "config", None)
+            if device is not None or next(model.parameters()).dtype != dtype:
+                model.to(device=device, dtype=dtype)
+            self.description = _describe(model)
+            chunks, tied, duplicates, self.tied_group = _model_stages(
+                model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
+                boundaries=boundaries, block_costs=block_costs, checkpoint=checkpoint)
+        self.chunks: List[nn.Module] = chunks
         self.model = nn.ModuleList(self.chunks)
-        self.dp = self.z = None
-        if zero == 3:
-            # one wrapper over all of this rank's chunks: units = every block, root = embeddings, final LN, head
-            self.z = ZeroStage3(self.model, mesh.dp_group, prefetch=False)
-        else:
-            self.dp = DataParallel(self.model, mesh.dp_group, reduce_op="reduce_scatter" if zero else "all_reduce",
-                                   bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=min(1.0, bucket_cap_mb))
-        # the tied copies: first stage (counted in the norm) and last stage (its duplicate)
-        self._tied_params, self._dup = [], set()
-        for chunk in self.chunks:
-            if self.tied_group is not None and hasattr(chunk, "wte"):
-                self._tied_params.append(chunk.wte.weight)
-                if not chunk.is_first:
-                    self._dup.add(id(chunk.wte.weight))
-        if zero == 3:
-            self.optimizer = ZeroStage3Optimizer(self.z, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        elif zero:
-            self.optimizer = ZeroOptimizer(self.dp, stage=zero, lr=lr, betas=betas, eps=eps,
-                                           weight_decay=weight_decay)
-        else:
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=betas, eps=eps,
-                                               weight_decay=weight_decay, foreach=False)
+        self.duplicate_ids = frozenset(duplicates)
+        self.mode = replica_mode(zero, self.model, mesh.dp_group, tied, duplicates, self.tied_group, lr=lr,
+                                 betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay,
+                                 bucket_cap_mb=bucket_cap_mb, optimizer_options=optimizer_options)
+        self.optimizer = self.mode.optimizer
+        self.dp, self.z = getattr(self.mode, "dp", None), getattr(self.mode, "z", None)
         # fp16: the engine runs the last stage through _ScaledLossStage (same parameters, scaled backward)
         engine_chunks = [_ScaledLossStage(c, self.scaler) if (self.scaler is not None and c.is_last) else c
                          for c in self.chunks]
         self.engine = PipelineEngine(engine_chunks, mesh.pp_group, schedule=schedule,
-                                     num_microbatches=num_microbatches,
-                                     device=device)
+                                     num_microbatches=num_microbatches, device=device)
 
     # ------------------------------------------------------------------ one step
-    def local_batch(self, t: torch.Tensor) -> torch.Tensor:
+    def local_batch(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """This replica's slice (dim 0) of a global batch."""
+        if t is None:
+            return None
         if t.shape[0] % self.mesh.dp:
             raise ValueError(f"Parallel3D: global batch of {t.shape[0]} does not split over dp={self.mesh.dp}; "
                              f"use a multiple of dp x microbatches = {self.mesh.dp * self.num_microbatches}")
         per = t.shape[0] // self.mesh.dp
         return t[self.mesh.dp_rank * per:(self.mesh.dp_rank + 1) * per]
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
-        """One optimizer step on the GLOBAL batch ``inputs``/``targets`` (every rank passes the same one;
-        each takes its dp slice). Returns ``{"loss": mean loss over the global batch, "grad_norm": ...}``
-        on every rank."""
-        if self.zero == 3:
-            return self._train_step_zero3(inputs, targets)
-        if self.zero == 2:
-            self.optimizer._materialize_grads()     # ZeRO-2 frees the full grad buffer between steps
-        self.optimizer.zero_grad()
-        if self.zero == 0:
-            self.dp.zero_grad()
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, **side) -> dict:
+        """One optimizer step on the GLOBAL batch ``inputs``/``targets`` and side inputs (every rank passes
+        the same ones; each takes its dp slice). Returns ``{"loss": mean loss over the global batch,
+        "grad_norm": ...}`` on every rank, plus ``skipped`` (fp16, or ``skip_nonfinite``) and
+        ``loss_scale`` (fp16)."""
+        mode = self.mode
         x, y = self.local_batch(inputs), self.local_batch(targets)
-        with self.dp.no_sync():
-            loss = self.engine.step(x, y)
-        for p in self._tied_params:                  # first and last stage: sum the tied gradients
-            C.all_reduce(p.main_grad, self.tied_group)
-        self.dp.sync_gradients()                     # once per step, over dp
+        side = {k: self.local_batch(v) for k, v in side.items()}
+        mode.begin_step()
+        try:
+            with mode.accumulating():
+                loss = self.engine.step(x, y, **side)
+        except BaseException:
+            mode.abandon_step()
+            raise
+        mode.reduce()
         found_inf = None
-        if self.scaler is not None:
-            found_inf = torch.zeros(1, dtype=torch.float32, device=self.scaler.scale.device)
-            scale = self.scaler.scale.clone()       # the scale these gradients carry
-        norm, coef = self._clip(found_inf)
-        if self.scaler is not None:
-            if self.max_grad_norm is None:
-                coef = None
-            self.optimizer.step(grad_scale=scale, found_inf=found_inf, clip_coef=coef)
-            self.scaler.update(found_inf)
-        elif self.zero:
-            self.optimizer.step(clip_coef=coef)
-        else:
-            self.optimizer.step()
+        if self.scaler is not None or self.skip_nonfinite:
+            found_inf = torch.zeros(1, dtype=torch.float32, device=self._flag_device())
+        scale = self.scaler.scale.clone() if self.scaler is not None else None   # the scale these grads carry
+        norm, coef = self._norm(found_inf)
+        if self.max_grad_norm is None:
+            coef = None
+        mode.step(clip_coef=coef, grad_scale=scale, found_inf=found_inf)
         out = {"loss": self._mean_over_dp(loss), "grad_norm": None if norm is None else float(norm)}
-        if self.scaler is not None:
+        if found_inf is not None:
             out["skipped"] = bool(found_inf.item())     # same on every rank (agreed by the all-reduce)
+            self.skipped_steps += out["skipped"]
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
             out["loss_scale"] = float(self.scaler.scale.item())
         return out
 
-    def _train_step_zero3(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
-        self.optimizer.zero_grad()                  # frees the gradient shard
-        x, y = self.local_batch(inputs), self.local_batch(targets)
-        self.z.gather_all()                          # once per step, kept for every microbatch
-        try:
-            loss = self.engine.step(x, y)
-        except BaseException:
-            self.z.release_gathered()                # no collective: the other ranks may never get there
-            raise
-        sum_tied_grads(self._tied_params, self.tied_group)   # first and last stage: the tied (full) gradients
-        self.z.reduce_scatter_and_free()             # once per step, over dp; reshard
-        norm, coef = self._clip()
-        self.optimizer.step(clip_coef=coef)
-        return {"loss": self._mean_over_dp(loss), "grad_norm": None if norm is None else float(norm)}
+    def _flag_device(self) -> torch.device:
+        if self.scaler is not None:
+            return self.scaler.scale.device
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """The mean loss over the GLOBAL batch ``inputs``/``targets`` (every rank passes the same one; each
-        takes its dp slice), forward only: validation between training steps. The pipeline runs its
-        forward-only schedule (:meth:`PipelineEngine.evaluate`: eval mode, no dropout, no gradients);
-        with ZeRO-3 the parameters are gathered once for it and resharded after. Gradients, optimizer
-        state, the loss scale and the last training step's timeline are left as they were. The same
-        float on every rank."""
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, **side) -> float:
+        """The mean loss over the GLOBAL batch (every rank passes the same one; each takes its dp slice),
+        forward only: the pipeline's forward-only schedule (eval mode, no dropout, no gradients); with
+        ZeRO-3 the parameters are gathered once for it and resharded after. Gradients, optimizer state,
+        the loss scale and the last training step's timeline are left as they were. The same float on
+        every rank."""
         x, y = self.local_batch(inputs), self.local_batch(targets)
-        if self.z is not None:
-            self.z.gather_all()
-        try:
-            loss = self.engine.evaluate(x, y)
-        finally:
-            if self.z is not None:
-                self.z.release_gathered()           # nothing to reduce: free the gathered parameters
+        side = {k: self.local_batch(v) for k, v in side.items()}
+        with self.mode.forward_only():
+            loss = self.engine.evaluate(x, y, **side)
         return self._mean_over_dp(loss)
 
     def _mean_over_dp(self, loss: torch.Tensor) -> float:
@@ -231,51 +282,25 @@ class Parallel3D:
             loss /= self.mesh.dp
         return loss.item()
 
-    def _zero3_grad_pieces(self) -> list:
-        """This rank's slices of the fp32 gradient shard, one per parameter overlapping it, flagged
-        ``tensor_parallel`` like the parameter; the last stage's tied embedding copy left out."""
-        items = []
-        for p, _, start, n in self.optimizer.shard_pieces():
-            if id(p) in self._dup:
-                continue
-            piece = self.z.grad_buffer[start:start + n]
-            piece.tensor_parallel = bool(getattr(p, "tensor_parallel", False))
-            items.append(piece)
-        return items
-
-    def _clip(self, found_inf: Optional[torch.Tensor] = None):
-        """``(norm, coef)`` of the global gradient norm. With ``found_inf`` (fp16): the norm of the unscaled
-        gradients, and ``found_inf`` set to 1 on every rank when any rank's gradients hold inf/nan."""
+    def _norm(self, found_inf: Optional[torch.Tensor] = None):
+        """``(norm, coef)`` of the global gradient norm. With ``found_inf``: set to 1 on every rank when any
+        rank's gradients hold inf/nan (fp16: the norm is that of the unscaled gradients)."""
         if self.max_grad_norm is None and found_inf is None:
             return None, None
         max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
-        kw = {} if found_inf is None else {"inv_scale": self.scaler.inv_scale, "found_inf": found_inf}
+        kw = {} if found_inf is None else {"found_inf": found_inf}
+        if self.scaler is not None:
+            kw["inv_scale"] = self.scaler.inv_scale
         groups = [self.mesh.pp_group] if self.mesh.pp > 1 else []
-        if self.zero == 3:
-            if self.mesh.dp > 1:
-                groups = [self.mesh.dp_group] + groups
-            return clip_grad_norm_(self._zero3_grad_pieces(), max_norm, groups=groups, tp_group=self.tp_group,
-                                   apply=False, **kw)
-        if self.zero:
-            items = []
-            for b in self.dp.buffer.buckets:
-                shard = self.dp.bucket_grad_shard(b)
-                for p, _, start, n in b.param_shard_overlaps(self.dp.dp_rank):
-                    if id(p) in self._dup:
-                        continue
-                    piece = shard[start:start + n]
-                    piece.tensor_parallel = bool(getattr(p, "tensor_parallel", False))
-                    items.append(piece)
-            if self.mesh.dp > 1:
-                groups = [self.mesh.dp_group] + groups
-            return clip_grad_norm_(items, max_norm, groups=groups, tp_group=self.tp_group, apply=False, **kw)
-        items = [p for p in self.dp.buffer.params if id(p) not in self._dup]
-        norm, coef = clip_grad_norm_(items, max_norm, groups=groups, tp_group=self.tp_group, apply=False, **kw)
-        # every gradient is scaled, the last stage's tied copy included (it was only left out of the norm)
-        torch._foreach_mul_([p.main_grad for p in self.dp.buffer.params], coef.to(self.dp.buffer.grad_dtype))
-        return norm, coef
+        if self.mode.shards_grads and self.mesh.dp > 1:
+            groups = [self.mesh.dp_group] + groups
+        return clip_grad_norm_(self.mode.norm_pieces(), max_norm, groups=groups, tp_group=self.tp_group,
+                               apply=False, **kw)
 
     # ------------------------------------------------------------------ checkpoints (resume)
+    def _rng_tracker(self):
+        return getattr(self.chunks[0], "rng_tracker", None)
+
     def state_dict(self) -> dict:
         """This rank's part of the training state, to resume from: its stages' parameters (its shard
         under ZeRO-3), its optimizer state (its shard under ZeRO), the loss scaler, the random states
@@ -284,21 +309,19 @@ class Parallel3D:
         do) and loads it back on the same mesh with :meth:`load_state_dict`; training then continues
         bit for bit. To resume on another mesh (or in a single process), save a universal checkpoint
         instead (:func:`parallel_layers.universal_checkpoint.save_universal`)."""
-        if self.z is not None:
-            model = self.z.state_dict()
-        else:
-            model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        tracker = self.chunks[0].rng_tracker
-        return {"layout": self._checkpoint_layout(), "model": model, "optimizer": self.optimizer.state_dict(),
+        tracker = self._rng_tracker()
+        return {"layout": self._checkpoint_layout(), "model": self.mode.model_state_dict(),
+                "optimizer": self.optimizer.state_dict(),
                 "scaler": None if self.scaler is None else self.scaler.state_dict(),
+                "skipped_steps": self.skipped_steps,
                 "rng": {"default": torch.get_rng_state(),
                         "tracker": None if tracker is None else tracker.get_states()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Load what :meth:`state_dict` saved on this same rank of a run with the same mesh, ZeRO stage,
-        schedule layout, model config and dtype (a collective over dp with ZeRO 1/2 when the gradient
-        bucket layout has changed since: call it on every rank). A checkpoint of another rank or run is
-        a ``ValueError`` naming what differs, before anything is loaded."""
+        schedule layout, model and dtype (a collective over dp with ZeRO 1/2 when the gradient bucket
+        layout has changed since: call it on every rank). A checkpoint of another rank or run is a
+        ``ValueError`` naming what differs, before anything is loaded."""
         mine, saved = self._checkpoint_layout(), state.get("layout") or {}
         differ = [k for k in mine if saved.get(k) != mine[k]]
         if differ:
@@ -306,32 +329,28 @@ class Parallel3D:
                              "run; " + "; ".join(f"{k}: saved {saved.get(k)}, here {mine[k]}" for k in differ)
                              + ". Load each rank's own file on the same mesh and settings (to change the layout, "
                              "save with parallel_layers.universal_checkpoint.save_universal and load_universal)")
-        if self.z is not None:
-            self.z.load_state_dict(state["model"])
-        else:
-            self.model.load_state_dict(state["model"])
+        self.mode.load_model_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)
         torch.set_rng_state(state["rng"]["default"])
-        tracker = self.chunks[0].rng_tracker
+        tracker = self._rng_tracker()
         if tracker is not None:
             tracker.set_states(state["rng"]["tracker"])
 
     def _checkpoint_layout(self) -> dict:
         m, e = self.mesh, self.engine
         return {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "rank (dp, tp, pp)": [m.dp_rank, m.tp_rank, m.pp_rank],
-                "zero": self.zero, "schedule chunks": e.v, "dtype": str(self.dtype),
-                "config": dataclasses.asdict(self.config)}
+                "zero": self.zero, "schedule chunks": e.v, "dtype": str(self.dtype), "config": self.description}
 
     # ------------------------------------------------------------------ inspection
     def dense_state_dict(self) -> dict:
-        """The parameters of this rank's stages under the full ``GPT``'s names, gathered over TP (a
-        collective over the tp group; with ZeRO-3 also over dp)."""
-        if self.z is not None:
-            with self.z.summon_full_params():
-                return self._dense_state_dict()
-        return self._dense_state_dict()
+        """The parameters of this rank's stages under the whole model's names (the full ``GPT``'s, or the
+        module's own), in the dense layout, gathered over TP (a collective over the tp group; with ZeRO-3
+        also over dp)."""
+        with self.mode.full_parameters():
+            return self._dense_state_dict()
 
     def memory_report(self) -> Optional[dict]:
         """The optimizer's per-rank memory report (ZeRO only: shards of parameters, gradients, states)."""
@@ -339,15 +358,13 @@ class Parallel3D:
         return rep() if rep is not None else None
 
     def _dense_state_dict(self) -> dict:
-        from .tensor_parallel.parallelize import gather_dense_state_dict
+        from .tensor_parallel.parallelize import gather_partition, tp_partitions
         out = {}
         for chunk in self.chunks:
-            sd = gather_dense_state_dict(chunk) if self.tp_group is not None else \
-                {n: t.detach().clone() for n, t in chunk.state_dict().items()}
-            for n, t in sd.items():
-                if n.startswith("lm_head.") and t.shape[0] > self.config.vocab_size:
-                    t = t[:self.config.vocab_size]
-                out[chunk.dense_name(n)] = t
+            parts = tp_partitions(chunk)
+            for n, t in chunk.state_dict(keep_vars=True).items():
+                t = gather_partition(t.detach(), *parts[n]) if n in parts else t.detach().clone()
+                out[chunk.dense_name(n)] = chunk.dense_tensor(n, t)
         return out
 
     def timeline_png(self, path: str, title: Optional[str] = None) -> Optional[str]:

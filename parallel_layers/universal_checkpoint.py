@@ -6,9 +6,12 @@ a different number of ranks is the checkpoint complaint the anchors' trackers he
 answers it with a converted "universal" checkpoint, torch DCP by resharding at load. Here the saved
 form is the dense model itself, so nothing needs converting:
 
-* every parameter under the full ``GPT``'s name, in fp32 (a bf16/fp16 run saves its fp32 master
-  weights), and its AdamW moments ``exp_avg`` / ``exp_avg_sq`` in the parameter's dense shape;
-* in ``meta.json``: the optimizer's step count, the caller's iteration, the model config, the loss
+* every parameter under the whole model's name (the full ``GPT``'s, or ``model.named_parameters()`` of
+  a model of your own), in fp32 (a bf16/fp16 run saves its fp32 master weights) and the dense layout
+  (a Hugging Face ``Conv1D`` as ``[in, out]``, a fused ``c_attn`` as ``[q | k | v]``), and its AdamW
+  moments ``exp_avg`` / ``exp_avg_sq`` in the parameter's dense shape;
+* in ``meta.json``: the optimizer's step count, the caller's iteration, the model (the ``GPTConfig``,
+  or a model's class and parameter shapes: ``Parallel3D.description``), the loss
   scaler's state, the layout and hyperparameters it was saved with, and the manifest: for every tensor
   the file holding it, its shape, dtype and the crc32 of each state's bytes.
 
@@ -37,7 +40,8 @@ file is sound, then copy their slices into the parameters, master weights, momen
 next step then computes what the single-process model would from the same weights and moments.
 
 :func:`read_universal` returns the merged dense checkpoint for single-process use, every file checked:
-``model`` loads into ``GPT(config)`` and :func:`load_dense_adamw` fills a ``torch.optim.AdamW`` over it.
+``model`` loads into ``GPT(config)`` (or, ``strict=False`` where weights are tied, into the dense model
+of your own) and :func:`load_dense_adamw` fills a ``torch.optim.AdamW`` over it.
 
 Not carried: the random streams (they are per layout: another mesh draws other dropout masks anyway),
 the position in the data (the caller's step counter; ``meta["step"]`` is the optimizer's), and the
@@ -161,11 +165,6 @@ def _local_states(model) -> Tuple[Dict[int, Dict[str, torch.Tensor]], int]:
             opt.steps_taken)
 
 
-def _dense_size(model, name: str, part: Tuple[int, object, int]) -> int:
-    # the untied LM head is column-parallel over the padded vocabulary: its dense rows are the true vocabulary
-    return model.config.vocab_size if name.startswith("lm_head.") and part[0] == 0 else part[2]
-
-
 def dense_states(model) -> Tuple[Dict[str, Dict[str, torch.Tensor]], int]:
     """This rank's stages as ``{GPT name: {"param", "exp_avg", "exp_avg_sq"}}`` (dense fp32 tensors)
     and the step count. A collective over the dp and tp groups."""
@@ -174,14 +173,13 @@ def dense_states(model) -> Tuple[Dict[str, Dict[str, torch.Tensor]], int]:
     for chunk in model.chunks:
         parts = tp_partitions(chunk)
         for name, p in chunk.named_parameters():
-            if id(p) in model._dup:                  # the last stage's tied embedding: the first saves it
+            if id(p) in model.duplicate_ids:         # the last stage's tied embedding: the first saves it
                 continue
             states = local[id(p)]
             if name in parts:
-                dim, group, _ = parts[name]
-                size = _dense_size(model, name, parts[name])
-                states = {k: gather_partition(t, dim, group, size).clone() for k, t in states.items()}
-            out[chunk.dense_name(name)] = states
+                states = {k: gather_partition(t, *parts[name]) for k, t in states.items()}
+            # the dense model's layout (vocabulary padding dropped, Conv1D / fused sections restored)
+            out[chunk.dense_name(name)] = {k: chunk.dense_tensor(name, t).clone() for k, t in states.items()}
     return out, step
 
 
@@ -249,7 +247,7 @@ def _check_count(name: str, value, where: str) -> None:
 def _meta(model, step: int, iteration: int, save_id: str, files: List[str], manifests: List[dict]) -> dict:
     group = model.optimizer.param_groups[0]
     meta = {"format": FORMAT, "save": save_id, "step": step, "iteration": iteration,
-            "config": dataclasses.asdict(model.config), "files": files,
+            "config": model.description, "files": files,
             "tensors": {n: e for m in manifests for n, e in sorted(m.items())},
             "saved from": _layout(model),
             "optimizer": {k: group[k] for k in ("lr", "eps", "weight_decay")} | {"betas": list(group["betas"])},
@@ -469,9 +467,10 @@ RUNTIME_FIELDS = ("dropout", "sequence_parallel", "init_std", "seed")
 
 
 def check_config(config, meta: dict, directory: str) -> None:
-    """A ``ValueError`` naming every field where the checkpoint's model config differs from ``config``
-    (:data:`RUNTIME_FIELDS` may differ)."""
-    mine = dataclasses.asdict(config)
+    """A ``ValueError`` naming every field where the checkpoint's model differs from ``config`` (a
+    ``GPTConfig``, or ``Parallel3D.description``: a model's class and parameter shapes); the GPT's
+    :data:`RUNTIME_FIELDS` may differ."""
+    mine = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     differ = [k for k in mine if k not in RUNTIME_FIELDS and meta["config"].get(k) != mine[k]]
     if differ:
         raise ValueError(f"universal checkpoint {directory!r} holds another model: "
@@ -482,6 +481,7 @@ def check_config(config, meta: dict, directory: str) -> None:
 def _local_slice(chunk, name: str, p: nn.Parameter, dense: torch.Tensor, parts: dict) -> torch.Tensor:
     """This rank's TP slice of a dense tensor (a copy: the file is memory-mapped), in the shape of ``p``
     (vocabulary padding: zero rows)."""
+    dense = chunk.local_tensor(name, dense)      # the parallel layer's layout (Conv1D, fused sections)
     if name in parts:
         dim, group, _ = parts[name]
         tp = C.world_size(group)
@@ -498,7 +498,7 @@ def _read_local(model, directory: str) -> Tuple[dict, Dict[int, tuple]]:
     """``meta.json`` and ``{id(param): (param, {state: this rank's slice})}`` of this rank's stages, read
     from the files holding them, each checked."""
     meta = read_meta(directory)
-    check_config(model.config, meta, directory)
+    check_config(model.description, meta, directory)
     mine = _named_params(model)
     missing = sorted({chunk.dense_name(n) for chunk, n, _ in mine} - set(meta["tensors"]))
     if missing:

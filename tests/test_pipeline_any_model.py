@@ -8,59 +8,31 @@ input (every stage rebuilds the causal + padding mask), tied embeddings across t
 the interleaved schedule (2 chunks per rank), GPT-2's Conv1D blocks.
 """
 import copy
-import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from parallel_layers.testing import cached_mesh
 
+from hf_models import hf_model, loss_fn, rel_err, token_batches
+
 pytest.importorskip("transformers")
 
-STEPS, BATCH, SEQ, VOCAB = 3, 8, 12, 64
+STEPS, BATCH, SEQ = 3, 8, 12
 
 
-def _loss(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+_loss = loss_fn
 
 
 def _batches(mask: bool):
-    gen = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(STEPS):
-        idx = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        tgt = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        am = torch.ones(BATCH, SEQ, dtype=torch.long)
-        if mask:
-            am[1::2, :3] = 0            # left padding on every other sequence
-        out.append((idx, tgt, am if mask else None))
-    return out
+    return token_batches(STEPS, BATCH, SEQ, mask)
 
 
-def _rel_err(name, got, want):
-    if name.endswith("attn.c_attn.bias"):
-        # GPT-2's key bias has an exact gradient of zero (softmax ignores a shift shared by all keys):
-        # Adam turns the rounding noise in it into steps of size lr, so only the q and v biases compare
-        d = got.numel() // 3
-        keep = torch.cat([torch.arange(d), torch.arange(2 * d, 3 * d)])
-        got, want = got[keep], want[keep]
-    return ((got - want).norm() / want.norm()).item()
+_rel_err = rel_err
 
 
 def _model(kind: str, tie: bool):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.manual_seed(0)
-    if kind == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
-        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-                          tie_word_embeddings=tie)
-        return LlamaForCausalLM(cfg)
-    from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie)
-    return GPT2LMHeadModel(cfg)
+    return hf_model(kind, tie)
 
 
 def body_any_model(rank, world, kind, schedule, tie, mask, dtype=torch.float32):

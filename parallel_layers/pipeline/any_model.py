@@ -1,45 +1,32 @@
 """Pipeline stages cut from a model you did not write (Hugging Face included), without rewriting it.
 
-A transformer is an embedding, a stack of blocks and a head; only the hidden states flow from block to
-block. A *recipe* names those parts of one model family and says how each is called:
+:func:`split_model` keeps this rank's stages of the model, as described by its :class:`~.recipes.Recipe`
+(which blocks, which embedding and head, what the blocks need besides the hidden states), and drops the
+rest (their parameters are freed): ``stages = split_model(model, recipe_for(model), pp_rank, pp_size,
+loss_fn=...)``, then ``PipelineEngine(stages, pp_group, ...)``. The user's ``loss_fn(logits, targets)``
+runs on the last stage. Weights tied between the first and last stage (``lm_head.weight is
+embed_tokens.weight``) stay tied: both ranks hold the parameter, it starts as the first stage's
+(broadcast) and its gradients are summed over the two (``finish_grads``), as Megatron-LM does for its
+word embeddings.
 
-- ``blocks``: the dotted name of the ``nn.ModuleList`` of blocks (``"model.layers"``);
-- ``first`` / ``last``: the modules only the first / last stage keeps (embeddings; final norm and head);
-  ``shared``: parameter-free modules every stage keeps (rotary tables);
-- ``embed(model, input_ids, **side)``, ``head(model, hidden)``: the first stage's and last stage's work;
-- ``context(model, hidden, **side)``: what every block needs besides the hidden states (attention
-  mask, position ids, rotary cos/sin), rebuilt on every stage from the *side inputs* each rank holds
-  (``engine.step(ids, targets, attention_mask=..., position_ids=...)``, see ``PipelineEngine``), so
-  only one tensor travels between stages, as in Megatron-LM;
-- ``block(block, hidden, context)``: one block's call.
-
-:func:`split_model` keeps this rank's stages of the model and drops the rest (their parameters are
-freed): ``stages = split_model(model, recipe_for(model), pp_rank, pp_size, loss_fn=...)``, then
-``PipelineEngine(stages, pp_group, ...)``. The user's ``loss_fn(logits, targets)`` runs on the last
-stage. Weights tied between the first and last stage (``lm_head.weight is embed_tokens.weight``)
-stay tied: both ranks hold the parameter, it starts as the first stage's (broadcast) and its gradients
-are summed over the two (``finish_grads``), as Megatron-LM does for its word embeddings.
-Recipes ship for Llama-style decoders (``LlamaForCausalLM`` and the families built like it: Mistral,
-Qwen2) and GPT-2 (``GPT2LMHeadModel``); a model of your own gets a :class:`Recipe` of a few lines.
+Stage boundaries: balanced by block count (default), by parameter count (``boundaries="parameters"``:
+the embedding counts on the first stage and the head on the last), by a cost per block you measured
+(``block_costs=[...]``), or given (``boundaries=[4, 8, 12]``). Balancing minimises the most expensive
+stage (an exact linear partition, not a greedy cut).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
+from ..models.checkpointing import checkpointed, checkpointed_block_count
+from ..tensor_parallel.dense_layouts import from_dense, to_dense
+from .recipes import RECIPES, Recipe, get_module, recipe_for
 from .stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
 
-
-def _get(model: nn.Module, dotted: str) -> Optional[nn.Module]:
-    obj = model
-    for part in dotted.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
+_get = get_module
 
 
 def _set(model: nn.Module, dotted: str, value) -> None:
@@ -47,87 +34,16 @@ def _set(model: nn.Module, dotted: str, value) -> None:
     setattr(_get(model, parent) if parent else model, attr, value)
 
 
-@dataclass
-class Recipe:
-    """How one model family is cut into stages (see the module docstring)."""
-    blocks: str
-    first: Sequence[str]
-    last: Sequence[str]
-    embed: Callable
-    head: Callable
-    context: Callable
-    block: Callable
-    shared: Sequence[str] = ()
-
-
-def _positions(hidden: torch.Tensor, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-    if position_ids is not None:
-        return position_ids
-    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-
-
-def _causal_mask(model, hidden, attention_mask, position_ids):
-    from transformers.masking_utils import create_causal_mask
-    return create_causal_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                              past_key_values=None, position_ids=position_ids)
-
-
-def _first_output(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _llama_context(model, hidden, attention_mask=None, position_ids=None):
-    position_ids = _positions(hidden, position_ids)
-    return {"attention_mask": _causal_mask(model, hidden, attention_mask, position_ids),
-            "position_ids": position_ids,
-            "position_embeddings": model.model.rotary_emb(hidden, position_ids=position_ids)}
-
-
-LLAMA = Recipe(
-    blocks="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head"), shared=("model.rotary_emb",),
-    embed=lambda model, ids, **side: model.model.embed_tokens(ids),
-    head=lambda model, h: model.lm_head(model.model.norm(h)),
-    context=_llama_context,
-    block=lambda block, h, ctx: _first_output(block(h, **ctx)))
-
-
-def _gpt2_embed(model, ids, attention_mask=None, position_ids=None):
-    t = model.transformer
-    h = t.wte(ids)
-    return t.drop(h + t.wpe(_positions(h, position_ids)))
-
-
-def _gpt2_context(model, hidden, attention_mask=None, position_ids=None):
-    position_ids = _positions(hidden, position_ids)
-    return {"attention_mask": _causal_mask(model, hidden, attention_mask, position_ids), "position_ids": position_ids}
-
-
-GPT2 = Recipe(
-    blocks="transformer.h", first=("transformer.wte", "transformer.wpe", "transformer.drop"),
-    last=("transformer.ln_f", "lm_head"),
-    embed=_gpt2_embed,
-    head=lambda model, h: model.lm_head(model.transformer.ln_f(h)),
-    context=_gpt2_context,
-    block=lambda block, h, ctx: _first_output(block(h, **ctx)))
-
-RECIPES: Dict[str, Recipe] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA, "Qwen2ForCausalLM": LLAMA,
-                              "GPT2LMHeadModel": GPT2}
-
-
-def recipe_for(model: nn.Module) -> Recipe:
-    """The shipped recipe for ``model``'s class, or a clear error saying how to write one."""
-    name = type(model).__name__
-    if name not in RECIPES:
-        raise ValueError(f"split_model: no recipe for {name} (recipes: {', '.join(sorted(RECIPES))}); write a "
-                         f"parallel_layers.pipeline.any_model.Recipe naming its blocks, embedding and head")
-    return RECIPES[name]
-
-
 class ModelStage(nn.Module):
-    """One pipeline stage of a model cut by :func:`split_model`: ``stage(x, targets=None, **side)``."""
+    """One pipeline stage of a model cut by :func:`split_model`: ``stage(x, targets=None, **side)``.
+
+    ``checkpoint``: activation checkpointing of every block (True) or of the first ``n`` (an int), in
+    training mode; the recomputation replays the forward's dropout masks (default generator restored).
+    ``dense_name(name)``: a parameter's name here -> its name in the whole model."""
 
     def __init__(self, model: nn.Module, recipe: Recipe, blocks: List[nn.Module], is_first: bool, is_last: bool,
-                 loss_fn: Optional[Callable], tied_group=None):
+                 loss_fn: Optional[Callable], tied_group=None, *, dense_names: Optional[Dict[int, str]] = None,
+                 checkpoint: Union[bool, int] = False, sums_tied_grads: bool = True):
         super().__init__()
         self._model = [model]              # in a list: not a submodule, its dropped parts stay out of parameters()
         self.recipe, self.is_first, self.is_last, self.loss_fn = recipe, is_first, is_last, loss_fn
@@ -137,21 +53,57 @@ class ModelStage(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.tied_group = tied_group
         self.tied: List[nn.Parameter] = []
+        self.sums_tied_grads = sums_tied_grads
+        self.checkpoint_blocks = checkpointed_block_count(checkpoint, len(blocks), "split_model")
+        ids = dense_names or {}
+        self._dense = {n: ids[id(p)] for n, p in self.named_parameters(remove_duplicate=False) if id(p) in ids}
 
     def forward(self, x, targets=None, **side):
         model = self._model[0]
-        h = self.recipe.embed(model, x, **side) if self.is_first else x
-        ctx = self.recipe.context(model, h, **side)
-        for block in self.blocks:
-            h = self.recipe.block(block, h, ctx)
+        try:
+            h = self.recipe.embed(model, x, **side) if self.is_first else x
+            ctx = self.recipe.context(model, h, **side)
+        except TypeError as exc:
+            raise TypeError(f"ModelStage: the recipe of {type(model).__name__} does not take the side inputs "
+                            f"{sorted(side)} ({exc}); pass only what its embed/context functions accept, or "
+                            f"write a Recipe whose context carries them to the blocks") from exc
+        recompute = self.checkpoint_blocks if self.training else 0
+        for i, block in enumerate(self.blocks):
+            if i < recompute:
+                h = checkpointed(lambda t, block=block: self.recipe.block(block, t, ctx), h)
+            else:
+                h = self.recipe.block(block, h, ctx)
         if not self.is_last:
             return h
         logits = self.recipe.head(model, h)
         return logits if targets is None or self.loss_fn is None else self.loss_fn(logits, targets)
 
+    def dense_name(self, name: str) -> str:
+        """This stage's parameter name -> the whole model's (as ``model.named_parameters()`` had it)."""
+        return self._dense.get(name, name)
+
+    def _owner(self, name: str):
+        module_name, _, pname = name.rpartition(".")
+        return self.get_submodule(module_name) if module_name else self, pname
+
+    def dense_tensor(self, name: str, gathered: torch.Tensor) -> torch.Tensor:
+        """A parameter gathered over TP -> the dense model's layout (``Conv1D`` transposed back, fused
+        sections un-permuted: see ``tensor_parallel.dense_layouts``)."""
+        return to_dense(*self._owner(name), gathered)
+
+    def local_tensor(self, name: str, dense: torch.Tensor) -> torch.Tensor:
+        """The dense model's tensor -> the parallel layer's layout, before it is cut into TP shards."""
+        return from_dense(*self._owner(name), dense)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The user's loss (the last stage's): ``Parallel3D`` calls it on fp32 logits under fp16."""
+        return self.loss_fn(logits, targets)
+
     def finish_grads(self) -> None:
-        """After backward: the tied weights' gradients summed over the first and last stage."""
-        sum_tied_grads(self.tied, self.tied_group)
+        """After backward: the tied weights' gradients summed over the first and last stage (unless the
+        caller sums them itself: ``Parallel3D`` does, on its gradient buffers)."""
+        if self.sums_tied_grads:
+            sum_tied_grads(self.tied, self.tied_group)
 
 
 def _tied_between(model: nn.Module, recipe: Recipe) -> List[nn.Parameter]:
@@ -162,30 +114,91 @@ def _tied_between(model: nn.Module, recipe: Recipe) -> List[nn.Parameter]:
     return [first[i] for i in first if i in last]
 
 
+def _numel(modules) -> int:
+    return sum(p.numel() for m in modules if m is not None for p in m.parameters())
+
+
+def balanced_boundaries(costs: Sequence[float], num_stages: int, first_extra: float = 0.0,
+                        last_extra: float = 0.0) -> List[int]:
+    """Split points of ``costs`` (one per block, in order) into ``num_stages`` non-empty contiguous stages
+    minimising the most expensive stage; ``first_extra``/``last_extra`` are added to the first and last
+    stage (embedding, head). Exact: a dynamic programme over (blocks, stages)."""
+    n = len(costs)
+    if n < num_stages:
+        raise ValueError(f"balanced_boundaries: {n} blocks cannot fill {num_stages} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def cost(i, j, s):          # blocks [i, j) as stage s
+        return prefix[j] - prefix[i] + (first_extra if s == 0 else 0.0) + (last_extra if s == num_stages - 1 else 0.0)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, n - (num_stages - s) + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], cost(i, j, s - 1))
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    edges, j = [], n
+    for s in range(num_stages, 0, -1):
+        edges.append(j)
+        j = cut[s][j]
+    return sorted(edges)[:-1]
+
+
+def _boundaries(model: nn.Module, recipe: Recipe, blocks: nn.ModuleList, S: int, boundaries, block_costs):
+    if block_costs is not None:
+        if len(block_costs) != len(blocks):
+            raise ValueError(f"split_model: block_costs has {len(block_costs)} entries for {len(blocks)} blocks")
+        return balanced_boundaries(block_costs, S)
+    if boundaries == "parameters":
+        return balanced_boundaries([_numel([b]) for b in blocks], S,
+                                   _numel(_get(model, n) for n in recipe.first),
+                                   _numel(_get(model, n) for n in recipe.last))
+    if isinstance(boundaries, str):
+        raise ValueError(f"split_model: boundaries={boundaries!r}: use 'parameters', a list of split points or None")
+    return boundaries
+
+
 def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
-                boundaries: Optional[Sequence[int]] = None, loss_fn: Optional[Callable] = None,
-                tied_group=None) -> List[ModelStage]:
+                boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
+                loss_fn: Optional[Callable] = None, tied_group=None, checkpoint: Union[bool, int] = False,
+                sum_tied_grads_in_stage: bool = True) -> List[ModelStage]:
     """This rank's stages (one per chunk) of ``model``; the parts no stage of this rank needs are dropped
     from ``model``. Every rank passes the same model (built from the same seed or loaded from the same
-    weights). ``boundaries``: block split points (default balanced by count); ``tied_group``: the group
-    of the first and last pipeline rank (:func:`~parallel_layers.pipeline.tied_embedding_group`), needed
-    when weights are tied between them."""
+    weights). ``boundaries``: block split points, ``"parameters"`` (balanced by parameter count) or None
+    (balanced by block count); ``block_costs``: balance by these per-block costs (e.g. measured forward
+    times); ``tied_group``: the group of the first and last pipeline rank
+    (:func:`~parallel_layers.pipeline.tied_embedding_group`), needed when weights are tied between them;
+    ``checkpoint``: activation checkpointing (see :class:`ModelStage`); ``sum_tied_grads_in_stage``:
+    False when the caller sums the tied gradients itself (``Parallel3D``)."""
     blocks = _get(model, recipe.blocks)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"split_model: {type(model).__name__} has no nn.ModuleList at {recipe.blocks!r}")
+    for name in list(recipe.first) + list(recipe.last):
+        if _get(model, name) is None:
+            raise ValueError(f"split_model: {type(model).__name__} has no module {name!r} (named by the recipe's "
+                             f"first/last parts); fix the recipe's module names")
     S = pp_size * num_chunks
-    if boundaries is None and len(blocks) < S:
+    if len(blocks) < S and (boundaries is None or isinstance(boundaries, str) or block_costs is not None):
         raise ValueError(f"split_model: {len(blocks)} blocks cannot fill {S} pipeline stages (pipeline size "
                          f"{pp_size} x {num_chunks} chunk(s)); use fewer stages or pass explicit boundaries")
-    ranges = partition_layers(len(blocks), S, boundaries)
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"split_model: pp_rank={pp_rank} outside 0..{pp_size - 1}")
+    ranges = partition_layers(len(blocks), S, _boundaries(model, recipe, blocks, S, boundaries, block_costs))
     mine = stage_ids(pp_rank, pp_size, num_chunks)
     has_first, has_last = 0 in mine, S - 1 in mine
     tied = _tied_between(model, recipe) if pp_size > 1 else []
     if tied and (has_first or has_last) and tied_group is None:
         raise ValueError(f"split_model: {len(tied)} weight(s) are tied between the first and last stage; pass "
                          f"tied_group=tied_embedding_group(pp_group) (every rank calls it)")
+    dense_names = {id(p): n for n, p in model.named_parameters()}
     stages = [ModelStage(model, recipe, [blocks[i] for i in range(*ranges[s])], s == 0, s == S - 1, loss_fn,
-                         tied_group if (has_first or has_last) and tied else None) for s in mine]
+                         tied_group if (has_first or has_last) and tied else None, dense_names=dense_names,
+                         checkpoint=checkpoint, sums_tied_grads=sum_tied_grads_in_stage) for s in mine]
     owned = {i for s in mine for i in range(*ranges[s])}
     for i in range(len(blocks)):           # free what this rank does not run
         if i not in owned:
@@ -201,4 +214,4 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     return stages
 
 
-__all__ = ["Recipe", "LLAMA", "GPT2", "RECIPES", "recipe_for", "ModelStage", "split_model"]
+__all__ = ["Recipe", "RECIPES", "recipe_for", "ModelStage", "split_model", "balanced_boundaries"]

@@ -48,7 +48,7 @@ class Instr:
         return f"{name}(mb={self.mb}, chunk={self.chunk}{', ' + peer if peer else ''})"
 
 
-def Forward(mb: int, chunk: int = 0) -> Instr:  # noqa: N802 - instruction constructors read like the issue
+def Forward(mb: int, chunk: int = 0) -> Instr:  # noqa: N802 - instruction constructors read like schedule notation
     return Instr("F", mb, chunk)
 
 

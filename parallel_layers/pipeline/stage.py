@@ -119,6 +119,17 @@ class GPTStage(nn.Module):
             return f"blocks.{int(i) + self.layer_range[0]}.{rest}"
         return name
 
+    def dense_tensor(self, name: str, gathered: torch.Tensor) -> torch.Tensor:
+        """A parameter gathered over TP -> the full ``GPT``'s tensor (the untied head's vocabulary padding
+        dropped)."""
+        if name.startswith("lm_head.") and gathered.shape[0] > self.config.vocab_size:
+            return gathered[:self.config.vocab_size]
+        return gathered
+
+    def local_tensor(self, name: str, dense: torch.Tensor) -> torch.Tensor:
+        """The inverse layout change before a dense tensor is cut into TP shards: none for the GPT."""
+        return dense
+
     def finish_grads(self) -> None:
         """After backward: sequence-parallel partial grads over TP, tied embedding grads over the
         first/last stage group."""

@@ -78,4 +78,15 @@ def to_dense(layer: nn.Module, param_name: str, gathered: torch.Tensor) -> torch
     return gathered
 
 
-__all__ = ["is_conv1d", "linear_sizes", "section_permutation", "as_linear", "mark", "to_dense"]
+def from_dense(layer: nn.Module, param_name: str, dense: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`to_dense`: a dense original's ``param_name`` in the parallel layer's layout
+    (Linear-layout, rows permuted for sections), ready to be cut into contiguous TP shards."""
+    if getattr(layer, "dense_transposed", False) and param_name == "weight":
+        dense = dense.t().contiguous()
+    sections = getattr(layer, "dense_sections", None)
+    if sections and param_name in ("weight", "bias"):
+        dense = dense.index_select(0, section_permutation(sections, layer.tp_size).to(dense.device))
+    return dense
+
+
+__all__ = ["is_conv1d", "linear_sizes", "section_permutation", "as_linear", "mark", "to_dense", "from_dense"]

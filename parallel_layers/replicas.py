@@ -1,0 +1,235 @@
+"""How :class:`~parallel_layers.parallel3d.Parallel3D` keeps its data-parallel replicas in step: one class
+per mode, behind one small interface, so the 3D step is the same code for every ZeRO stage.
+
+=====================  ==========================  ======================================================
+mode                   gradients over dp           optimizer
+=====================  ==========================  ======================================================
+:class:`Replicated`    all-reduce (DataParallel)   ``torch.optim.AdamW`` on the full parameters
+:class:`ShardedGrads`  reduce-scatter (ZeRO 1, 2)  :class:`~parallel_layers.zero.ZeroOptimizer` (shard)
+:class:`ShardedParams` reduce-scatter (ZeRO 3)     :class:`~parallel_layers.zero.ZeroStage3Optimizer`
+=====================  ==========================  ======================================================
+
+A step, as ``Parallel3D`` drives it: :meth:`begin_step`; the pipeline runs inside :meth:`accumulating`
+(every microbatch's backward only accumulates); :meth:`reduce` sums the tied weights' gradients over
+the first and last stage and reduces over dp once; :meth:`norm_pieces` gives the gradient pieces this
+rank counts in the global norm (and whether they are shards, so the norm sums them over dp);
+:meth:`step` applies the clip coefficient, the loss scale and the skip flag.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from .data_parallel.ddp import DataParallel
+from .distributed import collectives as C
+from .pipeline.stage import sum_tied_grads
+from .zero.optimizer import ZeroOptimizer
+from .zero.stage3 import ZeroStage3
+from .zero.stage3_optimizer import ZeroStage3Optimizer
+
+
+def _flagged(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    piece.tensor_parallel = bool(getattr(p, "tensor_parallel", False))
+    return piece
+
+
+def _torch_adamw_groups(model: nn.Module, weight_decay: float, no_decay) -> list:
+    if no_decay is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (plain if no_decay(name, p) else decay).append(p)
+    return [{"params": decay}, {"params": plain, "weight_decay": 0.0}]
+
+
+class ReplicaMode:
+    """The interface (see the module docstring). ``model``: this rank's stages in one ``nn.ModuleList``;
+    ``tied``: the weights tied between the first and last stage that this rank holds; ``duplicates``:
+    ids of those that are the last stage's copy (left out of the norm, the first stage counts them)."""
+    zero: int
+    optimizer: torch.optim.Optimizer
+    shards_grads = False            # gradient pieces are disjoint over dp (the norm sums them over dp)
+
+    def __init__(self, model: nn.Module, dp_group, tied: Sequence[nn.Parameter], duplicates: Set[int],
+                 tied_group):
+        self.model, self.dp_group = model, dp_group
+        self.tied, self.duplicates, self.tied_group = list(tied), set(duplicates), tied_group
+
+    def begin_step(self) -> None:
+        raise NotImplementedError
+
+    def accumulating(self):
+        return contextlib.nullcontext()
+
+    def reduce(self) -> None:
+        raise NotImplementedError
+
+    def norm_pieces(self) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def step(self, clip_coef=None, grad_scale=None, found_inf=None) -> None:
+        raise NotImplementedError
+
+    def abandon_step(self) -> None:
+        """After an error inside the step: release what it holds, without collectives."""
+
+    @contextlib.contextmanager
+    def forward_only(self):
+        yield
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        yield
+
+    def model_state_dict(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_model_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+
+class Replicated(ReplicaMode):
+    """Plain data parallelism: full gradients all-reduced over dp in buckets, torch AdamW on every rank."""
+    zero = 0
+
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, lr, betas, eps, weight_decay,
+                 no_decay=None, bucket_cap_mb: float = 25.0):
+        super().__init__(model, dp_group, tied, duplicates, tied_group)
+        self.dp = DataParallel(model, dp_group, reduce_op="all_reduce", bucket_cap_mb=bucket_cap_mb,
+                               first_bucket_cap_mb=min(1.0, bucket_cap_mb))
+        self.optimizer = torch.optim.AdamW(_torch_adamw_groups(model, weight_decay, no_decay), lr=lr, betas=betas,
+                                           eps=eps, weight_decay=weight_decay, foreach=False)
+
+    def begin_step(self) -> None:
+        self.optimizer.zero_grad()
+        self.dp.zero_grad()
+
+    def accumulating(self):
+        return self.dp.no_sync()
+
+    def reduce(self) -> None:
+        for p in self.tied:
+            C.all_reduce(p.main_grad, self.tied_group)
+        self.dp.sync_gradients()
+
+    def norm_pieces(self) -> List[torch.Tensor]:
+        return [p for p in self.dp.buffer.params if id(p) not in self.duplicates]
+
+    def step(self, clip_coef=None, grad_scale=None, found_inf=None) -> None:
+        if clip_coef is not None:
+            # every gradient is scaled, the last stage's tied copy included (only left out of the norm)
+            torch._foreach_mul_([p.main_grad for p in self.dp.buffer.params], clip_coef.to(self.dp.buffer.grad_dtype))
+        if found_inf is None or not bool(found_inf.item()):
+            self.optimizer.step()
+
+
+class ShardedGrads(ReplicaMode):
+    """ZeRO 1 and 2: gradients reduce-scattered over dp into this rank's shard, which it steps (fp32
+    master weights and moments for its shard only; stage 2 frees the full gradients between steps)."""
+    shards_grads = True
+
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, stage: int, lr, betas, eps,
+                 weight_decay, no_decay=None, bucket_cap_mb: float = 25.0, optimizer_options: Optional[dict] = None):
+        super().__init__(model, dp_group, tied, duplicates, tied_group)
+        self.zero = stage
+        self.dp = DataParallel(model, dp_group, reduce_op="reduce_scatter", bucket_cap_mb=bucket_cap_mb,
+                               first_bucket_cap_mb=min(1.0, bucket_cap_mb))
+        self.optimizer = ZeroOptimizer(self.dp, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                       no_decay=no_decay, **(optimizer_options or {}))
+
+    def begin_step(self) -> None:
+        if self.zero == 2:
+            # ZeRO-2 frees the full grad buffer between steps; the pipeline calls the stages directly,
+            # not through the DataParallel forward whose pre-hook would bring it back
+            self.optimizer._materialize_grads()
+        self.optimizer.zero_grad()
+
+    def accumulating(self):
+        return self.dp.no_sync()
+
+    def reduce(self) -> None:
+        for p in self.tied:
+            C.all_reduce(p.main_grad, self.tied_group)
+        self.dp.sync_gradients()
+
+    def norm_pieces(self) -> List[torch.Tensor]:
+        items = []
+        for b in self.dp.buffer.buckets:
+            shard = self.dp.bucket_grad_shard(b)
+            for p, _, start, n in b.param_shard_overlaps(self.dp.dp_rank):
+                if id(p) not in self.duplicates:
+                    items.append(_flagged(shard[start:start + n], p))
+        return items
+
+    def step(self, clip_coef=None, grad_scale=None, found_inf=None) -> None:
+        self.optimizer.step(clip_coef=clip_coef, grad_scale=grad_scale, found_inf=found_inf)
+
+
+class ShardedParams(ReplicaMode):
+    """ZeRO 3: this rank holds 1/dp of its stages' parameters, gradients and AdamW state between steps.
+    A step gathers every parameter once and keeps them for all microbatches (gathering per microbatch
+    would repeat the all-gathers m times), autograd accumulates full gradients, the tied ones are summed,
+    then one reduce-scatter over dp averages them into the fp32 gradient shard and frees the full ones."""
+    zero = 3
+    shards_grads = True
+
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, lr, betas, eps, weight_decay,
+                 no_decay=None, optimizer_options: Optional[dict] = None):
+        super().__init__(model, dp_group, tied, duplicates, tied_group)
+        # one wrapper over all of this rank's stages: units = every block, root = the rest
+        self.z = ZeroStage3(model, dp_group, prefetch=False)
+        self.optimizer = ZeroStage3Optimizer(self.z, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                             no_decay=no_decay, **(optimizer_options or {}))
+
+    def begin_step(self) -> None:
+        self.optimizer.zero_grad()                 # frees the gradient shard
+        self.z.gather_all()                        # once per step, kept for every microbatch
+
+    def abandon_step(self) -> None:
+        self.z.release_gathered()                  # no collective: the other ranks may never get there
+
+    def reduce(self) -> None:
+        sum_tied_grads(self.tied, self.tied_group)  # on the full gradients
+        self.z.reduce_scatter_and_free()           # once per step, over dp; reshard
+
+    def norm_pieces(self) -> List[torch.Tensor]:
+        return [_flagged(self.z.grad_buffer[start:start + n], p)
+                for p, _, start, n in self.optimizer.shard_pieces() if id(p) not in self.duplicates]
+
+    def step(self, clip_coef=None, grad_scale=None, found_inf=None) -> None:
+        self.optimizer.step(clip_coef=clip_coef, grad_scale=grad_scale, found_inf=found_inf)
+
+    @contextlib.contextmanager
+    def forward_only(self):
+        self.z.gather_all()
+        try:
+            yield
+        finally:
+            self.z.release_gathered()              # nothing to reduce: free the gathered parameters
+
+    def full_parameters(self):
+        return self.z.summon_full_params()
+
+    def model_state_dict(self) -> dict:
+        return self.z.state_dict()
+
+    def load_model_state_dict(self, state: dict) -> None:
+        self.z.load_state_dict(state)
+
+
+def replica_mode(zero: int, model: nn.Module, dp_group, tied, duplicates, tied_group, **options) -> ReplicaMode:
+    """The mode for ZeRO stage ``zero`` (0: plain data parallelism)."""
+    if zero == 0:
+        options.pop("optimizer_options", None)
+        return Replicated(model, dp_group, tied, duplicates, tied_group, **options)
+    if zero in (1, 2):
+        return ShardedGrads(model, dp_group, tied, duplicates, tied_group, stage=zero, **options)
+    options.pop("bucket_cap_mb", None)
+    return ShardedParams(model, dp_group, tied, duplicates, tied_group, **options)
+
+
+__all__ = ["ReplicaMode", "Replicated", "ShardedGrads", "ShardedParams", "replica_mode"]
