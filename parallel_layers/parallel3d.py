@@ -151,7 +151,10 @@ class Parallel3D:
     ``model``: a :class:`GPTConfig` (the reference GPT; ``seed``: its weights are those of
     ``torch.manual_seed(seed); GPT(config)``) or an ``nn.Module`` (any model; every rank passes the same
     weights; ``loss_fn``, ``recipe``, ``tp_plan``, ``boundaries``, ``block_costs`` apply; the module is
-    changed in place: TP layers swapped in, the parts other ranks run dropped).
+    changed in place: TP layers swapped in, the parts other ranks run dropped; the default generator,
+    which its dropout draws from, is seeded with ``seed`` on every rank once the model is split, so
+    tensor-parallel ranks draw the same masks on the activations they hold replicated; heads split over
+    tp share their masks rank to rank, unlike the reference GPT's per-rank tracker streams).
     ``zero``: 0 (plain DP, all-reduce), 1 or 2 (ZeRO over reduce-scatter), 3 (parameters sharded too,
     gathered once per step; fp32 only). ``schedule``: ``gpipe``, ``1f1b`` or ``interleaved``
     (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``: None disables clipping.
@@ -199,6 +202,9 @@ class Parallel3D:
             chunks, tied, duplicates, self.tied_group = _model_stages(
                 model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
                 boundaries=boundaries, block_costs=block_costs, checkpoint=checkpoint)
+            # dropout draws from the default generator: the same stream on every rank, so tensor-parallel
+            # ranks drop the same elements of the activations they hold replicated
+            torch.manual_seed(seed)
         self.chunks: List[nn.Module] = chunks
         self.model = nn.ModuleList(self.chunks)
         self.duplicate_ids = frozenset(duplicates)

@@ -158,7 +158,8 @@ def bert_plan(model: nn.Module) -> dict:
             layer + "attention.self.query": "colwise", layer + "attention.self.key": "colwise",
             layer + "attention.self.value": "colwise", layer + "attention.output.dense": "rowwise",
             layer + "intermediate.dense": "colwise", layer + "output.dense": "rowwise",
-            "cls.predictions.decoder": {"style": "colwise", "gather_output": True}}
+            "cls.predictions.decoder": {"style": "colwise", "gather_output": True},
+            "cls.predictions": "share"}        # holds the decoder's bias (tied), unused in its forward
 
 
 BERT = Recipe(

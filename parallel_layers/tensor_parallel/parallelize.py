@@ -21,6 +21,8 @@ style              replaces                      becomes
 ``"vocab"``        ``nn.Embedding``              ``VocabParallelEmbedding``
 
 ``"divide"``       any module                    the same module, integer attributes divided by tp
+``"share"``        any module                    the same module; its parameters tied to split ones
+                                                 become those split ones (a holder of a tied copy)
 =================  ============================  ===============================================
 
 A style may also be a dict, ``{"style": "colwise", "gather_output": True}``: the other keys go to the
@@ -73,7 +75,11 @@ _STYLES = {
     "rowwise": (RowParallelLinear, nn.Linear, {}),
     "vocab": (VocabParallelEmbedding, nn.Embedding, {}),
     "divide": (None, nn.Module, {}),
+    "share": (None, nn.Module, {}),
 }
+
+
+_KEPT = ("divide", "share")     # styles that keep the module (nothing replaced)
 
 
 def _group_of(mesh) -> "dist.ProcessGroup":
@@ -101,8 +107,8 @@ def _style(pattern: str, spec) -> tuple:
 
 
 def _check_sizes(name: str, module: nn.Module, style: str, tp: int) -> None:
-    if style == "divide" or style == "vocab":
-        return  # divide: checked per attribute; vocab: padded to a multiple of tp by the layer
+    if style in _KEPT or style == "vocab":
+        return  # divide: checked per attribute; share: nothing split; vocab: padded to a multiple of tp
     n_in, n_out = dense_layouts.linear_sizes(module)
     if style.startswith("colwise") and n_out % tp:
         what = ("out_features", n_out)
@@ -160,30 +166,44 @@ def _full(mname: str, pname: str) -> str:
     return f"{mname}.{pname}" if mname else pname
 
 
+def _splits(chosen, module_name: str) -> bool:
+    return module_name in chosen and chosen[module_name][0][0] not in _KEPT
+
+
+def _shares(chosen, module_name: str) -> bool:
+    return module_name in chosen and chosen[module_name][0][0] == "share"
+
+
 def _check_ties(ties, chosen) -> None:
     for group in ties:
-        split = [(m, p) for m, p in group if m in chosen and chosen[m][0][0] != "divide"]
-        if split and len(split) != len(group):
+        split = [(m, p) for m, p in group if _splits(chosen, m)]
+        follow = [(m, p) for m, p in group if _shares(chosen, m)]
+        if split and len(split) + len(follow) != len(group):
             kept = [(m, p) for m, p in group if (m, p) not in split]
             raise ValueError(
                 f"parallelize: {', '.join(_full(m, p) for m, p in split)} is tied to "
                 f"{', '.join(_full(m, p) for m, p in kept)} (one Parameter), but the plan splits only the "
                 f"first; add {', '.join(repr(m) for m, _ in kept)} to the plan with a style that "
                 f"splits the same rows (an embedding 'vocab' with a head 'colwise'/'colwise_gather'), or untie "
-                f"them before parallelize (e.g. config.tie_word_embeddings=False and a copied weight)")
+                f"them before parallelize (e.g. config.tie_word_embeddings=False and a copied weight); a module "
+                f"that only holds the tied copy (BERT's cls.predictions.bias) takes the style 'share'")
 
 
 def _retie(model: nn.Module, ties, chosen) -> None:
     """Point every place of a tied group at the first place's new (sharded) Parameter."""
     for group in ties:
-        if not all(m in chosen and chosen[m][0][0] != "divide" for m, _ in group):
+        split = [(m, p) for m, p in group if _splits(chosen, m)]
+        if not split or len(split) + sum(_shares(chosen, m) for m, _ in group) != len(group):
             continue
-        first_m, first_p = group[0]
+        first_m, first_p = split[0]
         shared = getattr(model.get_submodule(first_m), first_p)
-        for mname, pname in group[1:]:
+        for mname, pname in group:
             module = model.get_submodule(mname)
             mine = getattr(module, pname)
-            if mine.shape != shared.shape or getattr(mine, "partition_dim", None) != shared.partition_dim:
+            if mine is shared:
+                continue
+            if _splits(chosen, mname) and (mine.shape != shared.shape
+                                           or getattr(mine, "partition_dim", None) != shared.partition_dim):
                 raise ValueError(
                     f"parallelize: {_full(first_m, first_p)} and {_full(mname, pname)} are tied but their styles "
                     f"({chosen[first_m][0][0]!r}, {chosen[mname][0][0]!r}) split them differently (local shapes "
@@ -225,6 +245,7 @@ def parallelize(model: nn.Module, mesh: Union[ParallelMesh, "dist.ProcessGroup"]
     for name, ((style, options), _, cls) in chosen.items():
         if style == "divide":
             _divide(name, modules[name], options.get("attrs", ()), tp)
+        if style in _KEPT:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
