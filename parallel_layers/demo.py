@@ -1,5 +1,5 @@
-"""``python -m parallel_layers demo``: the reference GPT trained with 3D parallelism, checked against
-the single-process model.
+"""``python -m parallel_layers demo``: the reference GPT (or, ``--model llama``, a Hugging Face Llama)
+trained with 3D parallelism, checked against the single-process model.
 
 Launching: without ``RANK``/``WORLD_SIZE`` in the environment the demo spawns ``dp * tp * pp`` processes
 itself (gloo on CPU, one thread each, a free local port). Under ``torchrun`` (those variables set) it
@@ -20,7 +20,11 @@ Checkpoints (Megatron-LM's ``--save`` / ``--save-interval`` / ``--load``): unive
 (:mod:`parallel_layers.universal_checkpoint`) under ``DIR/iter_NNNNNNN``, so a run saved on one layout
 resumes on any other; a resumed run trains from the saved iteration to ``--steps`` on the same data.
 
-At the end the loss curve is compared with the single-process ``GPT`` of the same config, seed, data and
+Models (:mod:`parallel_layers.demo_models`): ``--model gpt`` builds the reference GPT as stages;
+``--model llama`` builds a ``LlamaForCausalLM`` of the same sizes from a ``transformers`` config and hands
+it, unmodified, to the same ``Parallel3D`` (its recipe splits it into stages and over tp).
+
+At the end the loss curve is compared with the single-process model of the same config, seed, data and
 optimizer (``torch.optim.AdamW`` + ``torch.nn.utils.clip_grad_norm_``), run in the launcher (or on rank
 0 under torchrun); ``summary.json`` and ``timeline.png`` (the last step's pipeline schedule) go to
 ``--out``.
@@ -41,6 +45,7 @@ import torch
 
 from .cpu_affinity import available_cores, bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
+from .demo_models import MODELS, model_description, parallel_model, reference
 from .testing.compare import worst as worst_error
 from .testing.workers import free_port
 
@@ -123,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m parallel_layers demo",
                                 description="Train the reference GPT with dp x tp x pp parallelism on the "
                                             "Python standard library's sources and compare with one process.")
+    p.add_argument("--model", default="gpt", choices=MODELS,
+                   help="gpt: the reference GPT; llama: transformers' LlamaForCausalLM of the same sizes")
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
@@ -168,12 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_config(args):
-    from .models.gpt import GPTConfig
-    return GPTConfig(vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                     max_seq_len=args.seq_len, dropout=0.0, bias=False, tie_embeddings=True)
-
-
 def checkpoint_setting(args):
     """``--checkpoint`` -> ``Parallel3D(checkpoint=)``: True (flag alone: every block), False (absent) or N."""
     return True if args.checkpoint == -1 else args.checkpoint
@@ -206,6 +207,10 @@ def check_args(args) -> None:
         errs.append(f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} must be >= 0")
     if world < 1:
         errs.append("dp, tp and pp must be positive")
+    if args.model == "llama":
+        from ._optional import have
+        if not have("transformers"):
+            errs.append("--model llama needs transformers (pip install transformers)")
     if errs:
         raise SystemExit("demo: " + "; ".join(errs))
 
@@ -223,7 +228,7 @@ def check_resume(args) -> None:
     try:
         path = resolve_checkpoint(args.load)
         meta = read_meta(path)
-        check_config(model_config(args), meta, path)
+        check_config(model_description(args), meta, path)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"demo: --load {args.load}: {e}")
     saved = {}
@@ -266,11 +271,11 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     rank = dist.get_rank()
     mesh = ParallelMesh(args.dp, args.tp, args.pp)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
-    model = Parallel3D(model_config(args), mesh, zero=args.zero, schedule=args.schedule,
+    what, extra = parallel_model(args)
+    model = Parallel3D(what, mesh, zero=args.zero, schedule=args.schedule,
                        num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
-                       seed=args.seed, device=device,
-                       checkpoint=checkpoint_setting(args))
+                       device=device, checkpoint=checkpoint_setting(args), **extra)
     start, saved, load_s = 0, [], None
     if args.load:
         t_load = time.perf_counter()
@@ -279,7 +284,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     bar = None
     if rank == 0 and not args.no_progress:
         from ._optional import progress_bar
-        bar = progress_bar(total=args.steps, initial=start, desc=f"3D dp={args.dp} tp={args.tp} pp={args.pp}",
+        bar = progress_bar(total=args.steps, initial=start, desc=f"{args.model} dp={args.dp} tp={args.tp} pp={args.pp}",
                    unit="step", dynamic_ncols=True)
     losses, step_times, skipped, val_losses = [], [], 0, []
     tokens_per_step = args.batch_size * args.seq_len
@@ -368,16 +373,14 @@ def _worker(rank: int, world: int, args, port: int) -> None:
 # ---------------------------------------------------------------------- the reference
 def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = None):
     """The single-process run: ``(losses, val_losses)`` (``[[step, loss], ...]``, empty without ``val``)."""
-    from .models.gpt import GPT
-    torch.manual_seed(args.seed)
-    model = GPT(model_config(args))
+    model, loss_of = reference(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=args.weight_decay, foreach=False)
     losses, val_losses = [], []
     evals, val_batches = validation_plan(val, args)
     for step in range(args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
-        _, loss = model(x, y)
+        loss = loss_of(model, x, y)
         loss.backward()
         if args.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -387,7 +390,7 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
         if step + 1 in evals:
             model.eval()
             with torch.no_grad():
-                vl = sum(model(x, y)[1].item() for x, y in val_batches) / len(val_batches)
+                vl = sum(loss_of(model, x, y).item() for x, y in val_batches) / len(val_batches)
             model.train()
             val_losses.append([step + 1, vl])
     return losses, val_losses
@@ -447,7 +450,7 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
     if start:
         print(f"\nresumed from {args.load} at step {start} (a universal checkpoint: any layout loads it; "
               f"{par['load_seconds']:.2f} s on rank 0)")
-    print(f"\n3D run: dp={args.dp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
+    print(f"\n3D run ({args.model}): dp={args.dp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
           f"{args.microbatches} microbatches, {args.precision}{_checkpoint_text(args)}: "
           f"{par['tokens_per_s']:,.0f} tokens/s, "
           f"loss {par['losses'][0]:.4f} -> {par['losses'][-1]:.4f}"

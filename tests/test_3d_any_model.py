@@ -313,3 +313,26 @@ def test_plain_module_of_your_own_splits_with_a_sequential_recipe():
     # embedding 800 + 2 x 272 = 1344 vs 4 x 272 + head 68 = 1156 (by block count, 3 + 3: 1616 vs 884)
     assert [len(s.blocks) for s in stages] == [2, 4]
     torch.testing.assert_close(stages[1](stages[0](ids)), want, rtol=0, atol=0)
+
+
+def test_demo_trains_llama_through_the_same_path(tmp_path):
+    """``demo --model llama``: transformers' LlamaForCausalLM, unmodified, at dp2 x tp2 x pp2 with ZeRO-1,
+    against the single-process Llama on the same data; its universal checkpoint names the model."""
+    import json
+    import subprocess
+    import sys
+
+    out, save = tmp_path / "demo", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "parallel_layers", "demo", "--model", "llama", "--zero", "1", "--steps", "3",
+           "--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
+           "--microbatches", "2", "--corpus-bytes", "200000", "--eval-interval", "0", "--out", str(out),
+           "--no-progress", "--save", str(save)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3D run (llama): dp=2 tp=2 pp=2, zero=1" in proc.stdout and "losses and validation losses agree" in \
+        proc.stdout, proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["agree"] is True and summary["config"]["model"] == "llama" and len(summary["losses"]["parallel"]) == 3
+    meta = json.loads((save / "iter_0000003" / "meta.json").read_text())
+    assert meta["config"]["class"] == "LlamaForCausalLM" and "model.layers.1.mlp.down_proj.weight" in meta["tensors"]
