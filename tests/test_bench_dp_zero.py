@@ -15,7 +15,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # benchmarks/ is a top-level folder of the repo, not part of the installed package
 
-from benchmarks import demo_layouts, dp, harness, pipeline, zero, zero3  # noqa: E402
+from benchmarks import demo_layouts, dp, generic_3d, harness, pipeline, zero, zero3  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -67,6 +67,17 @@ def test_dp_and_zero_smoke_rows(monkeypatch, dist_pools):
     rows = zero3.collect("smoke", CPU)
     _check(rows, ["zero3_train_step_dp2", "zero3_peak_memory_dp2"])
     assert rows[0]["speedup"] > 0 and rows[1]["mem_mb"] > 0
+
+
+def test_generic_3d_smoke_rows(monkeypatch, dist_pools):
+    """The generic path on the reference GPT against the GPT-specific one: rows, and the same weights
+    (the first losses printed in the row agree to every digit)."""
+    _in_pools(monkeypatch, dist_pools)
+    rows = generic_3d.collect("smoke", CPU)
+    _check(rows, ["generic_3d_dp2xpp2_zero0", "generic_3d_dp2xpp2_zero1"])
+    for r in rows:
+        generic, specific = r["baseline"].split("first loss ")[1].split(" vs ")
+        assert generic == specific and r["speedup"] > 0, r
 
 
 def test_pipeline_smoke_rows_and_timeline_pngs(monkeypatch, dist_pools, tmp_path):

@@ -203,9 +203,8 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     for i in range(len(blocks)):           # free what this rank does not run
         if i not in owned:
             blocks[i] = nn.Identity()
-    for name in (() if has_first else recipe.first):
-        _set(model, name, None)
-    for name in (() if has_last else recipe.last):
+    kept = set(recipe.shared) | set(recipe.first if has_first else ()) | set(recipe.last if has_last else ())
+    for name in (set(recipe.first) | set(recipe.last)) - kept:
         _set(model, name, None)
     if tied and (has_first or has_last):
         start_tied_equal(tied, tied_group)

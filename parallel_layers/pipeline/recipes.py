@@ -170,8 +170,20 @@ BERT = Recipe(
     block=lambda block, h, ctx: _first_output(block(h, **ctx)),
     tp_plan=bert_plan)
 
-RECIPES: Dict[str, Recipe] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA, "Qwen2ForCausalLM": LLAMA,
-                              "GPT2LMHeadModel": GPT2, "BertForMaskedLM": BERT}
+def gpt_recipe(model: nn.Module) -> Recipe:
+    """The reference GPT (``parallel_layers.models.gpt.GPT``) as any other model: its own ``embed`` and
+    ``head``; with tied embeddings the last stage holds ``wte`` for the head. Its layers are built
+    tensor-parallel already (``GPT(config, tp_group=...)``), so its plan is empty."""
+    tied = model.config.tie_embeddings
+    return Recipe(blocks="blocks", first=("wte", "wpe"), last=("ln_f", "wte") if tied else ("ln_f", "lm_head"),
+                  embed=lambda m, ids, **side: m.embed(ids), head=lambda m, h: m.head(h),
+                  context=lambda m, h, **side: {}, block=lambda block, h, ctx: block(h),
+                  tp_plan=lambda m: {})
+
+
+# a Recipe, or a function of the model returning one
+RECIPES: Dict[str, object] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA, "Qwen2ForCausalLM": LLAMA,
+                              "GPT2LMHeadModel": GPT2, "BertForMaskedLM": BERT, "GPT": gpt_recipe}
 
 
 def recipe_for(model: nn.Module) -> Recipe:
@@ -181,7 +193,9 @@ def recipe_for(model: nn.Module) -> Recipe:
         raise ValueError(f"split_model: no recipe for {name} (recipes: {', '.join(sorted(RECIPES))}); write a "
                          f"parallel_layers.pipeline.Recipe naming its blocks, embedding and head, e.g. "
                          f"Recipe.sequential(blocks='layers', first=['embed'], last=['norm', 'head'])")
-    return RECIPES[name]
+    recipe = RECIPES[name]
+    return recipe if isinstance(recipe, Recipe) else recipe(model)
 
 
-__all__ = ["Recipe", "LLAMA", "GPT2", "BERT", "RECIPES", "recipe_for", "llama_plan", "bert_plan", "get_module"]
+__all__ = ["Recipe", "LLAMA", "GPT2", "BERT", "RECIPES", "recipe_for", "llama_plan", "bert_plan", "gpt_recipe",
+           "get_module"]
