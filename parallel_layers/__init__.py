@@ -14,6 +14,7 @@ from .tensor_parallel import (ColumnParallelLinear, RNGStatesTracker, RowParalle
                               allreduce_sequence_parallel_grads, parallelize, tensor_parallel_rng_tracker,
                               vocab_parallel_cross_entropy)
 from .zero import ZeroOptimizer, ZeroStage3, ZeroStage3Optimizer
+from .parallel3d import Parallel3D
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,4 @@ __all__ = ["ops", "pipeline", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnP
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
            "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "DataParallel",
            "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler", "clip_grad_norm_",
-           "retain_freed_memory", "bind_rank_to_cores", "__version__"]
+           "retain_freed_memory", "bind_rank_to_cores", "Parallel3D", "__version__"]
