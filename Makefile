@@ -1,4 +1,5 @@
 # Quick start:  make test   (sets everything up in .venv, builds the extension, runs the suite)
+#               make test-fast  (the same without the slow tests: the edit loop)
 #               make bench  (same set-up, runs the whole benchmark suite; make bench-quick: < 5 min)
 PYTHON_SYS    ?= python3
 VENV          ?= .venv
@@ -11,7 +12,7 @@ CSRC          := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' 
 PYTEST_ARGS   ?=
 BENCH_ARGS    ?=
 
-.PHONY: setup test bench bench-quick demo gpu-check clean
+.PHONY: setup test test-fast bench bench-quick demo gpu-check clean
 
 $(PY):
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -31,6 +32,10 @@ setup: $(EXT_STAMP)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# The edit loop: the suite without the tests marked slow (tests/conftest.py: SLOW); make test runs them all.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
 bench: setup
 	$(PY) -m parallel_layers bench --readme $(BENCH_ARGS)

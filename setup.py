@@ -37,7 +37,11 @@ else:
 setup(
     name="parallel_layers",
     version="0.1.0",
-    packages=find_packages(include=["parallel_layers", "parallel_layers.*", "triton_kernels", "triton_kernels.*"]),
+    # triton_kernels/ stays a top-level folder of the checkout but installs as parallel_layers.triton_kernels:
+    # Triton ships a top-level package of that name, and two distributions owning one top-level name hide
+    # each other.
+    packages=find_packages(include=["parallel_layers", "parallel_layers.*"]) + ["parallel_layers.triton_kernels"],
+    package_dir={"parallel_layers.triton_kernels": "triton_kernels"},
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

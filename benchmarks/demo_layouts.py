@@ -1,4 +1,4 @@
-"""Demo throughput for 1D, 2D and 3D layouts on the same 8 processes (issue 5's table).
+"""Demo throughput for 1D, 2D and 3D layouts on the same 8 processes.
 
     python -m benchmarks.demo_layouts [--steps 12]    # full: every layout, demo-size GPT, 12 steps
     python -m benchmarks.demo_layouts --quick         # every layout, demo-size GPT, 4 steps (~30 s)

@@ -1,7 +1,7 @@
 """Shared benchmark machinery: timing, the machine's copy bandwidth, device/version info, the CSV.
 
-Timing rules (DESIGN.md, "Benchmarks"): ours and the baseline run back to back in one process on the
-same data; each is warmed up, then timed ``reps`` times *interleaved* (ours, baseline, baseline, ours,
+Timing rules (benchmarks/README.md, "How a run is timed"): ours and the baseline run back to back in one
+process on the same data; each is warmed up, then timed ``reps`` times *interleaved* (ours, baseline, baseline, ours,
 ...) so that drift from other processes on a shared machine hits both sides alike; we report the
 median and the 20th/80th percentiles. On CUDA every call is bracketed by ``torch.cuda.Event``s after a
 synchronize, so a call's time includes any host launch gaps the GPU had to wait through (that is what
@@ -306,7 +306,7 @@ def comparison_row(common: Dict[str, object], case: str, ours_ms, base_ms, **ext
 
 def latest_rows(rows: Sequence[Dict[str, str]], modes: Sequence[str] = ("full", "quick"),
                 key_fields: Sequence[str] = ("case", "sizes", "dtype", "backend")) -> Dict[str, List[Dict[str, str]]]:
-    """What the README and the plots show: per device, the rows of the most complete mode measured on it
+    """What benchmarks/README.md and the plots show: per device, the rows of the most complete mode measured on it
     (the first of ``modes`` present; smoke runs never count by default); of those, for every case, the
     rows of the newest run that measured that case (so a run at new sizes replaces the old sizes' rows,
     while a case a later ``--only`` run skipped keeps its figures); one row per ``key_fields``.

@@ -4,7 +4,7 @@
     python -m benchmarks.linear_registers --check      # exit 1 if a config the pruner keeps spills
     python -m benchmarks.linear_registers --csv        # also write results/linear_registers.csv (or --csv PATH)
 
-Each ``triton_kernels.matmul.CONFIGS`` entry is compiled by Triton for the target with the
+Each ``parallel_layers.triton_kernels.matmul.CONFIGS`` entry is compiled by Triton for the target with the
 specialisation a real launch gets (contiguous operands: unit strides as constants, pointers and sizes
 divisible by 16), for each epilogue (plain, GeLU, pre-activation stored, both). The cubin's resource
 usage (Triton's bundled ``cuobjdump``) gives registers per thread and the stack frame: a non-zero
@@ -48,7 +48,7 @@ def compile_config(cfg, dtype: str, epilogue: str, arch: int) -> Dict[str, int]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from triton_kernels import matmul
+    from parallel_layers.triton_kernels import matmul
 
     fn = matmul._linear_epilogue_kernel
     activation, store_pre = EPILOGUES[epilogue]
@@ -68,7 +68,7 @@ def compile_config(cfg, dtype: str, epilogue: str, arch: int) -> Dict[str, int]:
 
 
 def _kept(cfg, dtype: str, epilogue: str) -> bool:
-    from triton_kernels import matmul
+    from parallel_layers.triton_kernels import matmul
 
     class _Elem:   # what the pruner reads of x: its element size
         def __init__(self, size):
@@ -83,7 +83,7 @@ def _kept(cfg, dtype: str, epilogue: str) -> bool:
 
 
 def collect(dtypes: List[str], epilogues: List[str], arch: int, kept_only: bool = False) -> List[dict]:
-    from triton_kernels import matmul
+    from parallel_layers.triton_kernels import matmul
     rows = []
     for dtype in dtypes:
         for epilogue in epilogues:

@@ -96,7 +96,7 @@ def _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup) -> List[Di
         err = (y.float() - ref.float()).abs().max().item()
         cfg = ""
         if label in ("triton", "auto->triton"):
-            from triton_kernels import matmul as tk
+            from parallel_layers.triton_kernels import matmul as tk
 
             best = getattr(tk._tuned_kernel, "best_config", None)
             cfg = f" | tuned config: {best}" if best is not None else ""

@@ -16,10 +16,10 @@ For each (p, m), in the same processes on the same data, timed steps interleaved
   with ``broadcast_loss=False``: torch's schedules leave the loss on the last stage only, too;
 * forward-only evaluation of the same batch: ``PipelineEngine.evaluate`` against the same torch
   schedule's ``eval`` (called as a user would for validation: chunks in eval mode, under
-  ``torch.no_grad``), timed interleaved after the training reps (reported: the issue sets no target).
+  ``torch.no_grad``), timed interleaved after the training reps (reported: evaluation has no target).
 A step's time is the slowest rank's (all-reduce MAX outside the timed region), median of the reps.
 p = 4 runs 4 processes on this 2-core machine: its idle times are distorted by oversubscription, so
-(as the issue sets the targets at p = 2) its rows are reported without pass/fail where the machine
+(the targets are set at p = 2) its rows are reported without pass/fail where the machine
 has fewer cores than stages.
 
 Bubble: from the engine's recorded timeline (ranks on one host share the perf_counter clock): per rank
@@ -281,7 +281,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     return rows
 
 
-# The issue sets the targets at p = 2 (one process per core of the 2-core machine they were written
+# The targets are set at p = 2 (one process per core of the 2-core machine they were written
 # for); p = 4 runs 4 processes on those cores and is reported with the same rows, without pass/fail.
 TARGET_PS = (2,)
 # Models reported beside the one that carries the targets (see the module docstring), without pass/fail.
@@ -332,7 +332,7 @@ def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict, judged: bool = True
         rows.append(harness.comparison_row(
             common, f"step_{sched}", ours, base, sizes=sizes, target="speedup>=1.0", met=_judge(p, ok, judged),
             baseline=f"torch.distributed.pipelining {sched}; our bubble {bub[sched]:.3f}; {_paired_text(ours, base)}"))
-    for sched in SCHEDS:     # the issue sets no target for evaluation: reported beside the steps
+    for sched in SCHEDS:     # evaluation has no target: reported beside the steps
         rows.append(harness.comparison_row(
             common, f"eval_{sched}", r["eval_times"][f"ours_{sched}"], r["eval_times"][f"torch_{sched}"],
             sizes=sizes, target="none (reported)", met="reported",

@@ -8,7 +8,7 @@ Draws, with one panel per device:
   speedup.png             ours / baseline time per case and backend (log scale), the target as a red bar;
   bandwidth_fraction.png  achieved GB/s as a fraction of that run's copy bandwidth, per case, for each
                           backend and for the torch baseline; the GPU target (85%) as a dashed line.
-Per device, the rows the README shows (``harness.latest_rows``): the most complete mode measured (full,
+Per device, the rows the benchmark tables show (``harness.latest_rows``): the most complete mode measured (full,
 else quick; smoke too for the kernel plots) and, per case, the newest run that measured it, so a later
 ``--only`` run updates its cases without hiding the others.
 """
@@ -72,7 +72,7 @@ def draw(csv_path: Optional[str] = None, rows: Optional[List[dict]] = None,
 
     if rows is None:
         rows = harness.read_csv(csv_path or os.path.join(harness.RESULTS_DIR, "kernels.csv"))
-    # The rows the README shows (harness.latest_rows); smoke rows count here so that a smoke run's own
+    # The rows the benchmark tables show (harness.latest_rows); smoke rows count here so that a smoke run's own
     # rows (kernels --smoke --plot --no-csv) can be drawn.
     per_device = harness.latest_rows([{k: str(v) for k, v in r.items()} for r in rows],
                                      modes=("full", "quick", "smoke"))
@@ -150,7 +150,7 @@ MET_COLORS = {"yes": "tab:green", "true": "tab:green", "no": "tab:red", "false":
 def draw_ratios(results_dir: str = harness.RESULTS_DIR, out_dir: str = harness.RESULTS_DIR) -> List[str]:
     """ratios.png: one horizontal bar per measured case of every group (baseline time / ours, log scale;
     right of 1 means ours is faster), green where its target is met, red where missed, gray without one.
-    The rows are those the README shows (per device: the most complete mode, the newest row per case)."""
+    The rows are those the benchmark tables show (per device: the most complete mode, the newest row per case)."""
     plt = pyplot()
     if plt is None:
         return []
@@ -191,7 +191,7 @@ def draw_ratios(results_dir: str = harness.RESULTS_DIR, out_dir: str = harness.R
 
 
 def draw_all(results_dir: str = harness.RESULTS_DIR, out_dir: str = harness.RESULTS_DIR) -> List[str]:
-    """Every PNG the README shows, from the CSVs: kernel speedups and bandwidth fractions, the ratio bars
+    """Every PNG the benchmark tables show, from the CSVs: kernel speedups and bandwidth fractions, the ratio bars
     of all groups, and the scaling curves."""
     paths = []
     kernels_csv = os.path.join(results_dir, "kernels.csv")

@@ -1,11 +1,11 @@
-"""Regenerate the README's benchmark section (and the PNGs it shows) from the CSVs under benchmarks/results/.
+"""Regenerate the tables of benchmarks/README.md (and the PNGs it shows) from the CSVs under benchmarks/results/.
 
     python -m benchmarks.readme          # redraws the plots, rewrites the text between the BENCHMARKS markers
     python -m parallel_layers bench --quick --readme     # measure first, then the same
 
-Nothing in that section is typed by hand: for each CSV and device, the newest row of every case from the most complete mode
-(full, else quick) is turned into a table, with the machine, versions, date and the command that
-measured it, and every missed target is listed plainly.
+Nothing between the markers is typed by hand: for each CSV and device, the newest row of every case from
+the most complete mode (full, else quick) is turned into a table, with the machine, versions, date and
+the command that measured it, and every missed target is listed plainly.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Dict, List
 from .harness import latest_rows, read_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
+README = os.path.join(ROOT, "benchmarks", "README.md")
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
 
 
@@ -38,7 +38,7 @@ PLOTS = [("ratios.png", "every case against its baseline"),
 
 
 def met_text(value: str) -> str:
-    """Benchmarks write yes/no or True/False; the README says yes/no."""
+    """Benchmarks write yes/no or True/False; the tables say yes/no."""
     return {"true": "yes", "false": "no"}.get((value or "").lower(), value or "-")
 
 
@@ -130,7 +130,7 @@ def render(results: str = os.path.join(ROOT, "benchmarks", "results")) -> str:
     out += body
     for png, caption in PLOTS:
         if os.path.exists(os.path.join(results, png)):
-            out.append(f"![{caption}](benchmarks/results/{png})")
+            out.append(f"![{caption}](results/{png})")   # relative to benchmarks/README.md
     return "\n".join(out).rstrip()
 
 
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     text = open(README).read()
     if BEGIN not in text or END not in text:
-        print(f"README.md has no {BEGIN} ... {END} section", file=sys.stderr)
+        print(f"{os.path.relpath(README)} has no {BEGIN} ... {END} section", file=sys.stderr)
         return 1
     if not args.no_plots:
         from . import plots

@@ -1,9 +1,9 @@
-"""The whole benchmark suite: every group, one progress bar, one table, CSV rows, plots, README.
+"""The whole benchmark suite: every group, one progress bar, one table, CSV rows, plots, benchmarks/README.md.
 
     python -m parallel_layers bench                       # everything, full sizes (make bench)
     python -m parallel_layers bench --quick               # everything, small sizes (< 5 min on 2 cores)
     python -m parallel_layers bench --only kernels --only dp
-    python -m parallel_layers bench --quick --readme      # then redraw the plots and the README section
+    python -m parallel_layers bench --quick --readme      # then redraw the plots and benchmarks/README.md's tables
 
 Each group is one or more modules of ``benchmarks/`` implementing the same small contract:
 ``CSV_NAME`` (the file under ``benchmarks/results/`` its rows go to) and ``collect(mode, device,
@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="device for single-process benchmarks (multi-process ones use gloo on CPU)")
     ap.add_argument("--no-csv", action="store_true", help="do not append to benchmarks/results/*.csv")
     ap.add_argument("--no-plots", action="store_true", help="do not redraw the PNGs")
-    ap.add_argument("--readme", action="store_true", help="afterwards regenerate the README's benchmark section")
+    ap.add_argument("--readme", action="store_true", help="afterwards regenerate the tables in benchmarks/README.md")
     ap.add_argument("--list", action="store_true", help="list the groups and their modules, then exit")
     args = ap.parse_args(argv)
 
@@ -124,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.readme:
         from . import readme
         readme.main(["--quiet"])
-        print("README.md benchmark section regenerated")
+        print("benchmarks/README.md tables regenerated")
     for f in failures:
         print(f"FAILED {f}", file=sys.stderr)
     return 1 if failures else 0

@@ -2,8 +2,9 @@
 import os
 import sys
 
-USAGE = ("usage: python -m parallel_layers demo [--dp 2 --tp 2 --pp 2 --zero 0|1|2|3 "
-         "--schedule gpipe|1f1b|interleaved --microbatches 4 --precision fp32|bf16|fp16 --steps N ...]\n"
+USAGE = ("usage: python -m parallel_layers demo [--model gpt|llama --dp 2 --tp 2 --pp 2 --zero 0|1|2|3 "
+         "--schedule gpipe|1f1b|interleaved --microbatches 4 --precision fp32|bf16|fp16 --offload none|disk "
+         "--steps N ...]\n"
          "       python -m parallel_layers bench [--only kernels|tp|dp|zero|pipeline|demo|scaling] "
          "[--quick|--smoke] [--readme]\n"
          "       python -m parallel_layers gpu-check [--out DIR] [--dry-run]\n"
@@ -11,18 +12,21 @@ USAGE = ("usage: python -m parallel_layers demo [--dp 2 --tp 2 --pp 2 --zero 0|1
 
 
 def _bench_main(argv) -> int:
-    """The benchmarks live in the source checkout's top-level ``benchmarks/`` folder (they are not part of
-    the installed package): import them from the checkout this package was installed from."""
+    """The benchmarks live in the source checkout's top-level ``benchmarks/`` folder, not in the installed
+    package: they import from the directory ``python -m`` runs in, so run this from the checkout's root
+    (``make bench`` does)."""
     try:
         from benchmarks import suite
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name != "benchmarks":
+            raise
         checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if not os.path.isfile(os.path.join(checkout, "benchmarks", "suite.py")):
-            print("python -m parallel_layers bench needs the source checkout (its benchmarks/ folder); "
-                  f"none next to {checkout}. Clone the repository and run it there.", file=sys.stderr)
-            return 2
-        sys.path.insert(0, checkout)
-        from benchmarks import suite
+        where = (f"cd {checkout} && python -m parallel_layers bench"
+                 if os.path.isfile(os.path.join(checkout, "benchmarks", "suite.py"))
+                 else "clone the repository and run it from its root")
+        print(f"python -m parallel_layers bench needs the source checkout's benchmarks/ folder on the import "
+              f"path: {where}", file=sys.stderr)
+        return 2
     return suite.main(argv)
 
 

@@ -6,12 +6,10 @@ share them with the neighbouring ranks, so a message or an op on the critical pa
 a core that another rank's thread holds. Binding every thread of rank ``r`` to its own slice of the
 cores keeps its caches and its gloo threads next to its compute.
 
-Measured on the 2-core benchmark VM (throwaway ``/tmp/pp7/pin_ab.py``: 1F1B, p=2, m=8, the pipeline
-benchmark's GPT, bound and free steps interleaved in the same two processes, 12-30 reps per variant,
-five runs): median bubble 0.1277 / 0.1270 / 0.1262 / 0.1220 / 0.1238 bound against 0.1340 / 0.1292 /
-0.1301 / 0.1257 / 0.1247 free, lower in every run (the message-latency term in all five). It helps
-``torch.distributed.pipelining``'s schedules more (its 1F1B step at m=8: 559 -> 531 ms; ours 535 ->
-530 ms; ``python -m benchmarks.pipeline --pp 2 --no-csv`` with and without ``--no-bind-cores``).
+Measured on the 2-core benchmark machine with ``python -m benchmarks.pipeline --pp 2 --no-csv`` (bound,
+the default) against the same with ``--no-bind-cores`` (free): the 1F1B step at m=8 took 531 ms bound
+against 559 ms free for ``torch.distributed.pipelining``'s schedule, 530 against 535 ms for ours, and the
+bubble rows' message term is lower bound (benchmarks/README.md, "Pipeline, bound ranks").
 
 Only where every local rank gets at least one core: with more ranks than cores (the demo's 8
 processes on this machine) a fixed binding would stop the kernel from balancing them, so nothing is

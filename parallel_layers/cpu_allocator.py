@@ -3,7 +3,8 @@
 Training on CPU allocates and frees the same activation-sized blocks every microbatch. glibc's malloc
 hands large blocks back to the kernel (``munmap``, or trimming the top of the heap once more than a few
 MB is free there), and the next allocation of that size faults every page back in, zero-filled by the
-kernel. Measured (throwaway scripts, ``getrusage`` around each step, steps after the first):
+kernel. Measured on the 2-core benchmark machine (``getrusage`` around each step, steps after the
+first; ``tests/test_cpu_allocator.py`` checks the page-fault effect in fresh processes):
 
 * a pipeline rank of the pipeline benchmark's GPT (d 256, seq 128, 4 layers, 1F1B, 8 microbatches):
   3,700-7,800 minor page faults and 8-28 ms of system time per step with glibc's defaults; 0-256

@@ -1,6 +1,6 @@
 """Shared test set-up.
 
-TRITON_INTERPRET must be set before triton_kernels is imported (triton reads it when @triton.jit
+TRITON_INTERPRET must be set before parallel_layers.triton_kernels is imported (triton reads it when @triton.jit
 runs), so it is set here, at collection time, before any test module imports the package: on a machine
 without a GPU the Triton kernels run through the interpreter on CPU tensors; with a GPU they are
 compiled and run on CUDA tensors (set TRITON_INTERPRET=1 there to test the interpreter instead).
@@ -83,10 +83,61 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("dist_pools", ["gloo", "nccl_rules"], indirect=True)
 
 
+# The tests `make test-fast` (pytest -m "not slow") leaves out and `make test` runs: each costs about 5 s or
+# more on 2 cores because it starts 8 ranks, runs the demo or torchrun in subprocesses, runs a benchmark group
+# end to end, builds or compiles the kernels, or allocates a 4 GiB tensor. Test file -> its slow test
+# functions, or "*" for all of them. A name the file no longer defines is a collection error.
+SLOW = {
+    "test_3d.py": ("test_3d_matches_single_process", "test_3d_zero3_matches_single_process",
+                   "test_3d_checkpointing_replays_dropout",
+                   "test_3d_checkpoint_resumes_bit_identically_in_fresh_processes",
+                   "test_3d_fp16_zero1_matches_fp32_single_process",
+                   "test_3d_fp16_overflow_on_one_rank_skips_everywhere",
+                   "test_demo_end_to_end", "test_demo_under_nccl_rules", "test_demo_under_torchrun",
+                   "test_demo_fp16_end_to_end"),
+    "test_3d_any_model.py": ("test_hf_model_in_3d_matches_single_process",
+                             "test_bert_real_weights_mlm_in_3d_matches_single_process",
+                             "test_llama_universal_checkpoint_resumes_at_another_layout",
+                             "test_checkpointing_replays_dropout_bit_identically",
+                             "test_skip_nonfinite_skips_on_every_rank_and_leaves_state_untouched",
+                             "test_demo_trains_llama_through_the_same_path",
+                             "test_3d_with_optimizer_state_on_disk_is_bit_identical"),
+    "test_universal_checkpoint.py": ("test_universal_checkpoint_resumes_on_another_mesh",
+                                     "test_universal_checkpoint_fp16_carries_master_weights_and_scaler",
+                                     "test_demo_saves_and_resumes_on_another_layout"),
+    "test_bench_dp_zero.py": "*",
+    "test_bench_scaling.py": "*",
+    "test_bench_kernels_tp.py": ("test_tp_smoke_rows", "test_cross_entropy_smoke_rows_and_environment_restored"),
+    "test_benchmarks_smoke.py": ("test_kernels_smoke_prints_a_row_per_case",
+                                 "test_bench_cli_rejects_unknown_group_and_lists_groups",
+                                 "test_bench_suite_smoke_runs_a_group_end_to_end"),
+    "test_vocab_cross_entropy.py": ("test_benchmark_smoke",),
+    "test_zero.py": ("test_benchmark_smoke_prints_figures",),
+    "test_extension.py": ("test_jit_build_when_not_prebuilt",),
+    "test_cuda_compile.py": "*",
+    "test_ops_large_index.py": "*",
+    "test_readme.py": ("test_readme_example_runs",),
+}
+
+
+def _is_slow(item) -> bool:
+    names = SLOW.get(os.path.basename(item.module.__file__))
+    if names is None:
+        return False
+    if names != "*":
+        gone = [n for n in names if not hasattr(item.module, n)]
+        if gone:
+            raise pytest.UsageError(f"tests/conftest.py SLOW names {gone}, which "
+                                    f"{os.path.basename(item.module.__file__)} does not define; update the entry")
+    return names == "*" or item.originalname in names
+
+
 def pytest_collection_modifyitems(config, items):
-    """Keep the NCCL-rules variant only of the parameter cases its entry names."""
+    """Mark the SLOW tests; keep the NCCL-rules variant only of the parameter cases its entry names."""
     kept = []
     for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
         spec = getattr(item, "callspec", None)
         wanted = _rules_filter(item.module.__file__, item.originalname) if spec else None
         if wanted and spec.params.get("dist_pools") == "nccl_rules":

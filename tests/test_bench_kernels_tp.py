@@ -44,7 +44,7 @@ def test_module_constants():
 
 
 def test_kernels_on_cuda_measure_both_fused_backends():
-    # The issue asks for Triton and CUDA side by side; an unavailable one must show up as error rows,
+    # The kernel table shows Triton and CUDA side by side; an unavailable one must show up as error rows,
     # not silently vanish, so the list does not depend on what this machine has.
     assert kernels.default_backends(torch.device("cuda")) == ["triton", "cuda"]
 

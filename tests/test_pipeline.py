@@ -66,7 +66,7 @@ def body_parity(rank, world, schedule, m, v, tie, timeline_png, dtype=torch.floa
     return out
 
 
-# float64 shows the pipeline computes the same sums (up to reordering); float32 is the bound
+# float64 shows the pipeline computes the same sums (up to reordering); float32 is held to the suite's usual 1e-5
 TOLERANCES = {"float64": (1e-12, 1e-10), "float32": (1e-5, 1e-5)}
 
 

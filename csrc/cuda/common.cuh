@@ -1,5 +1,5 @@
 // Small device helpers shared by the .cu files: dtype conversion, vector access, non-finite test,
-// block reductions, grid sizing. Plain CUDA only (no torch headers), see DESIGN.md.
+// block reductions, grid sizing. Plain CUDA only (no torch headers): see docs/architecture.md, "The kernel contract".
 #pragma once
 
 #include <cuda_bf16.h>

@@ -17,7 +17,7 @@ How a step goes (PyTorch's reducer and Megatron-LM's DDP, in a few hundred lines
 3. End of backward (an autograd callback queued by the first hook): launch what is left, wait on EVERY
    work, unpack low-precision buckets; ``.grad`` then holds the averaged gradient.
 
-Traps handled (DESIGN.md, "Known traps"): a bucket's buffers belong to it alone (no ping-pong reuse), and are
+Traps handled (docs/architecture.md, "Known traps"): a bucket's buffers belong to it alone (no ping-pong reuse), and are
 touched again only after its work was waited on; the bucket order is rebuilt once, from the order gradients
 actually arrived on rank 0 (broadcast so all ranks agree), skipped with ``find_unused_parameters``
 as in PyTorch; parameters without a gradient are reported by name instead of a hang.
@@ -171,7 +171,7 @@ class DataParallel(nn.Module):
         self._works: Dict[int, object] = {}     # bucket index -> async work (None: group of one)
         # bucket index -> (packed input, reduce-scatter output) in the comm dtype, or None where the
         # collective works on the fp32 buffers themselves. Allocated at launch, owned by that bucket alone,
-        # dropped only after its work was waited on (no ping-pong reuse, DESIGN.md traps).
+        # dropped only after its work was waited on (no ping-pong reuse: docs/architecture.md, "Known traps").
         self._staged: Dict[int, tuple] = {}
         self._next = 0                          # lowest bucket index not launched yet
         self._arrival: List[torch.nn.Parameter] = []

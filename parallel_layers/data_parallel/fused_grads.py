@@ -5,11 +5,13 @@ embedding and LM head of a GPT (half of the benchmark model's parameters). Witho
 the head's weight gradient (a ``[V, d]`` GEMM output), the embedding's dense gradient (``[V, d]`` zeros
 plus the looked-up rows), sums the two, and DataParallel then copies the sum into its flat buffer. With
 it, the GEMM writes into the buffer (``addmm`` with ``beta`` 0 or 1 and ``alpha`` 1/world) and the
-embedding adds its rows in place: no ``[V, d]`` temporary at all. Measured with the throwaway prototype
-``/tmp/pp/fuse_proto.py`` (51M GPT, vocab 50304, 1 thread): forward+backward 575 -> 457 ms.
+embedding adds its rows in place: no ``[V, d]`` temporary at all. What it saves is measured by
+``python -m parallel_layers bench --only dp``: rows ``dp_stage0_vs_torch_ddp`` (fused) and
+``dp_stage0_unfused_vs_torch_ddp`` (``DataParallel(fuse_grad_accumulation=False)``) time the same 51M GPT
+step at 4 ranks (benchmarks/README.md has the figures).
 
-The block linears are left to autograd: the same prototype fusing them instead measured no gain (their
-gradients are a few MB; copying one into the buffer costs little next to its GEMM).
+The block linears are left to autograd: their gradients are a few MB, and copying one into the buffer
+costs little next to its GEMM.
 
 Protocol: :class:`~parallel_layers.data_parallel.DataParallel` sets ``weight.grad_sink`` to a weak
 reference to itself on the parameters it owns (when the parameter dtype equals the gradient dtype). A

@@ -1,7 +1,7 @@
 """Reduce-scatter and all-gather on gloo as a ring of c10d sends and receives.
 
 Why: gloo has no native reduce-scatter or all-gather into one tensor; torch emulates both with
-full-size collectives (DESIGN.md, "Known traps"), so every rank moves and reduces the whole buffer. A ring
+full-size collectives (docs/architecture.md, "Known traps"), so every rank moves and reduces the whole buffer. A ring
 moves ``(n - 1) / n`` of it per rank and adds only what it receives. Measured on 2 CPU cores
 (``python -m benchmarks.zero``, rows ``collective_*``, 2 ranks, 25 MB): reduce-scatter about 2.5-2.8x
 faster than ``reduce_scatter_tensor``, all-gather about 1.3x faster than ``all_gather_into_tensor``.

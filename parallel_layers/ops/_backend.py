@@ -5,7 +5,7 @@ Four backends implement the same *kernel contract* (see each op module's docstri
 - ``torch``:  the reference implementation, written with plain torch ops. It is the oracle in tests
   and the fallback when nothing faster is available.
 - ``cpp``:    the C++ CPU kernels in ``parallel_layers._C`` (vectorised loops on ATen's thread pool).
-- ``triton``: the Triton kernels in ``triton_kernels`` (CUDA tensors; CPU tensors only under
+- ``triton``: the Triton kernels in ``parallel_layers.triton_kernels`` (CUDA tensors; CPU tensors only under
   ``TRITON_INTERPRET=1``, which is how CI tests them).
 - ``cuda``:   the plain-CUDA kernels in ``parallel_layers._C`` (built only with a CUDA build of torch).
 
@@ -49,12 +49,12 @@ def triton_interpreting() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _triton_module():
-    """Import ``triton_kernels`` once. Returns (module, None) or (None, reason)."""
+    """Import ``parallel_layers.triton_kernels`` once. Returns (module, None) or (None, reason)."""
     try:
-        import triton_kernels  # noqa: F401  (defines the @triton.jit kernels)
+        from .. import triton_kernels  # defines the @triton.jit kernels
         return triton_kernels, None
     except Exception as exc:  # ImportError, or triton failing to initialise
-        return None, f"triton_kernels could not be imported: {type(exc).__name__}: {exc}"
+        return None, f"parallel_layers.triton_kernels could not be imported: {type(exc).__name__}: {exc}"
 
 
 def _availability(backend: str, device: torch.device):
@@ -82,7 +82,7 @@ def _availability(backend: str, device: torch.device):
     if backend == "triton":
         if device.type == "cpu" and not triton_interpreting():
             return None, ("Triton kernels run on CPU tensors only with TRITON_INTERPRET=1 set before "
-                          "triton_kernels is imported")
+                          "parallel_layers.triton_kernels is imported")
         if device.type not in ("cpu", "cuda"):
             return None, f"the triton backend does not support device {device}"
         return _triton_module()

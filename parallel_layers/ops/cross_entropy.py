@@ -125,7 +125,7 @@ def _impl(op: str, device: torch.device, backend: Optional[str], reference):
     if _backend.resolve(op, device, backend, BACKENDS) == "torch":
         return reference
     # triton_kernels/__init__.py exports the multi-tensor ops only; these live in their own module.
-    from triton_kernels import cross_entropy as tk
+    from ..triton_kernels import cross_entropy as tk
     return getattr(tk, op)
 
 

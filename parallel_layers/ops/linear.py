@@ -1,6 +1,6 @@
 """Linear with a fused epilogue: ``act(x @ weight.T + bias)`` cast to ``out_dtype``, with autograd.
 
-Kernel contract (``triton_kernels.matmul.linear_epilogue``): ``x [M, K]``, ``weight [N, K]`` (nn.Linear
+Kernel contract (``parallel_layers.triton_kernels.matmul.linear_epilogue``): ``x [M, K]``, ``weight [N, K]`` (nn.Linear
 layout), ``bias [N]`` or None, all one dtype (float32, bfloat16, float16); ``activation`` None, "gelu"
 (exact erf form, as ``F.gelu``) or "silu"; the product is accumulated in float32 and the bias add,
 activation and cast to ``out_dtype`` happen on the accumulator before the single store of Y. When the
@@ -10,7 +10,8 @@ Backends:
 - ``triton``: the fused kernel. On CUDA tensors the automatic choice takes it where it measured faster
   than torch for the call's shape class, and never for float32 without TF32 or for small problems
   (``linear_dispatch``; ``fused_linear_backend`` says what it picks and why). CPU tensors only when
-  forced with ``TRITON_INTERPRET=1`` set before ``triton_kernels`` is imported (that is how CI tests it).
+  forced with ``TRITON_INTERPRET=1`` set before ``parallel_layers.triton_kernels`` is imported (that is
+  how CI tests it).
 - ``torch``: the reference ``F.linear`` then ``F.gelu``/``F.silu`` then ``.to(out_dtype)``. The
   implementation for CPU tensors (this op has no C++ kernel, so no fallback warning) and for CUDA when
   Triton is missing or the dtype is not one the kernel takes (e.g. float64).
@@ -100,7 +101,7 @@ def _needs_pre(x, weight, bias, activation) -> bool:
 
 
 def _triton_forward(x, weight, bias, activation, out_dtype, save_pre):
-    from triton_kernels.matmul import linear_epilogue
+    from ..triton_kernels.matmul import linear_epilogue
 
     pre = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device) if save_pre else None
     y = linear_epilogue(x, weight, bias, activation, out_dtype, pre)

@@ -1,7 +1,7 @@
 """A pool of ``world_size`` real processes over gloo that runs many test bodies.
 
 Spawning a process and importing torch costs seconds on a small CPU, so the pool is started once and
-each test sends it a function to run on every rank (the DESIGN's advice). A body is a module-level
+each test sends it a function to run on every rank. A body is a module-level
 function ``body(rank, world_size, *args)``; ``pool.run(body, *args)`` returns the list of per-rank
 results, rank order. If any rank raises, ``RankFailure`` carries every failing rank's traceback, and
 the pool is restarted (the other ranks may be stuck in a collective). If a call takes longer than
