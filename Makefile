@@ -12,7 +12,7 @@ CSRC          := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' 
 PYTEST_ARGS   ?=
 BENCH_ARGS    ?=
 
-.PHONY: setup test test-fast bench bench-quick demo gpu-check clean
+.PHONY: setup lint test test-fast bench bench-quick demo gpu-check clean
 
 $(PY):
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -29,6 +29,10 @@ $(EXT_STAMP): $(DEPS_STAMP) $(CSRC)
 	touch $@
 
 setup: $(EXT_STAMP)
+
+# ruff with the rules in pyproject.toml ([tool.ruff]); CI runs it before the tests
+lint: $(DEPS_STAMP)
+	$(PY) -m ruff check .
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests

@@ -4,9 +4,8 @@ you run with). Set PARALLEL_LAYERS_CPU_ONLY=1 to skip the CUDA kernels."""
 import os
 import runpy
 
-from setuptools import find_packages, setup
-
 import torch
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # The source lists, flags and the toolkit's location live in one place, shared with the just-in-time build.
@@ -25,7 +24,8 @@ with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None
 if with_cuda:
     extension = CUDAExtension(
         "parallel_layers._C",
-        sources=relative(_ext["cpu_sources"](os.path.join(ROOT, "csrc")) + _ext["cuda_sources"](os.path.join(ROOT, "csrc"))),
+        sources=relative(_ext["cpu_sources"](os.path.join(ROOT, "csrc"))
+                         + _ext["cuda_sources"](os.path.join(ROOT, "csrc"))),
         extra_compile_args={"cxx": _ext["CXX_FLAGS"] + ["-DWITH_CUDA"],
                             "nvcc": _ext["NVCC_FLAGS"] + ["-DWITH_CUDA"]})
 else:

@@ -135,11 +135,12 @@ def measure(base: torch.Tensor, target: torch.Tensor, steps: Dict[str, Callable]
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             results[name][0].append((time.perf_counter() - t0) * 1e3)
-            del out, x
+            del out
+            x = None
             x = fresh()
             barrier()
             results[name][1].append(peak_extra_mb(lambda: steps[name](x), device))
-            del x
+            x = None           # freed before the next measurement
     return results
 
 

@@ -1,6 +1,6 @@
 """The generic 3D path against the GPT-specific one, on the reference GPT, same layout, same processes.
 
-    python -m benchmarks.generic_3d            # full: demo-size GPT (L4 d64 s64), batch 16, dp2 x pp2 and dp2 x tp2 x pp2
+    python -m benchmarks.generic_3d            # full: demo-size GPT (L4 d64 s64), batch 16, dp2xpp2, dp2xtp2xpp2
     python -m benchmarks.generic_3d --quick    # the same sizes, fewer reps
     python -m benchmarks.generic_3d --smoke    # tiny GPT, seconds; never writes CSV
 

@@ -123,7 +123,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 10
     for _ in range(2):
         fn()
     samples = [time_call(fn, device) for _ in range(reps)]
-    del src, dst
+    src = dst = None       # freed (the timed closure is done with them)
     free_memory(device)
     return 2 * n * 4 / (statistics.median(samples) * 1e-3) / 1e9
 

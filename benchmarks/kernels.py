@@ -24,6 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from parallel_layers import ops
 from parallel_layers._optional import progress_bar
+
 from . import harness
 
 CSV_NAME = "kernels.csv"

@@ -116,7 +116,7 @@ def _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup) -> List[Di
                 tflops=tflops, base_tflops=base_tflops, target=f">={target}x" if target else "-")
             row["met"] = ("yes" if row["speedup"] >= target else "no") if target else "-"
             rows.append(row)
-    del x, w, b
+    x = w = b = None       # freed (the timed closures are done with them)
     harness.free_memory(device)
     return rows
 

@@ -30,9 +30,9 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("kernels", ("kernels", "matmul")),
     ("tp", ("tp", "cross_entropy")),
     ("dp", ("dp",)),
-    ("zero", ("zero", "zero3")),
+    ("zero", ("zero", "zero3", "zero_offload")),
     ("pipeline", ("pipeline",)),
-    ("demo", ("demo_layouts",)),
+    ("demo", ("demo_layouts", "generic_3d")),
     ("scaling", ("scaling",)),
 ])
 

@@ -250,7 +250,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     speeds, extra, mem, mem_rows = _run(mode, reps=args.reps)
     for speed, ex in zip(speeds, extra):
         if ex is None:
-            print(f"\n{speed['case']}  {speed['sizes']}\n  ours (ring of sends/receives): {speed['ours_median_ms']:.2f} ms"
+            print(f"\n{speed['case']}  {speed['sizes']}\n"
+                  f"  ours (ring of sends/receives): {speed['ours_median_ms']:.2f} ms"
                   f" vs {speed['baseline']}: {speed['base_median_ms']:.2f} ms; speedup {speed['speedup']:.2f}x")
             continue
         slow_ours, slow_base, diff = ex

@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--offload", default="none", choices=("none", "cpu", "disk"),
+                   help="ZeRO's optimizer state (fp32 master, moments) in host memory or in files under "
+                        "--offload-dir, streamed through a few host buffers (ZeRO-Infinity); needs --zero 1-3")
+    p.add_argument("--offload-dir", metavar="DIR", help="with --offload disk: where each rank's state file goes")
     p.add_argument("--checkpoint", nargs="?", type=int, const=-1, default=0, metavar="N",
                    help="activation checkpointing: recompute every block in backward, or with N only the "
                         "first N blocks of each pipeline stage (Megatron-LM's --recompute-method block)")
@@ -198,6 +202,13 @@ def check_args(args) -> None:
     if args.precision in ("bf16", "fp16") and args.zero == 3:
         errs.append(f"--precision {args.precision} with --zero 3 is not supported (ZeRO-3 in the pipeline is "
                     f"fp32 only): use --zero 1 or --zero 2, or --precision fp32")
+    if args.offload != "none" and args.zero == 0:
+        errs.append(f"--offload {args.offload} moves ZeRO's optimizer shard: use --zero 1, 2 or 3")
+    if args.offload == "disk" and not args.offload_dir:
+        errs.append("--offload disk needs --offload-dir DIR (each rank writes its state file there)")
+    if args.offload == "cpu" and not torch.cuda.is_available():
+        errs.append("--offload cpu: a CPU run keeps its optimizer state in host memory already, there is "
+                    "nothing to move; use --offload disk to stream it from files")
     if args.checkpoint < -1:
         errs.append(f"--checkpoint {args.checkpoint} must be a number of blocks >= 0 (or the flag alone for "
                     f"every block)")
@@ -230,7 +241,7 @@ def check_resume(args) -> None:
         meta = read_meta(path)
         check_config(model_description(args), meta, path)
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"demo: --load {args.load}: {e}")
+        raise SystemExit(f"demo: --load {args.load}: {e}") from e
     saved = {}
     if os.path.exists(os.path.join(path, "demo_recipe.json")):
         with open(os.path.join(path, "demo_recipe.json")) as f:
@@ -275,7 +286,9 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     model = Parallel3D(what, mesh, zero=args.zero, schedule=args.schedule,
                        num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
                        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
-                       device=device, checkpoint=checkpoint_setting(args), **extra)
+                       device=device, checkpoint=checkpoint_setting(args), **extra,
+                       optimizer_options=None if args.offload == "none" else
+                       {"offload": args.offload, "offload_dir": args.offload_dir})
     start, saved, load_s = 0, [], None
     if args.load:
         t_load = time.perf_counter()
@@ -327,6 +340,8 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                     json.dump({k: getattr(args, k) for k in RECIPE}, f)
     if bar is not None:
         bar.close()
+    if args.offload != "none":
+        model.optimizer.close_offload()          # the state files go with the run
     os.makedirs(args.out, exist_ok=True)
     png = model.timeline_png(os.path.join(args.out, "timeline.png"))
     bubble = model.bubble_fraction() if rank == 0 else None

@@ -60,7 +60,8 @@ def plan(out: str, python: str = sys.executable) -> List[Step]:
              dry_argv=[python, "-c", "print('nccl-self: needs a GPU (NCCL); nothing to run on CPU')"]),
         Step("gloo-dp-cuda", probes + ["gloo-dp", "--device", "cuda"], 80,
              dry_argv=probes + ["gloo-dp", "--device", "cpu"]),
-        Step("matmul-benchmark", [python, "-m", "benchmarks.matmul", "--quick", "--csv", os.path.join(out, "matmul.csv")],
+        Step("matmul-benchmark",
+             [python, "-m", "benchmarks.matmul", "--quick", "--csv", os.path.join(out, "matmul.csv")],
              150, env={"TRITON_INTERPRET": "0"},
              dry_argv=[python, "-m", "benchmarks.matmul", "--smoke", "--cpu-reference", "--no-csv"]),
         Step("linear-registers", [python, "-m", "benchmarks.linear_registers", "--check",
@@ -109,7 +110,8 @@ def run(out: str, dry_run: bool) -> int:
         lines.append(f"| {step.name} | {result} | {took:.1f} | {os.path.basename(log)} |")
         print(f"gpu-check {step.name}: {result} in {took:.1f} s (log: {log})", flush=True)
     total = time.monotonic() - start
-    lines += ["", f"total {total:.0f} s (budget {BUDGET_S} s); " + (f"FAILED: {', '.join(failed)}" if failed else "all ok")]
+    verdict = f"FAILED: {', '.join(failed)}" if failed else "all ok"
+    lines += ["", f"total {total:.0f} s (budget {BUDGET_S} s); {verdict}"]
     with open(os.path.join(out, "summary.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -18,7 +18,7 @@ rank counts in the global norm (and whether they are shards, so the norm sums th
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import List, Optional, Sequence, Set
 
 import torch
 import torch.nn as nn

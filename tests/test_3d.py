@@ -157,7 +157,8 @@ def body_3d_zero3(rank, world, dims, schedule):
                                                                    "gathered_bytes", "dp_size", "num_params")}}
 
 
-@pytest.mark.parametrize("dims,schedule", [((2, 1, 2), "1f1b"), ((2, 1, 2), "gpipe"), ((2, 1, 2), "interleaved"), ((2, 2, 2), "1f1b")])
+@pytest.mark.parametrize("dims,schedule", [((2, 1, 2), "1f1b"), ((2, 1, 2), "gpipe"), ((2, 1, 2), "interleaved"),
+                                           ((2, 2, 2), "1f1b")])
 def test_3d_zero3_matches_single_process(dist_pools, dims, schedule):
     dp, tp, pp = dims
     out = dist_pools(dp * tp * pp).run(body_3d_zero3, dims, schedule, timeout=240)

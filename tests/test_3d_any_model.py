@@ -12,10 +12,9 @@ import os
 
 import pytest
 import torch
+from hf_models import hf_model, loss_fn, rel_err, token_batches
 
 from parallel_layers.testing import cached_mesh
-
-from hf_models import hf_model, loss_fn, rel_err, token_batches
 
 pytest.importorskip("transformers")
 
@@ -316,8 +315,9 @@ def test_plain_module_of_your_own_splits_with_a_sequential_recipe():
 
 
 def test_demo_trains_llama_through_the_same_path(tmp_path):
-    """``demo --model llama``: transformers' LlamaForCausalLM, unmodified, at dp2 x tp2 x pp2 with ZeRO-1,
-    against the single-process Llama on the same data; its universal checkpoint names the model."""
+    """``demo --model llama``: transformers' LlamaForCausalLM, unmodified, at dp2 x tp2 x pp2 with ZeRO-1 and
+    its optimizer state on disk, against the single-process Llama on the same data; its universal
+    checkpoint names the model; the state files go with the run."""
     import json
     import subprocess
     import sys
@@ -326,13 +326,41 @@ def test_demo_trains_llama_through_the_same_path(tmp_path):
     cmd = [sys.executable, "-m", "parallel_layers", "demo", "--model", "llama", "--zero", "1", "--steps", "3",
            "--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "8",
            "--microbatches", "2", "--corpus-bytes", "200000", "--eval-interval", "0", "--out", str(out),
-           "--no-progress", "--save", str(save)]
+           "--no-progress", "--save", str(save), "--offload", "disk", "--offload-dir", str(tmp_path / "state")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3D run (llama): dp=2 tp=2 pp=2, zero=1" in proc.stdout and "losses and validation losses agree" in \
         proc.stdout, proc.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["agree"] is True and summary["config"]["model"] == "llama" and len(summary["losses"]["parallel"]) == 3
+    assert summary["agree"] is True and summary["config"]["model"] == "llama"
+    assert len(summary["losses"]["parallel"]) == 3
+    assert os.listdir(tmp_path / "state") == []
     meta = json.loads((save / "iter_0000003" / "meta.json").read_text())
     assert meta["config"]["class"] == "LlamaForCausalLM" and "model.layers.1.mlp.down_proj.weight" in meta["tensors"]
+
+
+def body_offload_bit_identical(rank, world, directory):
+    """ZeRO-1 and ZeRO-3 with the optimizer state on disk (ZeRO-Infinity) train Llama at dp2 x tp2 x pp2
+    bit-identically to the same stage in memory."""
+    from parallel_layers.parallel3d import Parallel3D
+
+    same = {}
+    for zero in (1, 3):
+        runs = []
+        for options in (None, {"offload": "disk", "offload_dir": directory}):
+            p3d = Parallel3D(hf_model("llama", True), cached_mesh(2, 2, 2), loss_fn=loss_fn, zero=zero,
+                             num_microbatches=2, lr=LR, weight_decay=WD, optimizer_options=options)
+            losses = [p3d.train_step(i, t, attention_mask=m)["loss"] for i, t, m in token_batches(3, BATCH, SEQ, True)]
+            runs.append((losses, p3d.dense_state_dict()))
+            if options:
+                p3d.optimizer.close_offload()
+        (l0, w0), (l1, w1) = runs
+        same[zero] = l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)
+    return same
+
+
+def test_3d_with_optimizer_state_on_disk_is_bit_identical(dist_pools, tmp_path):
+    for rank, same in enumerate(dist_pools(8).run(body_offload_bit_identical, str(tmp_path))):
+        assert same == {1: True, 3: True}, f"rank {rank}: {same}"
+    assert os.listdir(tmp_path) == []

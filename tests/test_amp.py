@@ -2,6 +2,7 @@
 checkpoints), overflow agreement and step skipping on real gloo ranks, and global gradient clipping
 at tp=2, tp=2 x pp=2 and with ZeRO-style dp gradient shards against torch on the dense model."""
 import copy
+import dataclasses
 import io
 import math
 import random
@@ -11,8 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel_layers.amp import (DynamicLossScaler, PrecisionPolicy, clip_grad_norm_, fused_optimizer_grad_scale,
-                                 grad_multiplier)
+from parallel_layers.amp import (
+    DynamicLossScaler,
+    PrecisionPolicy,
+    clip_grad_norm_,
+    fused_optimizer_grad_scale,
+    grad_multiplier,
+)
 from parallel_layers.optim import FusedAdamW
 from parallel_layers.testing import cached_mesh
 
@@ -39,7 +45,7 @@ def test_policy_constructors_and_validation():
         PrecisionPolicy(torch.float16, master_weights=1)
     with pytest.raises(ValueError, match="overflow"):
         PrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float16)
-    with pytest.raises(Exception):   # frozen: one validated value shared by every wrapper
+    with pytest.raises(dataclasses.FrozenInstanceError):   # frozen: one validated value shared by every wrapper
         p.param_dtype = torch.float16
 
 
@@ -255,7 +261,7 @@ def test_fp16_overflow_is_agreed_skipped_backed_off_and_recovered(dist_pools, ag
     logs = dist_pools(4).run(body_fp16_overflow, inject_rank, inject_step, agree_over)
     for rank, log in enumerate(logs):
         sees = agree_over == "all" or rank // 2 == inject_rank // 2   # tp groups: {0, 1}, {2, 3}
-        for step, (found, scale, unchanged, loss) in enumerate(log):
+        for step, (found, scale, unchanged, _loss) in enumerate(log):
             hit = sees and step == inject_step
             assert found == (1.0 if hit else 0.0), (rank, step, found)
             assert unchanged == hit, (rank, step)          # skipped step: bit-identical params and states
@@ -304,7 +310,7 @@ def body_clip_tp(rank, world, tp, pp, max_norm):
     norm, coef = clip_grad_norm_(mine.parameters(), max_norm, tp_group=mesh.tp_group,
                                  groups=(mesh.pp_group,) if pp > 1 else ())
     grads_ok = []
-    for (name, p), q in zip(mine.named_parameters(), dense_mine.parameters()):
+    for (_name, p), q in zip(mine.named_parameters(), dense_mine.parameters()):
         g = q.grad
         if getattr(p, "tensor_parallel", False):
             g = g.chunk(tp, dim=p.partition_dim)[mesh.tp_rank]

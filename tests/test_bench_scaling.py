@@ -74,7 +74,7 @@ def test_every_stage_world_and_model_present(rows):
     model = _by(rows, "scale_model_zero")
     xs = sorted({x for _, x in model})
     assert len(xs) == len(PLAN["widths"]) and set(model) == {(s, x) for s in STAGES for x in xs}
-    for (s, x), r in list(world.items()) + list(model.items()):
+    for (s, _x), r in list(world.items()) + list(model.items()):
         assert _f(r, "mem_mb") > 0
         assert r["backend"].startswith("gloo x")
         if s == 0:   # stage 0 carries the torch DDP + AdamW baseline

@@ -18,8 +18,8 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import target_skip_reason
+
 from parallel_layers.ops import _backend
 from parallel_layers.ops import linear as L
 from parallel_layers.ops.linear import fused_linear, reference_linear_epilogue

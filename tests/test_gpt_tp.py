@@ -208,7 +208,7 @@ def body_bad_inputs(rank, world):
 
 
 def test_bad_inputs_are_clear_errors(dist_pools):
-    for rank, m in enumerate(dist_pools(2).run(body_bad_inputs)):
+    for _rank, m in enumerate(dist_pools(2).run(body_bad_inputs)):
         assert m["heads"] and "n_head=3 does not divide by the tensor-parallel size 2" in m["heads"], m
         assert m["d_ff"] and "d_ff=33" in m["d_ff"], m
         assert m["group_type"] and m["group_type"].startswith("TypeError") and "ProcessGroup" in m["group_type"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_layers.testing import RankFailure, cached_mesh
 from parallel_layers.tensor_parallel import mappings as M
+from parallel_layers.testing import RankFailure, cached_mesh
 
 
 def body_mesh_layout(rank, world, dp, tp, pp):

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from parallel_layers.testing import nccl_rules
 
 
-
 def _fresh_group():
     return dist.new_group(list(range(dist.get_world_size())))
 
@@ -129,7 +128,7 @@ def test_messages_match_in_posting_order(pool):
 
 
 def test_receive_before_send_deadlocks_fast(pool):
-    for msg, took in pool.run(body_receive_first_deadlock, True):
+    for msg, _took in pool.run(body_receive_first_deadlock, True):
         assert msg is None
     out = pool.run(body_receive_first_deadlock, False)
     for rank, (msg, took) in enumerate(out):
@@ -139,14 +138,14 @@ def test_receive_before_send_deadlocks_fast(pool):
 
 
 def test_one_work_per_batch(pool):
-    for msg, took, n in pool.run(body_one_work_per_batch, True):
+    for msg, _took, n in pool.run(body_one_work_per_batch, True):
         assert msg is None and n == 1
-    for msg, took, n in pool.run(body_one_work_per_batch, False):
+    for msg, _took, _n in pool.run(body_one_work_per_batch, False):
         assert msg is not None and "one Work per batch" in msg and "dropped without wait()" in msg, msg
 
 
 def test_collectives_in_the_same_order(pool):
-    for msg, took in pool.run(body_collective_order):
+    for msg, _took in pool.run(body_collective_order):
         assert msg is not None and "same collectives in the same order" in msg, msg
         assert "all_reduce" in msg and "broadcast" in msg, msg
 

@@ -6,9 +6,9 @@ torch reference has no such bug to find and the Triton interpreter would take ho
 """
 import pytest
 import torch
+from conftest import target_skip_reason
 
 from parallel_layers import ops
-from conftest import target_skip_reason
 
 BIG = (1 << 31) + 37
 

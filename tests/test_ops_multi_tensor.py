@@ -5,9 +5,9 @@ multiply, then one round-to-nearest-even conversion. Norms agree to float32 summ
 """
 import pytest
 import torch
+from conftest import is_interpreted
 
 from parallel_layers import ops
-from conftest import is_interpreted
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

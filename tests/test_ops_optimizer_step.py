@@ -3,10 +3,10 @@ import itertools
 
 import pytest
 import torch
+from conftest import is_interpreted
 
 from parallel_layers import ops
 from parallel_layers.ops.optimizer_step import reference_adamw_step, reference_sgd_step
-from conftest import is_interpreted
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32 rounding only: kernels fuse the same arithmetic in another order
 

@@ -115,7 +115,7 @@ def test_params_and_grads_are_flat_views():
     m = make_model()
     opt = FusedAdamW(m.parameters())
     (fb,) = opt._flats[0]
-    for p, v in zip(m.parameters(), fb.grad_views):
+    for p, _v in zip(m.parameters(), fb.grad_views):
         assert p.untyped_storage().data_ptr() == fb.master.untyped_storage().data_ptr()
     m(torch.randn(2, 6)).sum().backward()
     opt.step()
@@ -222,7 +222,8 @@ def test_state_dict_round_trip_is_bit_identical(backend, make_opt, dtype):
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_state_dict_interchanges_with_torch(backend, kind):
     if kind == "adamw":
-        ours, theirs = (lambda ps: FusedAdamW(ps, lr=1e-2, backend=backend)), (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+        ours = lambda ps: FusedAdamW(ps, lr=1e-2, backend=backend)      # noqa: E731
+        theirs = lambda ps: torch.optim.AdamW(ps, lr=1e-2)              # noqa: E731
     else:
         ours, theirs = (lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9, backend=backend)), \
             (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
@@ -308,7 +309,7 @@ def test_low_precision_params_against_fp32_master_reference(backend, dtype, ulp)
     master = [p.detach().float().clone().requires_grad_(True) for p in m.parameters()]
     ref = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1, foreach=False)
     opt = FusedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, backend=backend)
-    for step in range(5):
+    for _step in range(5):
         opt.zero_grad()
         m(torch.randn(4, 6, dtype=dtype)).float().pow(2).mean().backward()
         for p, q in zip(m.parameters(), master):

@@ -43,9 +43,9 @@ def body_llama(rank, world, kv_heads, attn_impl):
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from parallel_layers.tensor_parallel.parallelize import gather_dense_state_dict, parallelize
     from parallel_layers.tensor_parallel.embedding import VocabParallelEmbedding
     from parallel_layers.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from parallel_layers.tensor_parallel.parallelize import gather_dense_state_dict, parallelize
 
     mesh = cached_mesh(tp=world)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -3,18 +3,18 @@
 Every rank builds the same model from one seed; a deep copy stays whole as the single-process
 reference, trained with ``torch.optim.AdamW`` on the full batch, while the pipeline trains its stages
 with the same optimizer (each rank steps the parameters its stages hold). Losses every step and every
-parameter after 3 steps agree within 1e-5 (fp32; GPT-2 in fp64 within 1e-10, see its case), on every rank. Cases: a padding mask carried as a side
-input (every stage rebuilds the causal + padding mask), tied embeddings across the first and last stage,
-the interleaved schedule (2 chunks per rank), GPT-2's Conv1D blocks.
+parameter after 3 steps agree within 1e-5 (fp32; GPT-2 in fp64 within 1e-10, see its case), on every rank.
+Cases: a padding mask carried as a side input (every stage rebuilds the causal + padding mask), tied
+embeddings across the first and last stage, the interleaved schedule (2 chunks per rank), GPT-2's Conv1D
+blocks.
 """
 import copy
 
 import pytest
 import torch
+from hf_models import hf_model, loss_fn, rel_err, token_batches
 
 from parallel_layers.testing import cached_mesh
-
-from hf_models import hf_model, loss_fn, rel_err, token_batches
 
 pytest.importorskip("transformers")
 

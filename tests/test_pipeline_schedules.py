@@ -6,8 +6,15 @@ import itertools
 
 import pytest
 
-from parallel_layers.pipeline.schedules import (Instr, ScheduleError, build_all, build_schedule, format_schedule,
-                                                simulate, simulate_timing)
+from parallel_layers.pipeline.schedules import (
+    Instr,
+    ScheduleError,
+    build_all,
+    build_schedule,
+    format_schedule,
+    simulate,
+    simulate_timing,
+)
 from parallel_layers.pipeline.stage import partition_layers
 
 CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in (1, 2, 3, 4) for m in (4, 5, 8) if s == "gpipe" or m >= p]
@@ -110,7 +117,7 @@ def test_forward_only_schedule_runs_every_forward_once_and_no_backward(schedule,
     streams = build_all(schedule, p, m, v, forward_only=True)
     stats = simulate(streams, num_chunks=v, forward_only=True)
     S = p * v
-    for r, stream in enumerate(streams):
+    for _r, stream in enumerate(streams):
         comp = computes(stream)
         assert {i.op for i in comp} == {"F"}
         assert sorted((i.mb, i.chunk) for i in comp) == sorted(itertools.product(range(m), range(v)))

@@ -44,7 +44,7 @@ def body_matches_torch(rank, world):
     dist.all_reduce(ref)
     pending = [C.reduce_scatter_dim0(x, group, async_op=True) for _ in range(3)]
     pending.append(C.all_gather_dim0(ref[rank * 6:(rank + 1) * 6], group, async_op=True))
-    for out, work in pending:
+    for _out, work in pending:
         work.wait()
     rs_err = max((out - ref[rank * 6:(rank + 1) * 6]).abs().max().item() for out, _ in pending[:3])
     ag_err = (pending[3][0] - ref).abs().max().item()

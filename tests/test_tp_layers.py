@@ -13,11 +13,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel_layers.distributed import collectives as C
-from parallel_layers.testing import RankFailure, cached_mesh
 from parallel_layers.tensor_parallel.embedding import VocabParallelEmbedding
-from parallel_layers.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                    allreduce_sequence_parallel_grads)
+from parallel_layers.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    allreduce_sequence_parallel_grads,
+)
 from parallel_layers.tensor_parallel.random import TENSOR_PARALLEL_RNG, tensor_parallel_rng_tracker
+from parallel_layers.testing import RankFailure, cached_mesh
 
 F64 = torch.float64
 TOL = 1e-11

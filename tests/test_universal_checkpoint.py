@@ -19,9 +19,18 @@ import torch
 from parallel_layers.models.gpt import GPT, GPTConfig
 from parallel_layers.parallel3d import Parallel3D
 from parallel_layers.testing import WorkerPool, cached_mesh
-from parallel_layers.universal_checkpoint import (STATES, check_config, dense_states, load_dense_adamw,
-                                                  load_universal, read_meta, read_universal, resolve_checkpoint,
-                                                  save_iteration, save_universal)
+from parallel_layers.universal_checkpoint import (
+    STATES,
+    check_config,
+    dense_states,
+    load_dense_adamw,
+    load_universal,
+    read_meta,
+    read_universal,
+    resolve_checkpoint,
+    save_iteration,
+    save_universal,
+)
 
 CFG = dict(vocab_size=63, n_layer=4, n_head=2, d_model=16, max_seq_len=8, bias=False)   # 63: vocab padded at tp 2
 # (no linear biases: the key bias gets a zero gradient in exact arithmetic, so AdamW steps it on rounding noise)

@@ -16,8 +16,8 @@ from conftest import target_skip_reason
 
 from parallel_layers.ops import _backend
 from parallel_layers.ops import cross_entropy as K
-from parallel_layers.testing import cached_mesh
 from parallel_layers.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel_layers.testing import cached_mesh
 
 V_PAD = 40              # divisible by 1, 2 and 4
 SHAPE = (2, 3)          # [batch, seq] of the 3-D logits

@@ -179,7 +179,7 @@ def body_tp_dp(rank, world):
 
 def test_tp2_dp2_parity(dist_pools):
     out = dist_pools(4).run(body_tp_dp)
-    for rank, (err, shard_numel) in enumerate(out):
+    for rank, (err, _shard_numel) in enumerate(out):
         assert err < 1e-5, (rank, err)
 
 

@@ -27,7 +27,8 @@ the matmul is bound by streaming W and needs many programs in flight; two BLOCK_
 pipelines fit shared memory with float32 inputs). Before tuning, configs whose shared-memory pipeline
 does not fit the element size are pruned, and so are tiles much taller than M (small M) or too thin
 for it (M >= 256), and, with an activation, the tiles holding 128 accumulator registers per thread
-(they spill: ``python -m benchmarks.linear_registers`` compiles every config offline and reports it). The tuning key buckets M to the next
+(they spill: ``python -m benchmarks.linear_registers`` compiles every config offline and reports it). The tuning
+key buckets M to the next
 power of two, so a training run with varying token counts does not re-tune for every batch.
 Under ``TRITON_INTERPRET=1`` (CPU tests) autotuning is skipped and one fixed small config runs; there,
 bf16 tiles are widened to float32 before ``tl.dot`` (UPCAST_DOT), because triton 3.9's interpreter

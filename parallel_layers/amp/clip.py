@@ -169,7 +169,7 @@ def _scale_(grads: List[torch.Tensor], mult: torch.Tensor, foreach: Optional[boo
 
 
 def _as_tensor(x, device, name: str) -> torch.Tensor:
-    if hasattr(x, "scale") and isinstance(getattr(x, "scale"), torch.Tensor):   # a DynamicLossScaler
+    if hasattr(x, "scale") and isinstance(x.scale, torch.Tensor):   # a DynamicLossScaler
         x = x.scale
     if isinstance(x, torch.Tensor):
         return x.to(device=device, dtype=torch.float32).reshape(1)

@@ -230,7 +230,8 @@ class DynamicLossScaler:
                         growth_factor=state.get("growth_factor", self.growth_factor),
                         backoff_factor=state.get("backoff_factor", self.backoff_factor),
                         growth_interval=state.get("growth_interval", self.growth_interval),
-                        hysteresis=state.get("hysteresis", 1 if "_hysteresis_tracker" not in state else self.hysteresis),
+                        hysteresis=state.get("hysteresis",
+                                             1 if "_hysteresis_tracker" not in state else self.hysteresis),
                         min_scale=state.get("min_scale", self.min_scale))
         self._scale.fill_(float(state["scale"]))
         self._growth_tracker.fill_(int(state.get("_growth_tracker", 0)))

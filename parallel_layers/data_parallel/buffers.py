@@ -104,7 +104,8 @@ class ParamAndGradBuffer:
             groups.append(cur)
         return groups
 
-    def _layout(self, order: List[torch.nn.Parameter], copy_from: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]]):
+    def _layout(self, order: List[torch.nn.Parameter],
+                copy_from: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]]):
         groups = self._plan(order)
         sizes = []
         for g in groups:

@@ -36,7 +36,6 @@ import weakref
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed import collectives as C

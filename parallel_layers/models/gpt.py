@@ -56,8 +56,11 @@ import torch.nn.functional as F
 from ..data_parallel.fused_grads import embedding_grad_into_buffer, grad_sink, linear_weight_grad_into_buffer
 from ..distributed import collectives as C
 from ..mesh import ParallelMesh
-from ..tensor_parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                                        gather_from_tensor_parallel_region)
+from ..tensor_parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+)
 from .checkpointing import checkpointed_block_count, run_blocks
 
 

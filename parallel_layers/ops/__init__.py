@@ -1,6 +1,7 @@
 """Fused ops: one function per op. Each picks a backend (see ``_backend``) and keeps its torch
 reference (``reference_*``) beside it as the oracle."""
-from ._backend import BACKENDS, ENV_VAR, resolve as resolve_backend
+from ._backend import BACKENDS, ENV_VAR
+from ._backend import resolve as resolve_backend
 from .bucket import pack_bucket, unpack_bucket
 from .cast import multi_tensor_cast
 from .linear import fused_linear, fused_linear_backend

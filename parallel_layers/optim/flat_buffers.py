@@ -33,8 +33,8 @@ import torch
 
 from .. import _extension
 from ..ops import BACKENDS, _backend, pack_bucket
-from ..ops.bucket import reference_pack_bucket
 from ..ops._checks import scalar_tensor
+from ..ops.bucket import reference_pack_bucket
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _grad_of = operator.attrgetter("grad")

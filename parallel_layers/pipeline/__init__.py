@@ -1,14 +1,25 @@
 """Pipeline parallelism: stages, schedules as instruction lists (GPipe, 1F1B, interleaved 1F1B), the
 engine that executes them, point-to-point transfers, activation checkpointing and a recorded timeline."""
 from .any_model import ModelStage, balanced_boundaries, split_model
-from .recipes import BERT, GPT2, LLAMA, RECIPES, Recipe, recipe_for
 from .engine import PipelineEngine
-from .schedules import SCHEDULES, Backward, Forward, Instr, ScheduleError, build_all, build_schedule, \
-    format_schedule, simulate, simulate_timing
+from .recipes import BERT, GPT2, LLAMA, RECIPES, Recipe, recipe_for
+from .schedules import (
+           SCHEDULES,
+           Backward,
+           Forward,
+           Instr,
+           ScheduleError,
+           build_all,
+           build_schedule,
+           format_schedule,
+           simulate,
+           simulate_timing,
+)
 from .stage import GPTStage, build_gpt_stages, checkpointed, partition_layers, stage_ids, tied_embedding_group
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw
 
 __all__ = ["PipelineEngine", "SCHEDULES", "Instr", "Forward", "Backward", "ScheduleError", "build_schedule",
-           "build_all", "format_schedule", "simulate", "simulate_timing", "GPTStage", "build_gpt_stages", "checkpointed",
-           "partition_layers", "stage_ids", "tied_embedding_group", "Timeline", "bubble_fraction", "bubble_breakdown", "draw",
-           "split_model", "recipe_for", "Recipe", "ModelStage", "balanced_boundaries", "RECIPES", "LLAMA", "GPT2", "BERT"]
+           "build_all", "format_schedule", "simulate", "simulate_timing", "GPTStage", "build_gpt_stages",
+           "checkpointed", "partition_layers", "stage_ids", "tied_embedding_group", "Timeline", "bubble_fraction",
+           "bubble_breakdown", "draw", "split_model", "recipe_for", "Recipe", "ModelStage", "balanced_boundaries",
+           "RECIPES", "LLAMA", "GPT2", "BERT"]

@@ -148,7 +148,7 @@ class P2P:
         else:
             works = self._post_now(ops, tag)
         recvs = []
-        for (kind, t, peer, what), work in zip(ops, works):
+        for (kind, t, _peer, what), work in zip(ops, works):
             if kind == "send":
                 self._pending_sends.append((work, t, what))
             else:
@@ -192,4 +192,5 @@ class P2P:
             self._wait_one(work, what)
 
 
-__all__ = ["P2P", "encode_header", "decode_header", "header_buffer", "peer_failure", "HEADER_LEN", "HEADER_TAG", "RESHAPE_TAG"]
+__all__ = ["P2P", "encode_header", "decode_header", "header_buffer", "peer_failure", "HEADER_LEN", "HEADER_TAG",
+           "RESHAPE_TAG"]

@@ -41,9 +41,14 @@ from ..distributed import collectives as C
 from ..mesh import check_group
 from ..ops import fused_linear
 from ..ops.linear import ACTIVATIONS
-from .mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+from .mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
 from .random import linear_default_init_, shard
 
 

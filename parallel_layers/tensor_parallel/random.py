@@ -15,7 +15,8 @@ Two kinds of randomness live in a tensor-parallel model (Megatron-LM's split):
 and, where CUDA is present, the current CUDA device's generator, so the same code runs under gloo and
 NCCL.
 
-Seeded initialisation (:func:`linear_default_init_`, :func:`embedding_default_init_`, :func:`shard`): the sharded layers build the *full* weight with
+Seeded initialisation (:func:`linear_default_init_`, :func:`embedding_default_init_`, :func:`shard`): the sharded
+layers build the *full* weight with
 the dense layer's own init, from the default generator, then keep their slice (Megatron's "master
 weight then split" CPU init). Every rank, seeded alike, gets exactly its slice of what
 ``nn.Linear``/``nn.Embedding`` would hold, and the generator advances exactly as the dense layer's

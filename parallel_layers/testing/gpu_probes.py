@@ -34,7 +34,8 @@ def training_parity(device: torch.device, precision: str, steps: int = 5) -> flo
     cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=128, max_seq_len=64)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, 256, (8, 64), generator=g).to(device), torch.randint(0, 256, (8, 64), generator=g).to(device))
+    data = [(torch.randint(0, 256, (8, 64), generator=g).to(device),
+             torch.randint(0, 256, (8, 64), generator=g).to(device))
             for _ in range(steps)]
     losses = {}
     for which in ("ours", "torch"):
