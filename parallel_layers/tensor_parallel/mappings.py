@@ -19,13 +19,19 @@ reduce_scatter_to_sequence_parallel_region     reduce-scatter seq dim      all-g
 sum, so the backward reduce-scatters; otherwise (``tensor_parallel_output_grad=False``) it only slices.
 
 Every function takes the group explicitly. Sizes along the split dimension must divide by the group
-size; the error names the dimension and the sizes.
+size; the error names the dimension and the sizes. The forward collectives check that every rank's input
+has the same shape (:mod:`.agreed_shapes`: gloo would kill the process otherwise) with no extra
+collective while the shape stays the same; the backward ones take gradients of shapes already agreed.
 """
 from __future__ import annotations
+
+import math
+from typing import Tuple
 
 import torch
 
 from ..distributed import collectives as C
+from .agreed_shapes import checked
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -70,6 +76,83 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+# ---------------------------------------------------------------------- forward collectives, shapes checked
+# Each sends the agreed shape's elements plus one flag element (see .agreed_shapes); the copy into the
+# flagged buffer replaces the copy the unchecked version makes anyway (clone / contiguous), except for
+# the all-gather, whose result is copied once more to drop the flags.
+
+def _flagged_all_reduce(x: torch.Tensor, agreed: Tuple[int, ...], matches: bool, group):
+    n = math.prod(agreed)
+    if matches:
+        buf = torch.cat((x.reshape(-1), x.new_zeros(1)))
+    else:
+        buf = x.new_zeros(n + 1)
+        buf[n] = 1
+    C.all_reduce(buf, group)
+    return buf[:n].view(agreed), buf[n].item()
+
+
+def _flagged_gather(x: torch.Tensor, dim: int, agreed: Tuple[int, ...], matches: bool, group):
+    n, dim = C.world_size(group), dim % len(agreed)
+    front_shape = (agreed[dim],) + agreed[:dim] + agreed[dim + 1:]
+    size = math.prod(agreed)
+    buf = torch.empty(size + 1, dtype=x.dtype, device=x.device)
+    if matches:
+        buf[:size].view(front_shape).copy_(x.movedim(dim, 0))
+        buf[size] = 0
+    else:
+        buf.zero_()
+        buf[size] = 1
+    out = C.all_gather_dim0(buf, group).view(n, size + 1)
+    data = out[:, :size].reshape((n * agreed[dim],) + front_shape[1:])
+    return (data.movedim(0, dim) if dim else data), out[:, size].sum().item()
+
+
+def _flagged_reduce_scatter(x: torch.Tensor, dim: int, agreed: Tuple[int, ...], matches: bool, group):
+    n, dim = C.world_size(group), dim % len(agreed)
+    front_shape = (agreed[dim],) + agreed[:dim] + agreed[dim + 1:]
+    chunk = math.prod(agreed) // n
+    buf = torch.empty(n, chunk + 1, dtype=x.dtype, device=x.device)    # every rank's chunk with a flag
+    if matches:
+        buf[:, :chunk].view((n, agreed[dim] // n) + front_shape[1:]).copy_(
+            x.movedim(dim, 0).unflatten(0, (n, agreed[dim] // n)))
+        buf[:, chunk] = 0
+    else:
+        buf.zero_()
+        buf[:, chunk] = 1
+    out = C.reduce_scatter_dim0(buf.view(-1), group)
+    data = out[:chunk].view((agreed[dim] // n,) + front_shape[1:])
+    return (data.movedim(0, dim) if dim else data), out[chunk].item()
+
+
+def _checked_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if C.world_size(group) == 1:
+        return x
+    return checked(("all_reduce",), x, group, "all-reduce",
+                   lambda t, agreed, ok: _flagged_all_reduce(t, agreed, ok, group),
+                   lambda t: _all_reduce(t, group))
+
+
+def _checked_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if C.world_size(group) == 1:
+        return x
+    dim = dim % x.dim()
+    return checked(("all_gather", dim), x, group, f"all-gather of dimension {dim}",
+                   lambda t, agreed, ok: _flagged_gather(t, dim, agreed, ok, group),
+                   lambda t: _gather(t, dim, group))
+
+
+def _checked_reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if C.world_size(group) == 1:
+        return x
+    dim = dim % x.dim()
+    # (a size that does not divide by the group differs from the agreed one: the shapes are exchanged
+    # first, so every rank raises, the mismatch or the divisibility error, rather than one alone)
+    return checked(("reduce_scatter", dim), x, group, f"reduce-scatter of dimension {dim}",
+                   lambda t, agreed, ok: _flagged_reduce_scatter(t, dim, agreed, ok, group),
+                   lambda t: _reduce_scatter(t, dim, group))
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -84,7 +167,7 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return _checked_all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -106,7 +189,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather(x, -1, group)
+        return _checked_gather(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -128,7 +211,7 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, tensor_parallel_output_grad):
         ctx.group, ctx.dim, ctx.tp_grad = group, dim, tensor_parallel_output_grad
-        return _gather(x, dim, group)
+        return _checked_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -141,7 +224,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, dim, group)
+        return _checked_reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -23,20 +23,15 @@ A step, all on the device (no host sync, so an AMP ``found_inf`` costs nothing):
 
 Padding elements have zero parameters and zero gradients, so Adam leaves them at zero.
 
-``torch.optim.Optimizer`` contract (:class:`_ZeroAdamW`): ``param_groups`` as ``torch.optim.AdamW`` takes
-them (each with its own lr, betas, eps, weight_decay, maximize), read at every step, so torch's LR
-schedulers drive it. As in torch, a parameter is updated only in a step where it has a gradient: frozen
-parameters, parameters no rank used since the last step, and every parameter when ``step()`` follows no
-backward are left bit-identical, and each parameter's AdamW step count (its bias correction) advances
-only with its own updates. A step consumes the gradients it was given (ZeRO-2 frees them): a second
-``step()`` without a backward in between changes nothing.
+``torch.optim.Optimizer`` contract, param groups, per-parameter step counts and the runs: see
+:mod:`.sharded_adamw` (``_ZeroAdamW``, shared with ZeRO-3).
 
 Gradient clipping: the gradients are shards, so ``torch.nn.utils.clip_grad_norm_(model.parameters())``
-cannot see them. After a backward every ``p.grad`` is a guard (:class:`_ShardedGrad`) that raises a
-``RuntimeError`` naming the parameter and :meth:`_ZeroAdamW.clip_grad_norm_`, which computes the global norm
-over every rank's shard and folds the coefficient into the next step. (Stage 1 over an all-reduce with fp32
-parameters has the full averaged gradient in ``p.grad``, stepped from that buffer: the standard call works
-there and no guard is set.)
+cannot see them. After a backward every ``p.grad`` is a guard (:class:`_ShardedGrad`, :mod:`.sharded_grad`)
+that raises a ``RuntimeError`` naming the parameter and :meth:`_ZeroAdamW.clip_grad_norm_`, which computes
+the global norm over every rank's shard and folds the coefficient into the next step. (Stage 1 over an
+all-reduce with fp32 parameters has the full averaged gradient in ``p.grad``, stepped from that buffer: the
+standard call works there and no guard is set.)
 
 The buffer may be re-laid out once (``DataParallel`` rebuilds buckets from the order gradients arrived,
 at the end of the first synced backward and, with reduce-scatter, *before* reducing, so the gradients are
@@ -44,446 +39,39 @@ already reduced in the new layout): the optimizer notices (the buffer storage ch
 shards. Before the first step that is free; when the state already holds something (``load_state_dict``
 into a fresh wrapper, whose first backward then re-lays out) it is one all-gather of the state per old
 bucket: a collective, all ranks of the DP group take part.
+
+ZeRO-Infinity (``offload="disk", offload_dir=DIR``, :mod:`.offload`): master and moments live in one file
+per rank, streamed through a few host buffers in the step. The updated shard then goes straight into the
+rank's slice of ``param_data`` (fp32 models: no in-memory master) or into the low-precision staging shard
+(bf16/fp16), and is all-gathered from there as usual.
 """
+
 from __future__ import annotations
 
+import bisect
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..amp.clip import clip_grad_norm_ as _global_clip_grad_norm
 from ..distributed import collectives as C
-from ..ops.optimizer_step import adamw_step
-from ..ops._checks import scalar_tensor
-from . import memory as M
 from . import full_state
+from . import memory as M
+from .offload import DEFAULT_BUFFER_MB, resolve_offload
 
-_STATES = ("master", "exp_avg", "exp_avg_sq")
-STATE_FORMAT = "parallel_layers.zero/2"      # state dicts before it: one group, one step count
-
-NoDecay = Union[None, Sequence[torch.nn.Parameter], Callable[[str, torch.nn.Parameter], bool]]
-
-
-def _scalar(owner: str, name: str, value, device) -> torch.Tensor:
-    return scalar_tensor(f"{owner}.step", name, value, device, convert=True)
-
-
-def step_multipliers(owner: str, device, grad_scale, clip_coef, found_inf):
-    """``(gradient multiplier, found_inf)`` for the fused step, both on ``device``: the multiplier is
-    ``clip_coef / grad_scale`` (``grad_scale`` is the loss scale the gradients carry)."""
-    scale = (torch.ones(1, device=device) if grad_scale is None
-             else torch.reciprocal(_scalar(owner, "grad_scale", grad_scale, device)))
-    if clip_coef is not None:
-        scale = scale * _scalar(owner, "clip_coef", clip_coef, device)
-    inf = torch.zeros(1, device=device) if found_inf is None else _scalar(owner, "found_inf", found_inf, device)
-    return scale, inf
-
-
-# ---------------------------------------------------------------------- guards on sharded gradients
-def _metadata_functions() -> frozenset:
-    """Tensor attributes that read no element: what a guard lets through (shape, dtype, hooks, ...)."""
-    getters = ("shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "layout", "ndim", "is_cuda",
-               "is_cpu", "is_meta", "is_sparse", "is_sparse_csr", "is_quantized", "is_mkldnn", "is_nested",
-               "is_xpu", "is_mps", "names", "itemsize", "output_nr", "_version", "retains_grad",
-               "_backward_hooks", "_post_accumulate_grad_hooks")
-    methods = ("size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
-               "data_ptr", "untyped_storage", "is_floating_point", "is_complex", "is_signed", "get_device",
-               "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__", "_is_view",
-               "__len__")
-    out = set()
-    for name in getters:
-        desc = getattr(torch.Tensor, name, None)
-        if desc is not None and hasattr(desc, "__get__"):
-            out.add(desc.__get__)
-    for name in methods:
-        fn = getattr(torch.Tensor, name, None)
-        if fn is not None:
-            out.add(fn)
-    for name in ("grad", "data", "requires_grad"):
-        out.add(getattr(torch.Tensor, name).__set__)
-    out.add(torch.Tensor.grad.__delete__)
-    return frozenset(out)
-
-
-METADATA_FUNCTIONS = _metadata_functions()
-
-
-def is_metadata(func) -> bool:
-    try:
-        return func in METADATA_FUNCTIONS
-    except TypeError:        # an unhashable callable: not one of them
-        return False
-
-
-def guarded_in(args, kwargs, cls) -> list:
-    """Instances of ``cls`` among ``args``/``kwargs`` (and one level into lists and tuples: foreach ops)."""
-    found = []
-    for a in list(args) + list((kwargs or {}).values()):
-        if isinstance(a, cls):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(b for b in a if isinstance(b, cls))
-    return found
-
-
-class _ShardedGrad(torch.Tensor):
-    """What ``p.grad`` holds while ``p``'s gradient lives in a ZeRO shard.
-
-    Its shape, dtype and device are ``p``'s; reading its elements (``torch.nn.utils.clip_grad_norm_``,
-    ``p.grad.norm()``, printing it) raises a ``RuntimeError`` with :attr:`sharded_grad_message`, which names
-    the parameter and the call that does it right, instead of returning a number that is this rank's
-    local view. ``parallel_layers.amp.clip_grad_norm_`` checks the message too (it would read
-    ``p.main_grad``)."""
-
-    sharded_grad_message = "this gradient is sharded over the data-parallel group"
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if is_metadata(func):
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        guards = guarded_in(args, kwargs, _ShardedGrad)
-        raise RuntimeError(guards[0].sharded_grad_message if guards else cls.sharded_grad_message)
-
-
-def sharded_grad_view(t: torch.Tensor, message: str) -> _ShardedGrad:
-    """A guard aliasing ``t`` (same memory: autograd keeps accumulating into it)."""
-    g = t.as_subclass(_ShardedGrad)
-    g.sharded_grad_message = message
-    return g
-
-
-def sharded_grad_placeholder(p: torch.Tensor, message: str) -> _ShardedGrad:
-    """A guard shaped like ``p`` backed by one element (for parameters whose ``.grad`` holds nothing)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        g = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape).as_subclass(_ShardedGrad)
-    g.sharded_grad_message = message
-    return g
-
-
-def sharded_grad_message(owner: str, name: str, shape, how: str) -> str:
-    return (f"{owner}: the gradient of parameter {name!r} (shape {tuple(shape)}) is sharded over the "
-            f"data-parallel group ({how}), so p.grad cannot be read: torch.nn.utils.clip_grad_norm_(model."
-            f"parameters(), max_norm) would measure this rank's local values and its clipping would never "
-            f"reach the step. Clip with optimizer.clip_grad_norm_(max_norm) between backward and step (the "
-            f"global norm over every rank's shard; the coefficient is applied by the next step)")
-
-
-# ---------------------------------------------------------------------- the torch.optim.Optimizer side
-def _check_hypers(owner: str, where: str, lr, betas, eps, weight_decay) -> None:
-    try:
-        bad = not (float(lr) >= 0 and float(eps) >= 0 and float(weight_decay) >= 0)
-    except (TypeError, ValueError):
-        bad = True
-    if bad:
-        raise ValueError(f"{owner}: {where} has lr={lr!r}, eps={eps!r}, weight_decay={weight_decay!r}; each must "
-                         f"be a number >= 0")
-    if len(tuple(betas)) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"{owner}: {where} has betas={betas!r}; it must be a pair in [0, 1)")
-
-
-def _default_groups(named, weight_decay: float, no_decay: NoDecay) -> list:
-    """Every parameter, in one group, or in two when ``no_decay`` excludes some from weight decay."""
-    params = [p for _, p in named]
-    if no_decay is None or weight_decay == 0:
-        return [{"params": params}]
-    if callable(no_decay):
-        skip = {id(p) for n, p in named if no_decay(n, p)}
-    else:
-        skip = {id(p) for p in no_decay}
-    decay = [p for p in params if id(p) not in skip]
-    rest = [p for p in params if id(p) in skip]
-    return [g for g in ({"params": decay}, {"params": rest, "weight_decay": 0.0}) if g["params"]]
-
-
-class _ZeroAdamW(torch.optim.Optimizer):
-    """AdamW over a flat shard, as a ``torch.optim.Optimizer``: param groups, per-parameter step counts,
-    one fused kernel call per run of the shard, clipping over the shards, group and step state by name.
-
-    A subclass sets ``device``, ``backend``, ``master``/``exp_avg``/``exp_avg_sq``/``low`` and says where the
-    shard's pieces and gradients are (``_module_named_params``, ``_shard_pieces_raw``, ``_grad_source``,
-    ``_local_had_grads``, ``_consume_grads``, ``_agree_on_grads``, ``_grad_group``, ``_zero_grads``).
-    """
-
-    _owner = "ZeroOptimizer"
-
-    def _init_groups(self, params, *, lr, betas, eps, weight_decay, no_decay: NoDecay) -> None:
-        named = self._module_named_params()
-        self._names: Dict[int, str] = {id(p): n for n, p in named}
-        _check_hypers(self._owner, "the defaults", lr, betas, eps, weight_decay)
-        if params is None:
-            params = _default_groups(named, float(weight_decay), no_decay)
-        elif no_decay is not None:
-            raise ValueError(f"{self._owner}: pass param groups or no_decay=, not both; put the parameters "
-                             f"without weight decay in their own group: {{'params': [...], 'weight_decay': 0.0}}")
-        self._steps = torch.zeros(0, dtype=torch.float32, device=self.device)   # per parameter
-        self._step = torch.zeros(1, dtype=torch.float32, device=self.device)    # steps that updated anything
-        self._hist: List[int] = []     # equal ids: same steps updated them, so equal step counts (runs merge)
-        self._hist_next = 1
-        self._pending_clip: Optional[torch.Tensor] = None
-        self._pieces_cache = None
-        self._wd_cache = None
-        defaults = dict(lr=float(lr), betas=tuple(float(b) for b in betas), eps=float(eps),
-                        weight_decay=float(weight_decay), maximize=False, amsgrad=False)
-        torch.optim.Optimizer.__init__(self, params, defaults)
-
-    # ------------------------------------------------------------------ groups
-    def add_param_group(self, param_group: dict) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``; the parameters must be the wrapped module's."""
-        super().add_param_group(param_group)
-        group, k = self.param_groups[-1], len(self.param_groups) - 1
-        try:
-            self._check_group(group, k)
-        except Exception:
-            self.param_groups.pop()
-            raise
-        group["betas"] = tuple(float(b) for b in group["betas"])
-        self._index_groups()
-
-    def _check_group(self, group: dict, k: int) -> None:
-        _check_hypers(self._owner, f"param_groups[{k}]", group["lr"], group["betas"], group["eps"],
-                      group["weight_decay"])
-        if group.get("amsgrad") or group.get("differentiable"):
-            raise ValueError(f"{self._owner}: param_groups[{k}] asks for amsgrad/differentiable, which the fused "
-                             f"shard step does not implement; use plain AdamW (amsgrad=False)")
-        for i, p in enumerate(group["params"]):
-            if id(p) not in self._names:
-                raise ValueError(f"{self._owner}: param_groups[{k}]['params'][{i}] (shape {tuple(p.shape)}) is not "
-                                 f"a parameter of the wrapped module; pass that module's own parameters "
-                                 f"(e.g. from model.named_parameters())")
-            self._check_param(p, self._names[id(p)])
-
-    def _check_param(self, p: torch.nn.Parameter, name: str) -> None:
-        """Subclass hook: reject a parameter the shard cannot step."""
-
-    def _index_groups(self) -> None:
-        self._all_params = [p for g in self.param_groups for p in g["params"]]
-        self._index = {id(p): i for i, p in enumerate(self._all_params)}
-        self._group_of = [k for k, g in enumerate(self.param_groups) for _ in g["params"]]
-        n_old = self._steps.numel()
-        if len(self._all_params) > n_old:       # a new group: its parameters have taken no step
-            self._steps = torch.cat([self._steps, torch.zeros(len(self._all_params) - n_old,
-                                                              dtype=torch.float32, device=self.device)])
-            self._hist += [0] * (len(self._all_params) - n_old)
-        self._pieces_cache = None
-
-    def _named_param_groups(self) -> List[dict]:
-        """``param_groups`` with parameter *names* (``"params"``): what checkpoints hold."""
-        out = []
-        for g in self.param_groups:
-            d = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-            d["params"] = [self._names[id(p)] for p in g["params"]]
-            out.append(d)
-        return out
-
-    def _load_param_groups(self, saved: Sequence[dict], where: str) -> None:
-        """Hyper-parameters from :meth:`_named_param_groups` (same grouping required) or, for a state saved
-        before param groups existed (one group, no ``"params"``), lr/betas/eps for every group and weight decay
-        for every group that decays (the groups of ``no_decay=`` keep their zero)."""
-        if not saved:
-            return
-        if all("params" in s for s in saved):
-            if len(saved) != len(self.param_groups):
-                raise ValueError(f"{where}: the checkpoint has {len(saved)} param groups, this optimizer "
-                                 f"{len(self.param_groups)}; build it with the same param groups")
-            for k, (s, g) in enumerate(zip(saved, self.param_groups)):
-                mine = {self._names[id(p)] for p in g["params"]}
-                if set(s["params"]) != mine:
-                    diff = sorted(mine.symmetric_difference(s["params"]))
-                    raise ValueError(f"{where}: param_groups[{k}] differs from the checkpoint's (e.g. {diff[:3]}); "
-                                     f"build the optimizer with the same param groups")
-            for s, g in zip(saved, self.param_groups):
-                g.update({k: v for k, v in s.items() if k != "params"})
-                g["betas"] = tuple(g["betas"])
-            return
-        s = saved[0]
-        for g in self.param_groups:
-            for key in ("lr", "betas", "eps", "maximize"):
-                if key in s:
-                    g[key] = s[key]
-            if g["weight_decay"] != 0 and "weight_decay" in s:
-                g["weight_decay"] = s["weight_decay"]
-            g["betas"] = tuple(g["betas"])
-
-    # ------------------------------------------------------------------ step counts
-    @property
-    def steps_taken(self) -> int:
-        """Steps that updated at least one parameter (skipped ``found_inf`` steps do not count)."""
-        return int(self._step.item())
-
-    def set_steps_taken(self, n: int) -> None:
-        """Resume every step count (AdamW's bias correction) at ``n``."""
-        self._step.fill_(n)
-        self._steps.fill_(n)
-        self._reset_hist()
-
-    def _steps_by_name(self) -> Dict[str, int]:
-        return {self._names[id(p)]: int(v) for p, v in zip(self._all_params, self._steps.tolist())}
-
-    def _load_steps(self, steps: Optional[Dict[str, int]], default: int) -> None:
-        """Per-parameter step counts by name (a parameter missing from ``steps``, or all of them when it is
-        None: a state saved with one count, gets ``default``)."""
-        steps = steps or {}
-        vals = [float(steps.get(self._names[id(p)], default)) for p in self._all_params]
-        self._steps.copy_(torch.tensor(vals, dtype=torch.float32))
-        self._reset_hist()
-
-    def _reset_hist(self) -> None:
-        ids: Dict[float, int] = {0.0: 0}
-        self._hist = [ids.setdefault(v, len(ids)) for v in self._steps.tolist()]
-        self._hist_next = len(ids)
-
-    def _advance(self, had: List[bool], keep: torch.Tensor) -> None:
-        """Count this step for the parameters it updates (on the device: ``keep`` is 0 on overflow)."""
-        if all(had):
-            self._steps.add_(keep)
-        else:
-            self._steps.add_(torch.tensor(had, dtype=torch.float32, device=self.device) * keep)
-        self._step.add_(keep)
-        renamed: Dict[int, int] = {}
-        for i, h in enumerate(had):
-            if h:
-                old = self._hist[i]
-                if old not in renamed:
-                    renamed[old] = self._hist_next
-                    self._hist_next += 1
-                self._hist[i] = renamed[old]
-
-    # ------------------------------------------------------------------ which parameters have gradients
-    def _had_grads(self) -> List[bool]:
-        """Per parameter (optimizer order): has it a gradient for this step, on any rank of the group."""
-        local = self._local_had_grads()
-        if not self._agree_on_grads():
-            return local
-        flags = torch.tensor(local, dtype=torch.int32, device=self.device)
-        C.all_reduce(flags, self._grad_group(), op=dist.ReduceOp.MAX)
-        return [bool(v) for v in flags.tolist()]
-
-    # ------------------------------------------------------------------ the shard, in runs
-    def _pieces(self) -> List[Tuple[Optional[int], int, int]]:
-        """``(parameter index or None, start in the shard, length)`` in shard order; None: a parameter in
-        no group (never stepped, and it keeps runs apart)."""
-        if self._pieces_cache is None:
-            self._pieces_cache = [(self._index.get(id(p)), start, n) for p, _, start, n in self._shard_pieces_raw()]
-            self._wd_cache = None
-        return self._pieces_cache
-
-    def _runs(self, had: List[bool]) -> list:
-        """``[key, start, end, first parameter index, weight decay or None when mixed]``: maximal stretches of
-        consecutive pieces with a gradient, the same lr/betas/eps/maximize and the same step count. Between
-        two pieces of one run there is only padding (zero parameter and gradient: Adam keeps it zero)."""
-        keys = [(float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]), bool(g["maximize"]))
-                for g in self.param_groups]
-        runs, cur = [], None
-        for idx, start, n in self._pieces():
-            if idx is None or not had[idx]:
-                cur = None
-                continue
-            k = self._group_of[idx]
-            key, wd = (keys[k], self._hist[idx]), float(self.param_groups[k]["weight_decay"])
-            if cur is not None and cur[0] == key:
-                cur[2] = start + n
-                if cur[4] is not None and cur[4] != wd:
-                    cur[4] = None
-            else:
-                cur = [key, start, start + n, idx, wd]
-                runs.append(cur)
-        return runs
-
-    def _wd_vector(self) -> torch.Tensor:
-        """Per-element weight decay of the shard (for runs mixing groups of different weight decay)."""
-        wds = tuple(float(g["weight_decay"]) for g in self.param_groups)
-        if self._wd_cache is None or self._wd_cache[0] != wds:
-            vec = torch.zeros_like(self.master)
-            for idx, start, n in self._pieces():
-                if idx is not None:
-                    vec[start:start + n] = wds[self._group_of[idx]]
-            self._wd_cache = (wds, vec)
-        return self._wd_cache[1]
-
-    @torch.no_grad()
-    def step(self, closure=None, *, grad_scale=None, found_inf=None, clip_coef=None):
-        """One AdamW update of every parameter that has a gradient, each with its group's hyper-parameters
-        (read now: schedulers work) and its own step count. ``grad_scale``: the loss scale the gradients
-        carry (divided out); ``clip_coef``: multiplies them (also the one :meth:`clip_grad_norm_` left);
-        nonzero ``found_inf``: skip, parameters, states and step counts bit-identical. All three may be
-        1-element device tensors (no host sync)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._before_step()
-        had = self._had_grads()
-        self._consume_grads()
-        clip, self._pending_clip = self._pending_clip, None
-        if not any(had):                  # torch.optim: parameters without a gradient are not touched
-            self._after_step(stepped=False)
-            return loss
-        scale, inf = step_multipliers(self._owner, self.device, grad_scale, clip_coef, found_inf)
-        if clip is not None:
-            scale = scale * clip
-        keep = (inf == 0).to(torch.float32)
-        self._advance(had, keep)
-        grad = self._grad_source()
-        runs = self._runs(had)
-        wd_vec = self._wd_vector() if any(r[4] is None for r in runs) else None
-        for ((lr, beta1, beta2, eps, maximize), _), s, e, idx, wd in runs:
-            if wd is None:                # decoupled decay first (skipped with the step: keep = 0)
-                m = self.master[s:e]
-                m.addcmul_(m, wd_vec[s:e] * keep, value=-lr)
-                wd = 0.0
-            adamw_step(self.master[s:e], grad[s:e], self.exp_avg[s:e], self.exp_avg_sq[s:e], lr=lr,
-                       step=self._steps[idx:idx + 1], beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
-                       maximize=maximize, grad_scale=scale, found_inf=inf,
-                       param_copy=None if self.low is None else self.low[s:e], backend=self.backend)
-        self._after_step(stepped=True)
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (and a clip coefficient not yet used). Cleared gradients count as absent
-        whatever ``set_to_none`` says: the next step updates only what a later backward reaches."""
-        self._pending_clip = None
-        self._consume_grads()
-        self._zero_grads(set_to_none)
-
-    # ------------------------------------------------------------------ clipping
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, tp_group=None,
-                        inv_scale=None, found_inf: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` for sharded gradients: the total norm of the gradients of this
-        optimizer's parameters over every rank's shard (a collective over the data-parallel group; on the
-        device, no host sync), returned as a 0-dim tensor on every rank; the clip coefficient
-        ``min(1, max_norm / (norm + 1e-6))`` multiplies the gradients in the next :meth:`step`.
-        ``tp_group``: tensor-parallel shards (``p.tensor_parallel``) summed over it, replicated parameters
-        counted once. ``inv_scale``/``found_inf``: as ``parallel_layers.amp.clip_grad_norm_`` (loss-scaled
-        gradients; inf/nan detection agreed across ranks)."""
-        self._before_step()
-        grad = self._grad_source()
-        items = []
-        for p, _, start, n in self._shard_pieces_raw():
-            if id(p) not in self._index:
-                continue
-            piece = grad[start:start + n]
-            if getattr(p, "tensor_parallel", False):
-                piece.tensor_parallel = True
-            items.append(piece)
-        groups = [self._grad_group()] if C.world_size(self._grad_group()) > 1 else []
-        norm, coef = _global_clip_grad_norm(items, max_norm, groups=groups, tp_group=tp_group,
-                                            norm_type=norm_type, apply=False, inv_scale=inv_scale,
-                                            found_inf=found_inf)
-        coef = coef.reshape(1).to(device=self.device, dtype=torch.float32)
-        self._pending_clip = coef if self._pending_clip is None else self._pending_clip * coef
-        return norm
-
-    # ------------------------------------------------------------------ subclass hooks (defaults)
-    def _before_step(self) -> None:
-        pass
-
-    def _after_step(self, stepped: bool) -> None:
-        pass
+# Re-exported: other modules and users import these names from here.
+from .sharded_adamw import STATE_FORMAT, NoDecay, _ZeroAdamW, step_multipliers  # noqa: F401
+from .sharded_adamw import STATES as _STATES
+from .sharded_grad import (  # noqa: F401
+    METADATA_FUNCTIONS,
+    _ShardedGrad,
+    guarded_in,
+    is_metadata,
+    sharded_grad_message,
+    sharded_grad_placeholder,
+    sharded_grad_view,
+)
 
 
 class ZeroOptimizer(_ZeroAdamW):
@@ -521,13 +109,20 @@ class ZeroOptimizer(_ZeroAdamW):
     (and whose ``.grad`` was not set to None since). With ``DataParallel(find_unused_parameters=True)``
     ranks may differ, and the step agrees on it with one small all-reduce; otherwise every synced backward
     reaches every parameter on every rank (DataParallel raises if not).
+
+    ZeRO-Infinity: ``offload="disk", offload_dir=DIR`` keeps this rank's master weights and moments in a
+    file under ``DIR``, streamed through ``offload_buffer_mb`` of host buffers in each step (bit-identical
+    results; ``offload_io``: ``"auto"``, ``"direct"``, ``"buffered"``); ``offload="cpu"`` raises on a CPU
+    model (nothing to move). See :mod:`parallel_layers.zero.offload`.
     """
 
     _owner = "ZeroOptimizer"
 
     def __init__(self, dp_module, params=None, *, stage: int, lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 no_decay: NoDecay = None, backend: Optional[str] = None):
+                 no_decay: NoDecay = None, backend: Optional[str] = None, offload: Optional[str] = None,
+                 offload_dir: Optional[str] = None, offload_buffer_mb: float = DEFAULT_BUFFER_MB,
+                 offload_io: str = "auto"):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer: stage={stage!r} must be 1 (sharded optimizer state) or 2 (also "
                              f"sharded gradients); stage 3 shards parameters and needs its own wrapper")
@@ -548,6 +143,8 @@ class ZeroOptimizer(_ZeroAdamW):
         if any(b.param_data.dtype != self.param_dtype for b in buckets):
             raise ValueError("ZeroOptimizer: the buckets hold parameters of several dtypes "
                              f"{sorted({str(b.param_data.dtype) for b in buckets})}; use one param dtype")
+        self._offload = resolve_offload("ZeroOptimizer", offload, offload_dir, self.device, offload_buffer_mb,
+                                        offload_io)
         self._owned = {id(p) for p in dp_module.buffer.params}
         # fp32 params: p.grad is the buffer's view (autograd accumulates into it); else p.grad stays None
         self._direct = dp_module.buffer.param_dtype == dp_module.grad_dtype
@@ -561,6 +158,8 @@ class ZeroOptimizer(_ZeroAdamW):
         self._messages: Dict[int, str] = {}
         self._placeholders: Dict[int, torch.Tensor] = {}
         self._build(buckets)
+        if self._offload is not None:
+            self._stream, self._new_stream = self._new_stream, None
         self._register_grad_hooks()
         if stage == 2:
             # The grad buffer only needs to exist from forward to the step; see _release_grads.
@@ -696,7 +295,8 @@ class ZeroOptimizer(_ZeroAdamW):
                 for b in buckets]
 
     def _build(self, buckets) -> None:
-        """(Re)derive shard bookkeeping and buffers from the current bucket layout."""
+        """(Re)derive shard bookkeeping and buffers from the current bucket layout. Offloaded: a new state
+        file, left in ``self._new_stream`` for :meth:`_check_layout` to put in place."""
         self._bucket_list = buckets
         self._layout_key = self._key(buckets)
         self._layout = self._describe(buckets)
@@ -706,59 +306,108 @@ class ZeroOptimizer(_ZeroAdamW):
             pos += b.shard_numel
         self.shard_numel = pos
         dev = self.device
+        low = self.param_dtype != torch.float32
         with torch.no_grad():
-            params = torch.empty(pos, dtype=self.param_dtype, device=dev)
-            for b, off in zip(buckets, self._offsets):
-                s, e = b.shard_range(self.dp_rank)
-                params[off:off + b.shard_numel].copy_(b.param_data[s:e])
-            low = self.param_dtype != torch.float32
+            # reduce_scatter: DataParallel.grad_shard already is the flat shard. Stage 1 over all_reduce with
+            # several buckets: the shards are not adjacent in the grad buffer; they are gathered here.
+            own = not self._scattered() and len(buckets) > 1
+            self._grad_flat = torch.zeros(pos, dtype=torch.float32, device=dev) if own else None
+            if self._offload is not None:
+                # Staging for the low-precision copy the kernel writes; fp32: the step writes param_data.
+                self.low = self._own_params(0, pos, torch.empty(pos, dtype=self.param_dtype)) if low else None
+                self._new_stream = self._offload_state(
+                    self._offload, tag=f"stage{self.stage}", group=self.group, layout=self._layout, numel=pos,
+                    resident_master=None, init_master=lambda lo, hi, out: self._own_params(lo, hi, out))
+                self._pieces_cache = None
+                return
+            params = self._own_params(0, pos, torch.empty(pos, dtype=self.param_dtype, device=dev))
             self.master = params.float() if low else params
             # Staging for the low-precision copy the kernel writes; it is what the all-gather sends.
             self.low = params if low else None
             self.exp_avg = torch.zeros(pos, dtype=torch.float32, device=dev)
             self.exp_avg_sq = torch.zeros(pos, dtype=torch.float32, device=dev)
-            # reduce_scatter: DataParallel.grad_shard already is the flat shard. Stage 1 over all_reduce with
-            # several buckets: the shards are not adjacent in the grad buffer; they are gathered here.
-            own = not self._scattered() and len(buckets) > 1
-            self._grad_flat = torch.zeros(pos, dtype=torch.float32, device=dev) if own else None
         self._pieces_cache = None
+
+    def _own_segments(self, lo: int, hi: int):
+        """``(a, b, param_data slice)``: where shard elements ``[a, b)`` (within ``[lo, hi)``) live in this
+        rank's slices of the buckets' ``param_data``."""
+        i = max(bisect.bisect_right(self._offsets, lo) - 1, 0)
+        for b, off in zip(self._bucket_list[i:], self._offsets[i:]):
+            if off >= hi:
+                break
+            a, e = max(lo, off), min(hi, off + b.shard_numel)
+            if a < e:
+                s, _ = b.shard_range(self.dp_rank)
+                yield a, e, b.param_data[s + a - off:s + e - off]
+
+    def _own_params(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """Shard elements ``[lo, hi)`` of the parameters (this rank's slices of ``param_data``) into ``out``
+        (converted to its dtype)."""
+        for a, e, src in self._own_segments(lo, hi):
+            out[a - lo:e - lo].copy_(src)
+        return out
+
+    def _after_chunk(self, lo: int, hi: int, master: torch.Tensor) -> None:
+        """Offloaded fp32 model: the stepped master goes straight into this rank's slice of ``param_data``,
+        whence the all-gather sends it (bf16/fp16 models: the kernel wrote ``low`` already)."""
+        if self.low is None:
+            for a, e, dst in self._own_segments(lo, hi):
+                dst.copy_(master[a - lo:e - lo])
 
     def _check_layout(self) -> None:
         buckets = self._buckets()
         if self._key(buckets) == self._layout_key:
             return
+        if self._stream is not None:
+            self._stream.verify(self._owner)
         old_layout, old = self._layout, (self.master, self.exp_avg, self.exp_avg_sq)
         self._build(buckets)
-        if self._started:       # else nothing learned yet: the new shards start from the params
-            self._remap(old_layout, old)
+        new_stream, self._new_stream = getattr(self, "_new_stream", None), None
+        if new_stream is None:
+            if self._started:       # else nothing learned yet: the new shards start from the params
+                self._remap(old_layout, old)
+            return
+        old_stream, self._stream = self._stream, new_stream
+        try:
+            if self._started and old_stream is not None:
+                self._remap(old_layout, old)        # old: the old file mapped; new: this one, mapped
+        except BaseException:
+            self._stream = old_stream
+            new_stream.close()
+            raise
+        del old
+        if old_stream is not None:
+            new_stream.replace(old_stream)
 
     def _remap(self, old_layout: List[dict], old: Sequence[torch.Tensor]) -> None:
         """Move this rank's state from ``old_layout`` to the current one (a collective over the DP group).
 
-        Each old bucket's shards of the three states are all-gathered (one [shard, 3] gather per bucket),
-        then every parameter's slice is copied to where the new layout puts it on this rank.
+        One old bucket at a time: its shards of the three states are all-gathered (one [shard, 3] gather),
+        then every parameter piece it holds is copied to where the new layout puts it on this rank. Memory:
+        one bucket's full state at a time (the states themselves may be mapped files).
         """
-        stacked = torch.stack([t.float() for t in old], dim=1)          # [S_old, 3]
-        where: Dict[str, Tuple[torch.Tensor, int, int]] = {}
+        targets: Dict[str, List[Tuple[int, int, int]]] = {}
+        for b, off in zip(self._bucket_list, self._offsets):
+            for p, start_p, start_s, length in b.param_shard_overlaps(self.dp_rank):
+                targets.setdefault(self._names.get(id(p)), []).append((start_p, off + start_s, length))
+        saved = {name: n for desc in old_layout for name, _, n in desc["params"]}
+        for b in self._bucket_list:            # checked on every rank before any collective
+            for p in b.params:
+                name = self._names.get(id(p))
+                if saved.get(name) != p.numel():
+                    raise ValueError(f"ZeroOptimizer: parameter {name!r} ({p.numel()} elements) is not in the "
+                                     f"saved layout with that size; was the state saved from another model?")
+        new = (self.master, self.exp_avg, self.exp_avg_sq)
         pos = 0
         for desc in old_layout:
             n_shard = desc["numel"] // self.dp_size
-            full = C.all_gather_dim0(stacked[pos:pos + n_shard], self.group)   # [numel, 3]
+            part = torch.stack([t[pos:pos + n_shard].float() for t in old], dim=1)
+            full = C.all_gather_dim0(part, self.group)       # [numel, 3]
             pos += n_shard
-            for name, o, n in desc["params"]:
-                where[name] = (full, o, n)
-        new = torch.stack([self.master, self.exp_avg, self.exp_avg_sq], dim=1)
-        for b, off in zip(self._bucket_list, self._offsets):
-            for p, start_p, start_s, length in b.param_shard_overlaps(self.dp_rank):
-                name = self._names.get(id(p))
-                if name not in where or where[name][2] != p.numel():
-                    raise ValueError(f"ZeroOptimizer: parameter {name!r} ({p.numel()} elements) is not in the "
-                                     f"saved layout with that size; was the state saved from another model?")
-                full, o, _ = where[name]
-                new[off + start_s:off + start_s + length] = full[o + start_p:o + start_p + length]
-        self.master.copy_(new[:, 0])
-        self.exp_avg.copy_(new[:, 1])
-        self.exp_avg_sq.copy_(new[:, 2])
+            for name, o, _ in desc["params"]:
+                for start_p, start_s, length in targets.get(name, ()):
+                    for col, dst in enumerate(new):
+                        dst[start_s:start_s + length] = full[o + start_p:o + start_p + length, col]
         if self.low is not None:
             self.low.copy_(self.master)
 
@@ -808,17 +457,24 @@ class ZeroOptimizer(_ZeroAdamW):
         On gloo torch's all-gather is ~4x slower than broadcasting the same bytes (measured: 24 MB, 2 ranks,
         50 ms vs 12 ms), so there each rank broadcasts its shard into place instead (same result); our
         ring all-gather (``distributed.ring``) measured no faster than the broadcasts in the ZeRO-1 step."""
-        src = self.master if self.low is None else self.low
+        # offloaded fp32 model: the step wrote the shard into param_data already (src None)
+        src = self.low if self.low is not None else None if self._stream is not None else self.master
         if self._use_broadcast:
             for b, off in zip(self._bucket_list, self._offsets):
                 mine = b.param_data[self.dp_rank * b.shard_numel:(self.dp_rank + 1) * b.shard_numel]
-                mine.copy_(src[off:off + b.shard_numel])
+                if src is not None:
+                    mine.copy_(src[off:off + b.shard_numel])
                 for r in range(self.dp_size):
                     C.broadcast(b.param_data[r * b.shard_numel:(r + 1) * b.shard_numel], r, self.group)
             return
         works = []
         for b, off in zip(self._bucket_list, self._offsets):
-            _, work = C.all_gather_dim0(src[off:off + b.shard_numel], self.group, out=b.param_data, async_op=True)
+            if src is None:
+                s, e = b.shard_range(self.dp_rank)
+                send = b.param_data[s:e].clone()        # the all-gather's input may not alias its output
+            else:
+                send = src[off:off + b.shard_numel]
+            _, work = C.all_gather_dim0(send, self.group, out=b.param_data, async_op=True)
             if work is not None:
                 works.append(work)
         for w in works:
@@ -859,12 +515,14 @@ class ZeroOptimizer(_ZeroAdamW):
 
     def state_dict(self) -> dict:
         """This rank's shard of the state (clones), the layout it belongs to, ``param_groups`` (parameters
-        by name) and every parameter's step count. Save one per rank."""
+        by name) and every parameter's step count. Save one per rank. Offloaded: the states are tensors
+        mapped from a private copy of the state file (``torch.save`` streams them; the copy needs as much
+        disk as the state file and is freed with the tensors)."""
         self._check_layout()
         return {"format": STATE_FORMAT, "stage": self.stage, "dp_size": self.dp_size, "dp_rank": self.dp_rank,
                 "param_groups": self._named_param_groups(), "layout": self._layout,
                 "step": self._step.clone(), "steps": self._steps_by_name(), "started": self._started,
-                **{k: getattr(self, k).clone() for k in _STATES}}
+                **self._checkpoint_states()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -875,22 +533,21 @@ class ZeroOptimizer(_ZeroAdamW):
 
         If the saved bucket layout differs from the current one (e.g. it was saved after the buffer's
         rebuild), the state is moved over with a collective: call it on every rank of the DP group.
-        Parameters are left as they are: load the model's own state dict for them."""
+        Parameters are left as they are: load the model's own state dict for them. A state saved with or
+        without offload loads into an optimizer with or without it (offloaded: written a sub-group at a
+        time, no copy in memory)."""
         if state.get("dp_size") != self.dp_size or state.get("dp_rank") != self.dp_rank:
             raise ValueError(f"ZeroOptimizer.load_state_dict: state saved by dp rank {state.get('dp_rank')} of "
                              f"{state.get('dp_size')}, loading into dp rank {self.dp_rank} of {self.dp_size}; "
                              f"resume with the same data-parallel size and give each rank its own file")
         self._check_layout()
+        self._verify_state()
         self._load_param_groups(state["param_groups"], "ZeroOptimizer.load_state_dict")
         self._step.copy_(state["step"])
         self._load_steps(state.get("steps"), int(state["step"].item()))
         tensors = [state[k].to(self.device) for k in _STATES]
         if state["layout"] == self._layout:
-            self.master.copy_(tensors[0])
-            self.exp_avg.copy_(tensors[1])
-            self.exp_avg_sq.copy_(tensors[2])
-            if self.low is not None:
-                self.low.copy_(self.master)
+            self._load_states(tensors)
         else:
             self._remap(state["layout"], tensors)
         self._started = True
@@ -908,18 +565,21 @@ class ZeroOptimizer(_ZeroAdamW):
         low-precision param-copy shard (bf16/fp16 models) and, stage 1 over all_reduce with several
         buckets, the flat grad shard gathered from the buffer.
         ``transient_grad_bytes``: stage 2's full grad buffer, allocated from forward to the step only.
+        Offloaded (``offload="disk"``): ``optimizer_bytes`` is the host buffers the state streams through,
+        ``offload_bytes`` the state file (0 in memory).
         """
         self._check_layout()
         buckets = self._bucket_list
         num_params = sum(p.numel() for b in buckets for p in b.params)
         grad_mem = [self.dp.buffer.grad_buffer, getattr(self.dp, "grad_shard", None)]   # released: 0 bytes
         staged = [t for pair in getattr(self.dp, "_staged", {}).values() for t in pair]
+        state = self._state_bytes()
         rep = {"stage": self.stage, "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_params": num_params,
                "padded_numel": sum(b.numel for b in buckets), "shard_numel": self.shard_numel,
                "param_bytes": M.storage_bytes(b.param_data for b in buckets),
                "grad_bytes": M.storage_bytes(grad_mem),
                "comm_bytes": M.storage_bytes(staged),
-               "optimizer_bytes": M.storage_bytes([self.master, self.exp_avg, self.exp_avg_sq]),
+               "optimizer_bytes": state["optimizer"], "offload_bytes": state["offload"],
                "staging_bytes": M.storage_bytes([self.low, self._grad_flat]),
                "transient_grad_bytes": self._grad_nbytes if self.stage == 2 else 0}
         rep["total_bytes"] = sum(rep[k] for k in ("param_bytes", "grad_bytes", "comm_bytes", "optimizer_bytes",

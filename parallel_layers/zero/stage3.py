@@ -1,21 +1,22 @@
 """ZeRO stage 3: parameters sharded over the data-parallel group, gathered one unit at a time.
 
-Layout. The module is cut into *units* (default: every element of every ``nn.ModuleList``, plus the
-root for the parameters left over). A unit's parameters are flattened, in ``named_parameters`` order,
-into one buffer padded to a multiple of ``16 * dp`` elements (so it splits into ``dp`` equal shards, and
-every shard starts 64-byte aligned in fp32: never a divisibility error). Rank r keeps shard r of every
-unit, all of them concatenated in ONE persistent tensor, ``shard_buffer``: that is the only persistent
-parameter storage. The fp32 gradient shards live in ``grad_buffer``, same layout, so an optimizer steps
-every unit with one fused kernel call.
+Layout (:mod:`.stage3_units`). The module is cut into *units* (default: every element of every
+``nn.ModuleList``, consecutive small ones merged up to ``min_unit_numel`` elements, plus the root for the
+parameters left over). A unit's parameters are flattened into one buffer padded to a multiple of
+``16 * dp`` elements; rank r keeps shard r of every unit, all of them concatenated in ONE persistent
+tensor, ``shard_buffer``: that is the only persistent parameter storage. The fp32 gradient shards live in
+``grad_buffer``, same layout, so an optimizer steps every unit with one fused kernel call.
 
 Per unit and step (``timeline`` records each event with a timestamp, so tests can prove the overlap):
 
-* forward pre-hook: wait for (or issue) the unit's all-gather into its full buffer, whose views *are*
-  the module's parameters (no copy-out: the collective writes straight into them), then launch the
-  all-gather of the next unit, asynchronously, so it runs while this unit computes (prefetch).
-* forward hook: free the full buffer (``untyped_storage().resize_(0)``: the parameter views keep their
-  shapes, autograd's saved references stay valid and see the data again once it is re-gathered), and
-  hook the unit's outputs: the first gradient to reach them is the unit's *pre-backward*.
+* forward pre-hook (of the unit's first module to run): wait for (or issue) the unit's all-gather into
+  its full buffer, whose views *are* the module's parameters (no copy-out: the collective writes straight
+  into them), then launch the all-gather of the next unit, asynchronously, so it runs while this unit
+  computes (prefetch).
+* forward hook: hook the module's outputs (the first gradient to reach any of the unit's is the unit's
+  *pre-backward*); after the unit's last module, free the full buffer (``untyped_storage().resize_(0)``:
+  the parameter views keep their shapes, autograd's saved references stay valid and see the data again
+  once it is re-gathered).
 * pre-backward: gather again (prefetched by the unit after it) and prefetch the unit before it. Each
   gradient autograd makes is added into the unit's flat gradient buffer and dropped at once.
 * post-backward (post-accumulate-grad hooks: once every parameter of the unit has its gradient): free
@@ -64,13 +65,10 @@ reduces the sum once. Memory: every unit's full gradient buffer lives across the
 no_sync costs the same); the gradients accumulate in the parameter dtype.
 
 Parameters between steps (and whenever their unit is not gathered) hold no elements: each is a
-:class:`_ShardedParameter`, whose shape, dtype, device and hooks are always there but whose elements can
-only be read while its unit is gathered (its forward or backward, or inside :meth:`gathered_parameters`);
-any other read raises a ``RuntimeError`` naming the parameter and that context manager (rather than
-reading freed memory, which would crash the process). After a backward ``p.grad`` is a guard too (the gradient
-is in ``grad_buffer``, sharded): ``torch.nn.utils.clip_grad_norm_`` on the parameters raises and names
-``ZeroStage3Optimizer.clip_grad_norm_``. Setting ``p.grad = None`` (``module.zero_grad()``) drops the
-parameter from the next step, as in torch.
+``_ShardedParameter`` (:mod:`.sharded_param`), whose metadata is always there but whose elements can only
+be read while its unit is gathered (its forward or backward, or inside :meth:`gathered_parameters`); any
+other read raises a ``RuntimeError`` naming the parameter and that context manager (rather than reading
+freed memory, which would crash the process); ``p.grad`` after a backward is a guard too.
 
 Which parameters got a gradient since the last step is recorded per rank (the optimizer leaves the others
 untouched, as torch does). Ranks that may differ in it (data-dependent use of a parameter inside a unit
@@ -84,183 +82,24 @@ forwards before one backward.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..distributed import collectives as C
-from .optimizer import guarded_in, is_metadata, sharded_grad_message, sharded_grad_placeholder
-
-SHARD_ALIGN = 16   # elements; every shard (and so every unit's slice of shard_buffer) starts aligned
-
-
-_GRAD_GET = torch.Tensor.grad.__get__
-_GRAD_SET = torch.Tensor.grad.__set__
-_GRAD_DEL = torch.Tensor.grad.__delete__
-
-
-def _raw_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
-    """``p.grad`` as autograd holds it (no guard): what the wrapper itself works on."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return p.grad
-
-
-def _set_raw_grad(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
-    with torch._C.DisableTorchFunctionSubclass():
-        p.grad = g
-
-
-class _ParamInfo:
-    """What a :class:`_ShardedParameter` knows of its place: wrapper, unit, name, this rank's piece."""
-
-    def __init__(self, wrapper: "ZeroStage3", unit: "_Unit", name: str, offset: int, numel: int, shape):
-        self.wrapper_ref = weakref.ref(wrapper)
-        self.unit, self.name, self.shape, self.numel = unit, name, tuple(shape), numel
-        self.piece = (max(offset, unit.lo) - offset, min(offset + numel, unit.hi) - offset)
-        self.placeholder = None
-
-    def readable(self) -> bool:
-        u = self.unit
-        return u.gather_work is None and u.full.untyped_storage().nbytes() > 0
-
-    def read_error(self) -> RuntimeError:
-        a, b = self.piece
-        held = (f"elements [{a}, {b}) of its {self.numel} (flattened, in the wrapper's shard_buffer)" if a < b
-                else f"none of its {self.numel} elements")
-        return RuntimeError(
-            f"ZeroStage3: parameter {self.name!r} (shape {self.shape}) is sharded over the data-parallel group: "
-            f"this rank holds {held}, and its full value exists only while its unit "
-            f"{self.unit.name or '<root>'!r} runs. Read it inside `with zmodel.gathered_parameters(): ...` (a "
-            f"collective: every rank of the group enters it), or copy every parameter with "
-            f"zmodel.full_state_dict()")
-
-    def grad_pending(self, p) -> bool:
-        w = self.wrapper_ref()
-        return w is not None and id(p) in w._grad_seen
-
-    def drop_grad(self, p) -> None:
-        w = self.wrapper_ref()
-        if w is not None:
-            w._grad_seen.discard(id(p))
-
-    def grad_guard(self, p) -> torch.Tensor:
-        if self.placeholder is None:
-            how = ("ZeRO-3: after backward it lives in this rank's slice of ZeroStage3.grad_buffer, averaged over "
-                   "the group")
-            self.placeholder = sharded_grad_placeholder(
-                p, sharded_grad_message("ZeroStage3", self.name, self.shape, how))
-        return self.placeholder
-
-
-class _ShardedParameter(nn.Parameter):
-    """A parameter of a :class:`ZeroStage3` module.
-
-    Metadata (shape, dtype, device, ``requires_grad``, hooks, ``p.grad is None``) is always available.
-    Elements only while the parameter's unit is gathered; any other read raises a ``RuntimeError`` naming
-    the parameter and ``gathered_parameters()``. ``p.grad`` reads as a guard (:mod:`.optimizer`'s
-    ``_ShardedGrad``) while a gradient for it waits in the wrapper's gradient shard; assigning None drops it.
-    """
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func == _GRAD_GET:
-            return cls._read_grad(args[0])
-        if func == _GRAD_SET or func == _GRAD_DEL:
-            value = args[1] if func == _GRAD_SET and len(args) > 1 else None
-            info = getattr(args[0], "_zero3_info", None)
-            if value is None and info is not None:
-                info.drop_grad(args[0])
-        else:
-            if not is_metadata(func):
-                for p in guarded_in(args, kwargs, _ShardedParameter):
-                    info = getattr(p, "_zero3_info", None)
-                    if info is not None and not info.readable():
-                        raise info.read_error()
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @staticmethod
-    def _read_grad(p):
-        g = _raw_grad(p)
-        info = getattr(p, "_zero3_info", None)
-        if g is None and info is not None and info.grad_pending(p):
-            return info.grad_guard(p)
-        return g
-
-
-_SHARDED_CLASSES: Dict[type, type] = {nn.Parameter: _ShardedParameter}
-
-
-def _sharded_class(cls: type) -> type:
-    """``_ShardedParameter`` for ``nn.Parameter``; for a subclass of it, a class deriving from both."""
-    if cls not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (_ShardedParameter, cls), {})
-    return _SHARDED_CLASSES[cls]
-
-
-class _Unit:
-    """One wrapped module: its flat parameter (shard persistent, full buffer transient)."""
-
-    def __init__(self, index: int, name: str, module: nn.Module, named: List[tuple], dp: int, rank: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.index, self.name, self.module = index, name, module
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.numels = [p.numel() for p in self.params]
-        self.offsets, self.offset_of, pos = [], {}, 0
-        for p, n in zip(self.params, self.numels):
-            self.offsets.append(pos)
-            self.offset_of[id(p)] = pos
-            pos += n
-        self.numel = pos
-        self.padded = max(1, math.ceil(pos / (SHARD_ALIGN * dp))) * SHARD_ALIGN * dp
-        self.shard_numel = self.padded // dp
-        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.full = torch.zeros(self.padded, dtype=dtype, device=device)
-        self.grad_full = torch.zeros(self.padded, dtype=dtype, device=device)
-        self.nbytes = self.full.untyped_storage().nbytes()
-        self.n_grad = sum(p.requires_grad for p in self.params)
-        self.has_frozen = self.n_grad < len(self.params)
-        self.shard = self.grad_shard = None     # views of the wrapper's flat buffers, set by the wrapper
-        self.gather_work = None                 # in-flight all-gather
-        self.rs_work = None                     # in-flight gradient reduction
-        # eager: each gradient is added into grad_full as it arrives (the unit's gradients arrive together,
-        # in its backward). The root's arrive at both ends of backward (final LayerNorm first, embeddings
-        # last): they stay autograd's tensors until the last one, so no full buffer lives through backward.
-        self.eager_grads = index != 0
-        self.grad_valid = False                 # grad_shard holds this backward's (or an earlier) sum
-        self.accumulated = False                # grad_full holds no_sync() sums not reduced yet
-        self.phase = "idle"                     # idle | forward | backward | reduced
-        self.ready = 0                          # parameters whose gradient has been accumulated
-
-    def gathered(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
-
-    def gathered_grad(self) -> bool:
-        return self.grad_full.untyped_storage().nbytes() > 0
-
-    def __repr__(self) -> str:
-        return f"_Unit({self.index}, {self.name or '<root>'}, params={len(self.params)}, padded={self.padded})"
-
-
-def _default_units(module: nn.Module) -> List[nn.Module]:
-    """Every element of every ``nn.ModuleList`` (outermost ones: no unit inside another)."""
-    out: List[nn.Module] = []
-
-    def walk(m: nn.Module):
-        for child in m.children():
-            if isinstance(child, nn.ModuleList):
-                out.extend(child)
-            else:
-                walk(child)
-    walk(module)
-    return out
+from .sharded_param import ParamInfo, is_sharded, raw_grad, set_raw_grad, sharded_class, sharded_info
+from .stage3_units import (
+    MIN_UNIT_NUMEL,
+    SHARD_ALIGN,
+    Unit,
+    Wrap,
+    assign_params,
+    choose_modules,
+    merge_small,
+)
 
 
 class ZeroStage3(nn.Module):
@@ -268,6 +107,9 @@ class ZeroStage3(nn.Module):
 
     ``wrap``: a predicate ``(name, module) -> bool`` (outermost match wins) or a list of submodules;
     default: the elements of every ``nn.ModuleList``. The root keeps the remaining parameters.
+    ``min_unit_numel``: consecutive wrapped modules smaller than this many elements share a unit until it
+    holds as many (fewer collectives and less padding for many small modules; :mod:`.stage3_units`); 0 keeps
+    every wrapped module a unit of its own.
     ``param_dtype``: cast the parameters (e.g. ``torch.bfloat16``); fp32 master weights live in the
     optimizer. ``prefetch``: overlap the next unit's all-gather with this unit's compute.
     ``free_root_early``: free the root's gathered parameters in backward once every autograd-saved tensor
@@ -298,7 +140,7 @@ class ZeroStage3(nn.Module):
     """
 
     def __init__(self, module: nn.Module, dp_group, *,
-                 wrap: Union[None, Callable[[str, nn.Module], bool], Sequence[nn.Module]] = None,
+                 wrap: Wrap = None, min_unit_numel: int = MIN_UNIT_NUMEL,
                  param_dtype: Optional[torch.dtype] = None, prefetch: bool = True, broadcast_from_rank0: bool = True,
                  free_root_early: bool = True, find_unused_parameters: bool = False):
         super().__init__()
@@ -308,43 +150,17 @@ class ZeroStage3(nn.Module):
         self._seen_before_held: set = set()
         self._sync = True              # False inside no_sync(): gradients accumulate, unreduced
         self._full_names = {id(p): n for n, p in module.named_parameters()}
-        already = [n for n, p in module.named_parameters() if isinstance(p, _ShardedParameter)]
+        already = [n for n, p in module.named_parameters() if is_sharded(p)]
         if already:
             raise ValueError(f"ZeroStage3: parameter {already[0]!r} already belongs to another ZeroStage3; wrap "
                              f"each module once")
         self.free_root_early = bool(free_root_early)
         self.dp_size, self.dp_rank = C.world_size(dp_group), C.rank(dp_group)
-        names = {id(m): n for n, m in module.named_modules()}
-        if wrap is None:
-            chosen = _default_units(module)
-        elif callable(wrap):
-            chosen, inside = [], set()
-            for n, m in module.named_modules():
-                if m is not module and wrap(n, m) and not any(n.startswith(o + ".") for o in inside):
-                    chosen.append(m)
-                    inside.add(n)
-        else:
-            chosen = list(wrap)
-        for m in chosen:
-            if id(m) not in names or m is module:
-                raise ValueError(f"ZeroStage3: wrap names a module that is not a proper submodule of "
-                                 f"{type(module).__name__}: {type(m).__name__}")
-        owner: Dict[int, str] = {}
-        plan = []
-        for m in chosen + [module]:   # root last: it keeps what no unit claimed
-            named = []
-            for n, p in m.named_parameters():
-                if id(p) in owner:
-                    if m is module:
-                        continue
-                    raise ValueError(f"ZeroStage3: parameter {names[id(m)]}.{n} is shared with unit "
-                                     f"{owner[id(p)]!r}; a parameter must belong to one unit (wrap the module "
-                                     f"that contains both uses)")
-                owner[id(p)] = names[id(m)] or "<root>"
-                named.append((n, p))
-            plan.append((m, named))
-        plan = [plan[-1]] + plan[:-1]  # root is unit 0 (it runs first)
-        params = [p for _, named in plan for _, p in named]
+        if min_unit_numel < 0:
+            raise ValueError(f"ZeroStage3: min_unit_numel={min_unit_numel}; pass a number of elements >= 0 (0 keeps "
+                             f"every wrapped module a unit of its own)")
+        plan = merge_small(module, assign_params(module, choose_modules(module, wrap)), min_unit_numel)
+        params = [p for _, _, named in plan for _, p in named]
         if not params:
             raise ValueError("ZeroStage3: the module has no parameters")
         dtypes = {p.dtype for p in params}
@@ -353,22 +169,20 @@ class ZeroStage3(nn.Module):
                             f"param_dtype= to cast them to one")
         self.param_dtype = param_dtype or params[0].dtype
         self.device = params[0].device
-        self.units: List[_Unit] = [_Unit(i, names[id(m)], m, named, self.dp_size, self.dp_rank, self.param_dtype,
-                                         self.device) for i, (m, named) in enumerate(plan)]
+        self.units: List[Unit] = [Unit(i, name, mods, named, self.dp_size, self.dp_rank, self.param_dtype, self.device)
+                                  for i, (name, mods, named) in enumerate(plan)]
         self.shard_numel = sum(u.shard_numel for u in self.units)
         self.shard_buffer = torch.zeros(self.shard_numel, dtype=self.param_dtype, device=self.device)
         self.grad_buffer = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
         self.grad_nbytes = self.grad_buffer.untyped_storage().nbytes()
         self._build(broadcast_from_rank0)
         self.timeline: List[tuple] = []
-        self._fwd_order: List[int] = [u.index for u in self.units]   # refined from the last forward
+        self._set_forward_order([u.index for u in self.units])   # refined from each forward
         self._cur_order: List[int] = []
-        self._rs_pending: Optional[_Unit] = None
+        self._rs_pending: Optional[Unit] = None
         self._callback_queued = False
-        self._live_bytes = 0
-        self._root_saved = 0          # autograd-saved tensors that view the root's gathered parameters
+        self._bytes = _GatheredBytes()
         self._root_tracked = False    # the last forward ran under the wrapper's saved-tensor hooks
-        self.peak_gathered_bytes = 0   # most bytes of full param + grad buffers alive at once, last step
         self._held = False             # gather_all() .. reduce_scatter_and_free(): hooks off, all gathered
 
     # ------------------------------------------------------------------ construction
@@ -388,38 +202,42 @@ class ZeroStage3(nn.Module):
                 p.data = u.full[o:o + n].view(p.shape)   # the old storage is released
                 p.grad = None
                 # from here on, reading its elements while the unit is not gathered raises (see the class)
-                p._zero3_info = _ParamInfo(self, u, self._full_names[id(p)], o, n, p.shape)
-                p.__class__ = _sharded_class(type(p))
+                p._zero3_info = ParamInfo(self, u, self._full_names[id(p)], o, n, p.shape)
+                p.__class__ = sharded_class(type(p))
             u.full.untyped_storage().resize_(0)
             u.grad_full.untyped_storage().resize_(0)
-            mod = u.module
-            mod.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u, a))
-            mod.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+            for mod in u.modules:
+                mod.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u, a))
+                mod.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
             for p in u.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p))
 
     # ------------------------------------------------------------------ memory bookkeeping
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """The most bytes of full parameter and gradient buffers alive at once during the last step."""
+        return self._bytes.peak
+
     def _alloc(self, t: torch.Tensor, nbytes: int) -> bool:
         st = t.untyped_storage()
         if st.nbytes():
             return False
         st.resize_(nbytes)
-        self._live_bytes += nbytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._live_bytes)
+        self._bytes.add(nbytes)
         return True
 
     def _free(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
-        self._live_bytes -= st.nbytes()
+        self._bytes.add(-st.nbytes())
         st.resize_(0)
 
-    def _event(self, what: str, u: _Unit, **extra) -> None:
+    def _event(self, what: str, u: Unit, **extra) -> None:
         self.timeline.append((what, u.index, time.perf_counter(), extra))
 
     # ------------------------------------------------------------------ gather / free
     @torch.no_grad()
-    def _gather(self, u: _Unit, prefetch: bool = False) -> None:
+    def _gather(self, u: Unit, prefetch: bool = False) -> None:
         """Issue ``u``'s all-gather (async) unless it is gathered or in flight."""
         if u.gather_work is not None or not self._alloc(u.full, u.nbytes):
             return
@@ -427,55 +245,85 @@ class ZeroStage3(nn.Module):
         u.gather_work = work if work is not None else _Done()
         self._event("gather_launch", u, prefetch=prefetch)
 
-    def _wait_gather(self, u: _Unit) -> None:
+    def _wait_gather(self, u: Unit) -> None:
         self._gather(u)
         if u.gather_work is not None:
             u.gather_work.wait()
             u.gather_work = None
             self._event("gather_wait", u)
 
-    def _reshard(self, u: _Unit) -> None:
+    def _reshard(self, u: Unit) -> None:
         if u.gather_work is not None:   # never free memory a collective is writing into
             u.gather_work.wait()
             u.gather_work = None
         if u.gathered():
             self._free(u.full)
 
-    def _prefetch_after(self, u: _Unit, order: List[int], step: int) -> None:
-        if not self.prefetch or u.index not in order:
+    def _set_forward_order(self, order: List[int]) -> None:
+        """The units in the order the last forward first ran them: prefetch follows it (backward reversed)."""
+        self._fwd_order = order
+        self._fwd_position = {}
+        for i, index in enumerate(order):
+            self._fwd_position.setdefault(index, i)
+
+    def _prefetch_after(self, u: Unit, step: int) -> None:
+        i = self._fwd_position.get(u.index) if self.prefetch else None
+        if i is None:
             return
-        i = order.index(u.index) + step
+        order = self._fwd_order
+        i += step
         if 0 <= i < len(order) and order[i] != 0:
             self._gather(self.units[order[i]], prefetch=True)
 
     # ------------------------------------------------------------------ forward hooks
-    def _pre_forward(self, u: _Unit, args: tuple = ()) -> Optional[tuple]:
+    # A unit of several modules (small ones merged) is gathered by the first of its modules to run in a
+    # forward and freed after the last (its calls counted); one whose modules did not all run is freed at
+    # the end of the root's forward. Every module's outputs are hooked for the pre-backward: autograd may
+    # reach any of them first.
+    def _pre_forward(self, u: Unit, args: tuple = ()) -> Optional[tuple]:
         if self._held:
+            return None
+        if u.phase == "forward" and u.index != 0 and u.gather_work is None and u.gathered():
+            # another module of a merged unit: nothing to gather (the common case, kept cheap)
+            if self.find_unused_parameters and torch.is_grad_enabled():
+                return self._reduce_after_backward_of(u, args)
             return None
         if u.phase == "backward":          # recomputation under activation checkpointing
             self._wait_gather(u)
             return None
         if u.index == 0:
             self.timeline, self._cur_order = [], []
-            self.peak_gathered_bytes = self._live_bytes
+            self._bytes.reset_peak()
             self._callback_queued = False
-        self._cur_order.append(u.index)
-        self._wait_gather(u)
-        self._prefetch_after(u, self._fwd_order, +1)
-        u.phase = "forward"
-        self._event("forward_start", u)
+            for v in self.units:       # a forward whose graph got no backward (a loss computed, not used)
+                if v.phase == "forward":
+                    v.phase = "idle"
+        if u.phase != "forward" or u.index == 0:      # the unit's first module call in this forward
+            self._cur_order.append(u.index)
+            u.forward_calls, u.made_graph = 0, False
+            u.after_backward_pending, u.reduce_at_end = 0, False
+            self._wait_gather(u)
+            u.storage_ptr = u.full.untyped_storage().data_ptr()     # the root's: see _pack
+            self._prefetch_after(u, +1)
+            u.phase = "forward"
+            self._event("forward_start", u)
+        else:
+            self._wait_gather(u)           # (gathered already, unless a module runs again after the unit's end)
         if self.find_unused_parameters and u.index != 0 and torch.is_grad_enabled():
             return self._reduce_after_backward_of(u, args)
         return None
 
-    def _reduce_after_backward_of(self, u: _Unit, args: tuple) -> Optional[tuple]:
-        """``find_unused_parameters``: ``u``'s inputs pass through :class:`_AfterBackward`, whose backward
-        runs once ``u``'s backward is over (autograd accumulates parameter gradients first), whichever of its
-        parameters got a gradient; it reduces ``u`` there. Every rank reduces the units in the same order,
-        even when their gradients arrive differently (FSDP2's post-backward does the same)."""
+    def _reduce_after_backward_of(self, u: Unit, args: tuple) -> Optional[tuple]:
+        """``find_unused_parameters``: the inputs of each of ``u``'s module calls pass through
+        :class:`_AfterBackward`, whose backward runs once that call's backward is over (autograd accumulates
+        parameter gradients first), whichever of its parameters got a gradient; after the last of them it
+        reduces ``u``. Every rank reduces the units in the same order, even when their gradients arrive
+        differently (FSDP2's post-backward does the same)."""
         where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not where:
-            return None          # no gradient flows out of u: it is reduced at the end of backward
+            u.reduce_at_end = True   # no gradient flows out of this call: u is reduced at the end of backward
+            return None
+        u.after_backward_pending += 1
         outs = _AfterBackward.apply(lambda u=u: self._after_unit_backward(u), *[args[i] for i in where])
         outs = outs if isinstance(outs, tuple) else (outs,)
         new = list(args)
@@ -484,40 +332,64 @@ class ZeroStage3(nn.Module):
         return tuple(new)
 
     @torch.no_grad()
-    def _after_unit_backward(self, u: _Unit) -> None:
-        if not self._held and u.phase == "backward":
+    def _after_unit_backward(self, u: Unit) -> None:
+        u.after_backward_pending -= 1
+        if (not self._held and u.phase == "backward" and u.after_backward_pending <= 0
+                and not u.reduce_at_end):
             self._reduce(u)
 
-    def _post_forward(self, u: _Unit, out) -> None:
+    def _post_forward(self, u: Unit, out) -> None:
         if self._held:
             return
         if u.phase == "backward":
             return
-        self._event("forward_end", u)
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        training = torch.is_grad_enabled() and bool(tensors)
-        if training:
-            for t in tensors:
-                t.register_hook(lambda g, u=u: self._pre_backward(u))
+        if torch.is_grad_enabled():
+            outs = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    u.made_graph = True
+                    self._hook_pre_backward(u, t)
         if u.index != 0:
-            self._reshard(u)
-            u.phase = "forward" if training else "idle"
+            u.forward_calls += 1
+            if u.forward_calls >= len(u.modules):
+                self._end_forward(u)
             return
         # root: forward is over
-        self._fwd_order = list(self._cur_order)
-        if not training:
+        for v in self.units:
+            if v.index != 0 and v.phase == "forward" and v.forward_calls < len(v.modules):
+                self._end_forward(v)       # some of its modules did not run
+        self._event("forward_end", u)
+        self._set_forward_order(list(self._cur_order))
+        if not u.made_graph:
             self._reshard(u)
             u.phase = "idle"
         elif self.prefetch and len(self._fwd_order) > 1:
             self._gather(self.units[self._fwd_order[-1]], prefetch=True)   # backward's first unit
 
+    def _hook_pre_backward(self, u: Unit, t: torch.Tensor) -> None:
+        """Call the pre-backward of ``u`` when a gradient reaches ``t``: a pre-hook on the node that made it
+        (what ``t.register_hook`` installs too, for less Python per module call), or on ``t`` itself for
+        a leaf."""
+        if t.grad_fn is not None:
+            t.grad_fn.register_prehook(lambda grads, u=u: self._pre_backward(u))
+        else:
+            t.register_hook(lambda g, u=u: self._pre_backward(u))
+
+    def _end_forward(self, u: Unit) -> None:
+        """``u``'s modules have run: free its parameters (gathered again for its backward)."""
+        self._event("forward_end", u)
+        u.forward_calls = len(u.modules)
+        self._reshard(u)
+        u.phase = "forward" if u.made_graph else "idle"
+
     # ------------------------------------------------------------------ backward hooks
+    def _pre_backward(self, u: Unit) -> None:
+        if self._held or u.phase == "backward" or u.phase == "reduced":
+            return      # (every output of every module of the unit calls it: the first one acts)
+        self._start_backward(u)
+
     @torch.no_grad()
-    def _pre_backward(self, u: _Unit) -> None:
-        if self._held:
-            return
-        if u.phase in ("backward", "reduced"):
-            return
+    def _start_backward(self, u: Unit) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -526,13 +398,16 @@ class ZeroStage3(nn.Module):
             self._maybe_free_root()
         self._wait_gather(u)
         self._event("backward_start", u)
-        self._prefetch_after(u, self._fwd_order, -1)
+        self._prefetch_after(u, -1)
 
-    @torch.no_grad()
-    def _on_grad(self, u: _Unit, p: torch.nn.Parameter) -> None:
+    def _on_grad(self, u: Unit, p: torch.nn.Parameter) -> None:
         self._grad_seen.add(id(p))
         if self._held:
             return
+        with torch.no_grad():
+            self._take_grad(u, p)
+
+    def _take_grad(self, u: Unit, p: torch.nn.Parameter) -> None:
         # Copy the gradient autograd just made into the unit's flat buffer and drop it at once: at most one
         # per-parameter gradient is alive beside the buffer, which is allocated at the unit's first gradient.
         if u.phase == "backward" and u.eager_grads:
@@ -544,10 +419,8 @@ class ZeroStage3(nn.Module):
                 self._finish_reduce()
                 self._alloc(u.grad_full, u.nbytes)
                 u.grad_full.zero_()
-            o = u.offset_of[id(p)]
-            g = _raw_grad(p)
-            u.grad_full[o:o + g.numel()].add_(g.reshape(-1))
-            _set_raw_grad(p, None)
+            u.grad_view_of[id(p)].add_(raw_grad(p))
+            set_raw_grad(p, None)
         u.ready += 1
         # all of the unit's gradients are in: reduce now (with find_unused_parameters another rank may
         # miss some, and its order of reductions would differ: _AfterBackward triggers them instead)
@@ -555,18 +428,18 @@ class ZeroStage3(nn.Module):
             self._reduce(u)
 
     @torch.no_grad()
-    def _reduce(self, u: _Unit) -> None:
+    def _reduce(self, u: Unit) -> None:
         """Launch the reduction of ``u``'s full gradient buffer (async); free its parameters. Inside
         :meth:`no_sync` the buffer is kept instead (the next backward adds to it)."""
         if self._alloc(u.grad_full, u.nbytes):       # no pre-backward ran: gradients were made by autograd
             u.grad_full.zero_()
         for p, o, n in zip(u.params, u.offsets, u.numels):
             view = u.grad_full[o:o + n]
-            g = _raw_grad(p)
+            g = raw_grad(p)
             if g is not None and g.data_ptr() != view.data_ptr():
                 self._grad_seen.add(id(p))     # held mode: autograd's (or a pipeline's) gradient
                 view.add_(g.reshape(-1))
-                _set_raw_grad(p, None)         # free it now: at most one such copy alive beside grad_full
+                set_raw_grad(p, None)         # free it now: at most one such copy alive beside grad_full
         if not self._sync and not self._held:
             u.accumulated, u.phase = True, "reduced"
             self._event("accumulate", u)
@@ -604,7 +477,7 @@ class ZeroStage3(nn.Module):
         u.rs_work = u.rs_out = None
         u.accumulated = False
         for p in u.params:
-            _set_raw_grad(p, None)
+            set_raw_grad(p, None)
         self._free(u.grad_full)
         self._event("reduce_wait", u)
 
@@ -613,7 +486,7 @@ class ZeroStage3(nn.Module):
             # some parameter got no gradient (it counts as zero), or no pre-backward ran for the unit, or
             # (the backward after no_sync) it holds accumulated gradients but got none in this backward
             if u.phase == "backward" or (u.phase != "reduced" and (
-                    any(_raw_grad(p) is not None for p in u.params) or (self._sync and u.accumulated))):
+                    any(raw_grad(p) is not None for p in u.params) or (self._sync and u.accumulated))):
                 self._reduce(u)
         self._finish_reduce()
         if self.has_grads():
@@ -635,24 +508,30 @@ class ZeroStage3(nn.Module):
         # weight and the final LayerNorm's), so backward can free the root's full buffer as soon as the last
         # of them has been used, instead of keeping it to the end of backward (embedding lookups save no
         # weight). A tensor is unpacked once per backward; a second use (retain_graph) re-gathers.
-        self._root_saved, self._root_tracked = 0, False
+        self.units[0].saved_views, self._root_tracked = 0, False
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             out = self.module(*args, **kwargs)
         self._root_tracked = True
         return out
 
     def _pack(self, t):
+        # Runs for every tensor autograd saves in the forward: the common cases return after one check.
         root = self.units[0]
-        if (isinstance(t, torch.Tensor) and root.gathered() and t.device == root.full.device
-                and t.untyped_storage().data_ptr() == root.full.untyped_storage().data_ptr()):
-            self._root_saved += 1
-            return (_ROOT_SAVED, t)
-        return t
+        info = sharded_info(t)
+        if info is not None:                 # a parameter: the root's if its info says so
+            if info.unit is not root:
+                return t
+        elif t.untyped_storage().data_ptr() != root.storage_ptr or t.device != root.full.device:
+            return t                         # an activation, or a view made in the forward of another buffer
+        if not root.gathered():
+            return t
+        root.saved_views += 1
+        return (_ROOT_SAVED, t)
 
     def _unpack(self, packed):
         if isinstance(packed, tuple) and len(packed) == 2 and packed[0] is _ROOT_SAVED:
-            self._root_saved -= 1
             root = self.units[0]
+            root.saved_views -= 1
             if not root.gathered():          # freed early and used again (retain_graph): gather again
                 self._wait_gather(root)
             return packed[1]
@@ -660,7 +539,7 @@ class ZeroStage3(nn.Module):
 
     def _maybe_free_root(self) -> None:
         root = self.units[0]
-        if (self._root_tracked and self._root_saved <= 0 and root.phase in ("backward", "reduced")
+        if (self._root_tracked and root.saved_views <= 0 and root.phase in ("backward", "reduced")
                 and not root.has_frozen and root.gathered()):
             self._reshard(root)
             self._event("root_free", root)
@@ -676,13 +555,13 @@ class ZeroStage3(nn.Module):
         if any(u.phase != "idle" for u in self.units):
             raise RuntimeError("ZeroStage3.gather_all: a per-unit forward/backward is in progress")
         self.timeline = []
-        self.peak_gathered_bytes = self._live_bytes
+        self._bytes.reset_peak()
         for u in self.units:
             self._gather(u)
         for u in self.units:
             self._wait_gather(u)
             for p in u.params:
-                _set_raw_grad(p, None)
+                set_raw_grad(p, None)
         self._seen_before_held = set(self._grad_seen)   # what release_gathered() goes back to
         self._held = True
 
@@ -709,7 +588,7 @@ class ZeroStage3(nn.Module):
         self._grad_seen = set(self._seen_before_held)
         for u in self.units:
             for p in u.params:
-                _set_raw_grad(p, None)
+                set_raw_grad(p, None)
             if u.gathered_grad():
                 self._free(u.grad_full)
             self._reshard(u)
@@ -828,6 +707,24 @@ class _AfterBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.callback()
         return (None, *grads)
+
+
+class _GatheredBytes:
+    """Bytes of full parameter and gradient buffers alive now, and the most alive at once since the last
+    reset. A plain object: it changes at every gather and free, where ``nn.Module.__setattr__`` (the
+    wrapper's own attributes) costs microseconds per assignment."""
+
+    __slots__ = ("live", "peak")
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
 
 
 class _Done:

@@ -22,12 +22,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import memory as M
 from . import full_state
-from .optimizer import STATE_FORMAT, NoDecay, _ZeroAdamW
+from . import memory as M
+from .offload import DEFAULT_BUFFER_MB, resolve_offload
+from .sharded_adamw import STATE_FORMAT, NoDecay, _ZeroAdamW
 from .stage3 import ZeroStage3
-
-_STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 class ZeroStage3Optimizer(_ZeroAdamW):
@@ -57,23 +56,35 @@ class ZeroStage3Optimizer(_ZeroAdamW):
     clip_coef=)`` as ``ZeroOptimizer.step``. A parameter is updated only in a step where a backward
     reached it (on any rank when the module was built with ``find_unused_parameters=True``, on this rank
     otherwise); frozen parameters never change.
+
+    ``offload="disk", offload_dir=DIR, offload_buffer_mb=, offload_io=``: the fp32 master (bf16/fp16
+    models; an fp32 model's master is its parameter shard, which stays) and the moments live in a file per
+    rank, streamed through the buffers in each step, as ``ZeroOptimizer``'s (:mod:`.offload`).
     """
 
     _owner = "ZeroStage3Optimizer"
 
     def __init__(self, zmodule: ZeroStage3, params=None, *, lr: float = 1e-3,
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 no_decay: NoDecay = None, backend: Optional[str] = None):
+                 no_decay: NoDecay = None, backend: Optional[str] = None, offload: Optional[str] = None,
+                 offload_dir: Optional[str] = None, offload_buffer_mb: float = DEFAULT_BUFFER_MB,
+                 offload_io: str = "auto"):
         if not isinstance(zmodule, ZeroStage3):
             raise TypeError(f"ZeroStage3Optimizer: expected a ZeroStage3 module, got {type(zmodule).__name__}")
         self.z, self.backend = zmodule, backend
         shard = zmodule.shard_buffer
         self.device = shard.device
         low = shard.dtype != torch.float32
-        self.master = shard.float() if low else shard       # fp32: the shard is the master
         self.low = shard if low else None
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        disk = resolve_offload(self._owner, offload, offload_dir, self.device, offload_buffer_mb, offload_io)
+        if disk is not None:
+            self._stream = self._offload_state(disk, tag="stage3", group=zmodule.dp_group, layout=zmodule._layout(),
+                                               numel=shard.numel(), resident_master=None if low else shard,
+                                               init_master=lambda lo, hi, out: out.copy_(shard[lo:hi]))
+        else:
+            self.master = shard.float() if low else shard       # fp32: the shard is the master
+            self.exp_avg = torch.zeros_like(self.master)
+            self.exp_avg_sq = torch.zeros_like(self.master)
         self._init_groups(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
 
     # ------------------------------------------------------------------ what _ZeroAdamW asks
@@ -146,10 +157,11 @@ class ZeroStage3Optimizer(_ZeroAdamW):
 
     def state_dict(self) -> dict:
         """This rank's optimizer shard (clones), ``param_groups`` (parameters by name) and every
-        parameter's step count. Save it with the module's ``state_dict()``, per rank."""
+        parameter's step count. Save it with the module's ``state_dict()``, per rank. Offloaded: the states
+        are mapped from a private copy of the state file, as ``ZeroOptimizer.state_dict``."""
         return {"format": STATE_FORMAT, "dp_size": self.z.dp_size, "dp_rank": self.z.dp_rank,
                 "layout": self.z._layout(), "param_groups": self._named_param_groups(), "step": self._step.clone(),
-                "steps": self._steps_by_name(), **{k: getattr(self, k).clone() for k in _STATES}}
+                "steps": self._steps_by_name(), **self._checkpoint_states()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -161,13 +173,11 @@ class ZeroStage3Optimizer(_ZeroAdamW):
                              f"resume with the same data-parallel size")
         if state["layout"] != self.z._layout():
             raise ValueError("ZeroStage3Optimizer.load_state_dict: the saved unit layout differs from the module's")
+        self._verify_state()
         self._load_param_groups(state["param_groups"], "ZeroStage3Optimizer.load_state_dict")
         self._step.copy_(state["step"])
         self._load_steps(state.get("steps"), int(state["step"].item()))
-        for k in _STATES:
-            getattr(self, k).copy_(state[k])
-        if self.low is not None:
-            self.low.copy_(self.master)
+        self._load_states([state[k] for k in ("master", "exp_avg", "exp_avg_sq")])
 
     # ------------------------------------------------------------------ memory
     def memory_report(self) -> dict:
@@ -182,12 +192,14 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         """
         z = self.z
         num_params = sum(u.numel for u in z.units)
+        state = self._state_bytes()
         rep = {"stage": 3, "dp_size": z.dp_size, "dp_rank": z.dp_rank, "num_params": num_params,
                "padded_numel": sum(u.padded for u in z.units), "shard_numel": z.shard_numel,
                "param_bytes": M.storage_bytes([z.shard_buffer]),
                "grad_bytes": z.grad_nbytes,
-               "optimizer_bytes": M.storage_bytes([self.exp_avg, self.exp_avg_sq]
-                                                  + ([self.master] if self.low is not None else [])),
+               # an fp32 model's master is its parameter shard (param_bytes)
+               "optimizer_bytes": state["optimizer"] - (M.storage_bytes([self.master]) if self.low is None else 0),
+               "offload_bytes": state["offload"],
                "gathered_bytes": sum(M.storage_bytes([u.full]) + M.storage_bytes([u.grad_full])
                                      for u in z.units),
                "peak_gathered_bytes": z.peak_gathered_bytes,

@@ -1,0 +1,487 @@
+"""ZeRO-Infinity (``offload="disk"``) on real gloo ranks, dp 2: bit-identical to the same stage in memory,
+resident memory bounded by the buffers, bad state files refused before any step, a failed write loses
+nothing a checkpoint had, and checkpoints move between offloaded and in-memory optimizers."""
+import copy
+import gc
+import hashlib
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+from parallel_layers.testing import cached_mesh
+
+CFG = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32, max_seq_len=16, bias=False)
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+TINY_MB = 0.05          # 1024-element sub-groups: a ~14k-element shard streams in 14 of them
+LOSS_SCALE = 1024.0
+STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _gpt(dtype=torch.float32, seed=0, **cfg):
+    from parallel_layers.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**dict(CFG, **cfg))).to(dtype)
+    model.wpe.weight.requires_grad_(False)        # frozen: never stepped, never read or written
+    return model
+
+
+def _wrap(model, stage, root=None, buffer_mb=TINY_MB, rebuild=None):
+    """(wrapper, optimizer): stages 1/2 over DataParallel(reduce_scatter), 3 over ZeroStage3; norms and
+    biases without weight decay (runs mixing two weight decays), offloaded to ``root`` when given."""
+    group = cached_mesh(dp=2).dp_group
+    kw = {} if root is None else dict(offload="disk", offload_dir=root, offload_buffer_mb=buffer_mb)
+    no_decay = lambda name, p: p.ndim < 2       # noqa: E731
+    if stage == 3:
+        from parallel_layers.zero import ZeroStage3, ZeroStage3Optimizer
+
+        z = ZeroStage3(model, group)
+        return z, ZeroStage3Optimizer(z, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, no_decay=no_decay, **kw)
+    from parallel_layers.data_parallel.ddp import DataParallel
+    from parallel_layers.zero import ZeroOptimizer
+
+    dp = DataParallel(model, group, reduce_op="reduce_scatter", bucket_cap_mb=0.02, first_bucket_cap_mb=0.02,
+                      rebuild_bucket_order=rebuild)
+    return dp, ZeroOptimizer(dp, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, no_decay=no_decay, **kw)
+
+
+def _batches(n):
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, CFG["vocab_size"], (8, 12), generator=gen)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def _step(rank, wrapper, opt, batch, scaled=False, found_inf=None):
+    """Forward, backward, global clipping, step, zero_grad; ``scaled``: loss scaling as AMP does it."""
+    x, y = batch
+    _, loss = wrapper(x.chunk(2)[rank], y.chunk(2)[rank])
+    if scaled:
+        (loss * LOSS_SCALE).backward()
+        opt.clip_grad_norm_(1.0, inv_scale=torch.tensor([1 / LOSS_SCALE]))
+        opt.step(grad_scale=LOSS_SCALE, found_inf=found_inf)
+    else:
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+    opt.zero_grad()
+
+
+def _params(wrapper, stage):
+    if stage == 3:
+        return [wrapper.shard_buffer.clone()]
+    return [p.detach().clone() for p in wrapper.module.parameters()]
+
+
+def _states(opt):
+    return [getattr(opt, k).clone() for k in STATES]
+
+
+def _digest(path):
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def _equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------------- parity
+def _slow_writes(file, seconds=0.003):
+    """Writes that lag (a slow disk): a buffer reused before its write-back finished would be caught."""
+    import time
+
+    write = file.write
+
+    def slow(*args):
+        time.sleep(seconds)
+        write(*args)
+
+    file.write = slow
+
+
+def body_parity(rank, world, stage, dtype, root, slow_disk=False):
+    scaled = dtype == torch.float16
+    out = {}
+    for kind in ("memory", "disk"):
+        model = _gpt(dtype)
+        frozen = model.wpe.weight.detach().clone()
+        wrapper, opt = _wrap(model, stage, root if kind == "disk" else None)
+        if kind == "disk" and slow_disk:
+            _slow_writes(opt._stream.file)
+        skipped_untouched = None
+        for i, batch in enumerate(_batches(5)):
+            inf = torch.ones(1) if scaled and i == 2 else None       # an overflow: the step is skipped
+            if kind == "disk" and inf is not None:
+                before = (_digest(opt._stream.file.path), dict(opt._stream.stats))
+            _step(rank, wrapper, opt, batch, scaled=scaled, found_inf=inf)
+            if kind == "disk" and inf is not None:
+                skipped_untouched = before == (_digest(opt._stream.file.path), dict(opt._stream.stats))
+        now = wrapper.full_state_dict()["wpe.weight"] if stage == 3 else model.wpe.weight.detach()
+        out[kind] = (_params(wrapper, stage), _states(opt), opt.steps_taken, torch.equal(now, frozen))
+        if kind == "disk":
+            stream = opt._stream
+            streamed = (stream.stats["steps"], len(stream.groups([(0, stream.numel)])), stream.states)
+            path = stream.file.path
+            opt.close_offload()             # the state file is scratch space: removed with the optimizer
+            streamed += (os.path.exists(path),)
+    mem, disk = out["memory"], out["disk"]
+    return (_equal(mem[0], disk[0]), _equal(mem[1], disk[1]), mem[2], disk[2], mem[3] and disk[3],
+            skipped_untouched, streamed)
+
+
+@pytest.mark.parametrize("stage,dtype,slow_disk", [
+    (1, torch.float32, False), (2, torch.float32, True), (3, torch.float32, False),
+    (1, torch.float16, False), (2, torch.float16, False), (3, torch.float16, True)])
+def test_offload_trains_bit_identically_to_in_memory(dist_pools, tmp_path, stage, dtype, slow_disk):
+    for params_equal, states_equal, steps_mem, steps_disk, frozen, skipped_untouched, streamed in \
+            dist_pools(2).run(body_parity, stage, dtype, str(tmp_path), slow_disk):
+        assert params_equal and states_equal
+        scaled = dtype == torch.float16
+        assert steps_mem == steps_disk == (4 if scaled else 5)
+        assert frozen
+        n_steps, n_groups, states, file_left = streamed
+        assert n_steps == steps_disk and n_groups > 4       # really streamed, through many sub-groups
+        assert not file_left
+        # ZeRO-3 with fp32 parameters: the master is the parameter shard itself, only the moments go to disk
+        assert states == (STATES[1:] if stage == 3 and dtype == torch.float32 else STATES)
+        if scaled:
+            assert skipped_untouched                        # the skipped step read and wrote nothing
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def _status_kb(field):
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+
+
+def body_memory(rank, world, root):
+    from parallel_layers.data_parallel.ddp import DataParallel
+    from parallel_layers.zero import ZeroOptimizer
+
+    group = cached_mesh(dp=2).dp_group
+    tiny = DataParallel(nn.Linear(8, 8), group, reduce_op="reduce_scatter")
+    warm = ZeroOptimizer(tiny, stage=1, lr=1e-3)        # a process's first ZeroOptimizer loads the kernels
+    tiny(torch.randn(2, 8)).sum().backward()
+    warm.step()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(8)])      # 8.4M parameters
+    dp = DataParallel(model, group, reduce_op="reduce_scatter")
+    x = torch.randn(4, 1024)
+
+    def backward():
+        dp(x).square().mean().backward()
+        gc.collect()
+
+    def growth(make_optimizer, steps=3):
+        """The optimizer's resident memory: what its construction and its steps add to RSS and the most
+        above that while they run (VmHWM reset before each); backward passes in between are not its."""
+        held, peak, opt = 0, 0, None
+
+        def phase(fn):
+            nonlocal held, peak
+            start = _status_kb("VmRSS")
+            _reset_peak()
+            fn()
+            peak = max(peak, held + _status_kb("VmHWM") - start)
+            held += _status_kb("VmRSS") - start
+
+        def build():
+            nonlocal opt
+            opt = make_optimizer()
+
+        phase(build)
+        for _ in range(steps):
+            backward()
+            phase(opt.step)
+            opt.zero_grad()
+        return opt, peak
+
+    backward()
+    disk, disk_peak = growth(lambda: ZeroOptimizer(dp, stage=1, lr=1e-3, offload="disk", offload_dir=root,
+                                                   offload_buffer_mb=4))
+    state_bytes, buffers = 12 * disk.shard_numel, disk._stream.buffer_bytes
+    report = disk.memory_report()
+    disk.close_offload()
+    del disk
+    _, mem_peak = growth(lambda: ZeroOptimizer(dp, stage=1, lr=1e-3))
+    return disk_peak, mem_peak, state_bytes, buffers, report
+
+
+def test_resident_memory_is_bounded_by_the_buffers(dist_pools, tmp_path):
+    for disk_peak, mem_peak, state_bytes, buffers, report in dist_pools(2).run(body_memory, str(tmp_path)):
+        mib = 2**20
+        assert state_bytes >= 48 * mib and buffers <= 4 * mib
+        print(f"optimizer growth: offloaded {disk_peak / mib:.1f} MiB (buffers {buffers / mib:.1f} MiB), in memory "
+              f"{mem_peak / mib:.1f} MiB (state {state_bytes / mib:.1f} MiB)")
+        # In memory the optimizer's growth is of the order of its state (less where it reuses heap that
+        # earlier work freed), offloaded its buffers: fresh mmaps, which no earlier free can hide.
+        assert mem_peak > 0.5 * state_bytes, (mem_peak / mib, state_bytes / mib)
+        assert disk_peak < buffers + 2 * mib, (disk_peak / mib, buffers / mib)
+        assert disk_peak < state_bytes / 8, (disk_peak / mib, state_bytes / mib)
+        assert report["optimizer_bytes"] == buffers and report["offload_bytes"] >= state_bytes
+
+
+# ---------------------------------------------------------------------------------------------- bad files
+def body_bad_files(rank, world, root):
+    import torch.distributed as dist
+
+    from parallel_layers.zero.state_file import OffloadStateError
+
+    group = cached_mesh(dp=2).dp_group
+    batch = _batches(1)[0]
+
+    def fresh(name, **cfg):
+        model = _gpt(**cfg)
+        wrapper, opt = _wrap(model, 2, os.path.join(root, name))
+        return model, wrapper, opt
+
+    def refused(opt, wrapper):
+        """Backward, then a step that must raise before changing anything: (message, nothing changed)."""
+        x, y = batch
+        wrapper(x.chunk(2)[rank], y.chunk(2)[rank])[1].backward()
+        before = (_params(wrapper, 2), opt.steps_taken)
+        try:
+            opt.step()
+        except OffloadStateError as exc:
+            return str(exc), _equal(before[0], _params(wrapper, 2)) and before[1] == opt.steps_taken
+        return None, False
+
+    results = {}
+    _, w, opt = fresh("missing")
+    os.unlink(opt._stream.file.path)
+    results["missing"] = refused(opt, w)
+
+    _, w, opt = fresh("truncated")
+    os.truncate(opt._stream.file.path, opt._stream.file.nbytes // 2)
+    results["truncated"] = refused(opt, w)
+
+    _, w, opt = fresh("rank")                    # the other rank's file copied over this rank's
+    mine = opt._stream.file.path
+    shutil.copyfile(mine, mine + ".copy")
+    paths = [None, None]
+    dist.all_gather_object(paths, mine, group=group)
+    dist.barrier(group)
+    shutil.copyfile(paths[1 - rank] + ".copy", mine)
+    results["rank"] = refused(opt, w)
+
+    _, w, opt = fresh("run")                     # this rank's file of another run (same model and layout)
+    _, _, other = fresh("run-other")
+    shutil.copyfile(other._stream.file.path, opt._stream.file.path)
+    results["run"] = refused(opt, w)
+
+    _, w, opt = fresh("replaced")                # a new file put in its place
+    os.replace(shutil.copyfile(other._stream.file.path, opt._stream.file.path + ".x"), opt._stream.file.path)
+    results["replaced"] = refused(opt, w)
+
+    _, w, opt = fresh("layout")                  # a file of another model
+    _, _, small = fresh("layout-other", n_layer=1)
+    shutil.copyfile(small._stream.file.path, opt._stream.file.path)
+    results["layout"] = refused(opt, w)
+
+    _, w, opt = fresh("stale")                   # an older copy of its own file put back
+    _step(rank, w, opt, batch)                  # (the first step re-lays out the buckets: a new file)
+    shutil.copyfile(opt._stream.file.path, opt._stream.file.path + ".old")
+    _step(rank, w, opt, batch)
+    shutil.copyfile(opt._stream.file.path + ".old", opt._stream.file.path)
+    results["stale"] = refused(opt, w)
+
+    try:                                        # two live optimizers on one file
+        fresh("stale")
+        results["locked"] = (None, True)
+    except OffloadStateError as exc:
+        results["locked"] = (str(exc), True)
+    return results
+
+
+def test_missing_truncated_or_foreign_state_file_is_refused_before_any_step(dist_pools, tmp_path):
+    expected = {"missing": "is missing", "truncated": "truncated", "rank": "written by global rank",
+                "run": "belongs to another run", "replaced": "was replaced by another file",
+                "layout": "holds another layout", "stale": "older copy", "locked": "in use by another live optimizer"}
+    for rank, results in enumerate(dist_pools(2).run(body_bad_files, str(tmp_path))):
+        assert set(results) == set(expected)
+        for case, (message, unchanged) in results.items():
+            assert message is not None and expected[case] in message, (rank, case, message)
+            assert "ZeroOptimizer" in message or case == "locked", message
+            assert unchanged, (rank, case)
+        assert f"dp rank {1 - rank} of 2" in results["rank"][0]
+
+
+# ---------------------------------------------------------------------------------------------- failed writes
+def body_failed_write(rank, world, root):
+    from parallel_layers.zero.offload import OffloadIOError
+    from parallel_layers.zero.state_file import OffloadStateError
+
+    batches = _batches(5)
+    ref_model = _gpt()
+    ref, ref_opt = _wrap(ref_model, 2)
+    for b in batches:
+        _step(rank, ref, ref_opt, b)
+
+    model = _gpt()
+    dp, opt = _wrap(model, 2, os.path.join(root, "run"))
+    for b in batches[:2]:
+        _step(rank, dp, opt, b)
+    ckpt = os.path.join(root, f"ckpt{rank}.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, ckpt)
+
+    calls = []
+    real_write = opt._stream.file.write
+
+    def disk_full_on_third_write(name, lo, hi, src):      # the disk fills up mid-step
+        calls.append(name)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real_write(name, lo, hi, src)
+
+    opt._stream.file.write = disk_full_on_third_write
+    errors = []
+    for attempt in (lambda: _step(rank, dp, opt, batches[2]), lambda: _step(rank, dp, opt, batches[2]),
+                    opt.state_dict):
+        try:
+            attempt()
+            errors.append(None)
+        except (OffloadIOError, OffloadStateError) as exc:
+            errors.append((type(exc).__name__, str(exc)))
+
+    # resume from the checkpoint taken before the failure, in a fresh optimizer: nothing was lost
+    state = torch.load(ckpt, weights_only=False)
+    model2 = _gpt(seed=7)
+    model2.load_state_dict(state["model"])
+    dp2, opt2 = _wrap(model2, 2, os.path.join(root, "resumed"))
+    opt2.load_state_dict(state["optimizer"])
+    for b in batches[2:]:
+        _step(rank, dp2, opt2, b)
+    return errors, _equal(_params(ref, 2), _params(dp2, 2)), _equal(_states(ref_opt), _states(opt2))
+
+
+def test_failed_write_loses_nothing_a_checkpoint_had(dist_pools, tmp_path):
+    for errors, params_equal, states_equal in dist_pools(2).run(body_failed_write, str(tmp_path)):
+        (kind, msg), (kind2, msg2), (kind3, msg3) = errors
+        assert kind == "OffloadIOError" and "No space left on device" in msg and ".optstate" in msg, msg
+        assert "rebuild it and load the last checkpoint" in msg
+        assert kind2 == kind3 == "OffloadStateError" and msg2 == msg3 == msg   # refuses to step or save
+        assert params_equal and states_equal
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def body_checkpoint(rank, world, stage, root):
+    """Uninterrupted in-memory run (5 steps) against runs resumed after step 3 from checkpoints of an
+    offloaded or in-memory run, into offloaded or in-memory optimizers. Stage 1 re-lays out its buckets
+    after the first backward, so a fresh wrapper loads the state across layouts (and again at its own
+    re-layout), the offloaded one through its files."""
+    batches = _batches(5)
+    rebuild = True if stage == 1 else None
+
+    def model_state(model, wrapper):
+        return wrapper.full_state_dict() if stage == 3 else copy.deepcopy(model.state_dict())
+
+    def run(model, offload_dir, steps):
+        wrapper, opt = _wrap(model, stage, offload_dir, rebuild=rebuild)
+        for b in steps:
+            _step(rank, wrapper, opt, b)
+        return wrapper, opt
+
+    ref_model = _gpt()
+    ref, ref_opt = run(ref_model, None, batches[:3])
+    ref_sd, ref_model_sd = ref_opt.state_dict(), model_state(ref_model, ref)
+    ref_full = ref_opt.full_state_dict()          # any-dp-size form (universal checkpoints build on it)
+    for b in batches[3:]:
+        _step(rank, ref, ref_opt, b)
+    final = (_params(ref, stage), _states(ref_opt))
+
+    disk_model = _gpt()
+    disk, disk_opt = run(disk_model, os.path.join(root, "a"), batches[:3])
+    path = os.path.join(root, f"ckpt{rank}.pt")
+    torch.save(disk_opt.state_dict(), path)       # written from the mapped copy of the state file
+    disk_model_sd = model_state(disk_model, disk)
+    full = disk_opt.full_state_dict()             # read through the mapped state file
+    same_full = all(torch.equal(full["state"][n][k], ref_full["state"][n][k])
+                    for n in ref_full["state"] for k in STATES)
+    for b in batches[3:]:
+        _step(rank, disk, disk_opt, b)
+    results = {"continued": (_equal(final[0], _params(disk, stage)), _equal(final[1], _states(disk_opt)))}
+    saved = torch.load(path, weights_only=False)
+    results["snapshot"] = (_equal([saved[k] for k in STATES], [ref_sd[k] for k in STATES]), same_full)
+
+    model = _gpt(seed=9)                          # the full state into a fresh offloaded optimizer
+    model.load_state_dict(ref_model_sd)
+    wrapper, opt = run(model, os.path.join(root, "f"), [])
+    opt.load_full_state_dict(ref_full)
+    for b in batches[3:]:
+        _step(rank, wrapper, opt, b)
+    results["full->disk"] = (_equal(final[0], _params(wrapper, stage)), _equal(final[1], _states(opt)))
+
+    for name, sd, model_sd, offload_dir in (("disk->memory", saved, disk_model_sd, None),
+                                            ("disk->disk", saved, disk_model_sd, os.path.join(root, "c")),
+                                            ("memory->disk", ref_sd, ref_model_sd, os.path.join(root, "e"))):
+        model = _gpt(seed=9)
+        model.load_state_dict(model_sd)
+        wrapper, opt = run(model, offload_dir, [])
+        if stage == 1:                          # the state moves across bucket layouts (a collective)
+            results[name + " layouts differ"] = (sd["layout"] != opt._layout, True)
+        opt.load_state_dict(sd)
+        for b in batches[3:]:
+            _step(rank, wrapper, opt, b)
+        results[name] = (_equal(final[0], _params(wrapper, stage)), _equal(final[1], _states(opt)))
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoints_resume_with_offload_on_or_off(dist_pools, tmp_path, stage):
+    for results in dist_pools(2).run(body_checkpoint, stage, str(tmp_path)):
+        cases = {"continued", "snapshot", "full->disk", "disk->memory", "disk->disk", "memory->disk"}
+        relaid = {c + " layouts differ" for c in cases if "->" in c and c != "full->disk"}
+        assert set(results) == cases | (relaid if stage == 1 else set())
+        for case, (params_equal, states_equal) in results.items():
+            assert params_equal and states_equal, case
+
+
+# ---------------------------------------------------------------------------------------------- options
+def body_options(rank, world, root):
+    errors = []
+    for stage, kw in ((2, dict(offload="cpu")), (3, dict(offload="cpu")), (2, dict(offload_dir=root)),
+                      (2, dict(offload="disk")), (2, dict(offload="nvme", offload_dir=root)),
+                      (2, dict(offload="disk", offload_dir=root, offload_buffer_mb=0.01)),
+                      (2, dict(offload="disk", offload_dir=root, offload_io="mmap"))):
+        model = _gpt()
+        try:
+            if stage == 3:
+                from parallel_layers.zero import ZeroStage3, ZeroStage3Optimizer
+
+                ZeroStage3Optimizer(ZeroStage3(model, cached_mesh(dp=2).dp_group), **kw)
+            else:
+                from parallel_layers.data_parallel.ddp import DataParallel
+                from parallel_layers.zero import ZeroOptimizer
+
+                ZeroOptimizer(DataParallel(model, cached_mesh(dp=2).dp_group, reduce_op="reduce_scatter"),
+                              stage=stage, **kw)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_offload_options_are_checked(dist_pools, tmp_path):
+    for errors in dist_pools(2).run(body_options, str(tmp_path)):
+        cpu2, cpu3, dir_only, no_dir, kind, tiny, io = errors
+        assert "nothing to move" in cpu2 and cpu2.startswith("ZeroOptimizer")
+        assert "nothing to move" in cpu3 and cpu3.startswith("ZeroStage3Optimizer")
+        assert "without offload='disk'" in dir_only
+        assert "needs offload_dir" in no_dir
+        assert "'nvme'" in kind
+        assert "too small" in tiny and "MiB" in tiny
+        assert "offload_io='mmap'" in io
