@@ -53,6 +53,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import harness
+from .zero import _gpt, size_text
 
 CSV_NAME = "zero_offload.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
@@ -158,17 +159,6 @@ def io_methods(directory: str, nbytes: int) -> Dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------- the training step
-def size_text(size: dict) -> str:
-    return f"V{size['vocab_size']}xL{size['n_layer']}xd{size['d_model']}xs{size['max_seq_len']}xb{size['batch']}"
-
-
-def _gpt(size: dict, dtype=None):
-    from parallel_layers.models import GPT, GPTConfig
-
-    cfg = {k: v for k, v in size.items() if k != "batch"}
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**cfg, dropout=0.0))
-    return model if dtype is None else model.to(dtype)
 
 
 def _drop_cached(path: str) -> None:

@@ -92,21 +92,14 @@ class ReplicaMode:
         self.model.load_state_dict(state)
 
 
-class Replicated(ReplicaMode):
-    """Plain data parallelism: full gradients all-reduced over dp in buckets, torch AdamW on every rank."""
-    zero = 0
+class _Bucketed(ReplicaMode):
+    """The modes over a ``DataParallel`` grad buffer: backwards accumulate under ``no_sync``, then the tied
+    gradients (fp32 main grads) are summed and the buffer reduced over dp once."""
 
-    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, lr, betas, eps, weight_decay,
-                 no_decay=None, bucket_cap_mb: float = 25.0):
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, reduce_op: str, bucket_cap_mb: float):
         super().__init__(model, dp_group, tied, duplicates, tied_group)
-        self.dp = DataParallel(model, dp_group, reduce_op="all_reduce", bucket_cap_mb=bucket_cap_mb,
+        self.dp = DataParallel(model, dp_group, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb,
                                first_bucket_cap_mb=min(1.0, bucket_cap_mb))
-        self.optimizer = torch.optim.AdamW(_torch_adamw_groups(model, weight_decay, no_decay), lr=lr, betas=betas,
-                                           eps=eps, weight_decay=weight_decay, foreach=False)
-
-    def begin_step(self) -> None:
-        self.optimizer.zero_grad()
-        self.dp.zero_grad()
 
     def accumulating(self):
         return self.dp.no_sync()
@@ -115,6 +108,21 @@ class Replicated(ReplicaMode):
         for p in self.tied:
             C.all_reduce(p.main_grad, self.tied_group)
         self.dp.sync_gradients()
+
+
+class Replicated(_Bucketed):
+    """Plain data parallelism: full gradients all-reduced over dp in buckets, torch AdamW on every rank."""
+    zero = 0
+
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, lr, betas, eps, weight_decay,
+                 no_decay=None, bucket_cap_mb: float = 25.0):
+        super().__init__(model, dp_group, tied, duplicates, tied_group, "all_reduce", bucket_cap_mb)
+        self.optimizer = torch.optim.AdamW(_torch_adamw_groups(model, weight_decay, no_decay), lr=lr, betas=betas,
+                                           eps=eps, weight_decay=weight_decay, foreach=False)
+
+    def begin_step(self) -> None:
+        self.optimizer.zero_grad()
+        self.dp.zero_grad()
 
     def norm_pieces(self) -> List[torch.Tensor]:
         return [p for p in self.dp.buffer.params if id(p) not in self.duplicates]
@@ -127,17 +135,15 @@ class Replicated(ReplicaMode):
             self.optimizer.step()
 
 
-class ShardedGrads(ReplicaMode):
+class ShardedGrads(_Bucketed):
     """ZeRO 1 and 2: gradients reduce-scattered over dp into this rank's shard, which it steps (fp32
     master weights and moments for its shard only; stage 2 frees the full gradients between steps)."""
     shards_grads = True
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, stage: int, lr, betas, eps,
                  weight_decay, no_decay=None, bucket_cap_mb: float = 25.0, optimizer_options: Optional[dict] = None):
-        super().__init__(model, dp_group, tied, duplicates, tied_group)
+        super().__init__(model, dp_group, tied, duplicates, tied_group, "reduce_scatter", bucket_cap_mb)
         self.zero = stage
-        self.dp = DataParallel(model, dp_group, reduce_op="reduce_scatter", bucket_cap_mb=bucket_cap_mb,
-                               first_bucket_cap_mb=min(1.0, bucket_cap_mb))
         self.optimizer = ZeroOptimizer(self.dp, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                        no_decay=no_decay, **(optimizer_options or {}))
 
@@ -147,14 +153,6 @@ class ShardedGrads(ReplicaMode):
             # not through the DataParallel forward whose pre-hook would bring it back
             self.optimizer._materialize_grads()
         self.optimizer.zero_grad()
-
-    def accumulating(self):
-        return self.dp.no_sync()
-
-    def reduce(self) -> None:
-        for p in self.tied:
-            C.all_reduce(p.main_grad, self.tied_group)
-        self.dp.sync_gradients()
 
     def norm_pieces(self) -> List[torch.Tensor]:
         items = []
