@@ -32,7 +32,7 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("dp", ("dp",)),
     ("zero", ("zero", "zero3", "zero_offload")),
     ("pipeline", ("pipeline",)),
-    ("demo", ("demo_layouts", "generic_3d")),
+    ("demo", ("demo_layouts", "generic_3d", "torch_native_3d")),
     ("scaling", ("scaling",)),
 ])
 

@@ -15,7 +15,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # benchmarks/ is a top-level folder of the repo, not part of the installed package
 
-from benchmarks import demo_layouts, dp, generic_3d, harness, pipeline, zero, zero3  # noqa: E402
+from benchmarks import demo_layouts, dp, generic_3d, harness, pipeline, torch_native_3d, zero, zero3  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -78,6 +78,17 @@ def test_generic_3d_smoke_rows(monkeypatch, dist_pools):
     for r in rows:
         generic, specific = r["baseline"].split("first loss ")[1].split(" vs ")
         assert generic == specific and r["speedup"] > 0, r
+
+
+def test_torch_native_3d_smoke_row(monkeypatch, dist_pools):
+    """Llama at dp2 x tp2 x pp2, Parallel3D against FSDP2 + DTensor + pipelining: a row, and both sides train
+    the same model on the same batches (every step's loss agrees)."""
+    _in_pools(monkeypatch, dist_pools)
+    rows, first = torch_native_3d._run("smoke")
+    _check(rows, ["llama_dp2xtp2xpp2_zero3_vs_torch_native"])
+    assert abs(first[0] - first[1]) < 1e-5 and rows[0]["speedup"] > 0, (first, rows[0])
+    diff = float(rows[0]["baseline"].split("max loss difference over ")[1].split()[2])
+    assert diff < 1e-5, rows[0]["baseline"]
 
 
 def test_pipeline_smoke_rows_and_timeline_pngs(monkeypatch, dist_pools, tmp_path):
