@@ -140,7 +140,7 @@ def _build_variants(kw: dict, group, x: torch.Tensor, y: torch.Tensor, with_ddp:
     opt0 = FusedAdamW(dp0.parameters(), lr=LR, weight_decay=WD)
 
     def mem0():
-        flats = [fb for group_flats in opt0._flats for fb in group_flats]
+        flats = [fb for group_flats in opt0.flat_buffers for fb in group_flats]
         return dict(params=storage_bytes([dp0.buffer.param_buffer] + [t for fb in flats for t in (fb.master, fb.low)]),
                     grads=storage_bytes([dp0.buffer.grad_buffer] + [fb.grad for fb in flats]),
                     optimizer=storage_bytes([t for fb in flats for t in list(fb.states.values()) + [fb.steps]]),

@@ -85,7 +85,7 @@ def body_parity(rank, world, dp, tp, steps, checkpoint=False):
             o.step()
         got = model.dense_state_dict() if tp > 1 else model.state_dict()
         errs.append(_max_param_err(dense.state_dict(), got))
-    layout = [ddp._names[id(p)] for b in ddp.buffer.buckets for p in b.params]
+    layout = [name for bucket in ddp.bucket_names for name in bucket]
     return dict(losses=losses, errs=errs, versions=versions, n_buckets=len(ddp.buffer.buckets),
                 layout=layout, arrival=ddp.last_sync_timeline["arrival"])
 
@@ -302,7 +302,7 @@ def body_fused_writes(rank, world, tie):
         ddp = DataParallel(GPT(cfg), group, fuse_grad_accumulation=fuse, **CAPS)
         calls = []
         original = ddp.write_grad
-        ddp.write_grad = lambda p, write, original=original: (calls.append(ddp._names[id(p)]), original(p, write))
+        ddp.write_grad = lambda p, write, original=original: (calls.append(ddp.param_name(p)), original(p, write))
         out = []
         for idx, tgt in _batches(2, cfg):
             ddp.zero_grad()
@@ -509,7 +509,7 @@ def body_reduce_scatter(rank, world, rebuild):
         out["versions"].append(rs.layout_version)
         out["early"].append(overlap_report(rs.last_sync_timeline)["launched_before_backward_end"])
     out["err"], out["shard_err"] = worst(errs), worst(shard_errs)
-    out["layout"] = [rs._names[id(p)] for b in rs.buffer.buckets for p in b.params]
+    out["layout"] = [name for bucket in rs.bucket_names for name in bucket]
     out["arrival"] = rs.last_sync_timeline["arrival"]
     return out
 

@@ -94,31 +94,18 @@ def make_model(seed=0):
                                torch.nn.Linear(9, 3))
 
 
-def _count_slow(monkeypatch, fb):
-    calls = {"slow": 0}
-    slow = fb._collect_slow
-
-    def spy(on_first):
-        calls["slow"] += 1
-        return slow(on_first)
-
-    monkeypatch.setattr(fb, "_collect_slow", spy)
-    return calls
-
-
 def _backward(models, x):
     for m in models:
         m(x).pow(2).mean().backward()
 
 
-def test_fast_path_matches_torch_across_set_to_none(monkeypatch):
+def test_fast_path_matches_torch_across_set_to_none():
     _ext()
     m1 = make_model()
     m2 = make_model()
     hyper = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
     o1, o2 = FusedAdamW(m1.parameters(), backend="cpp", **hyper), torch.optim.AdamW(m2.parameters(), **hyper)
-    (fb,) = o1._flats[0]
-    calls = _count_slow(monkeypatch, fb)
+    (fb,) = o1.flat_buffers[0]
     x = torch.randn(5, 6)
 
     def step(set_to_none):
@@ -131,27 +118,26 @@ def test_fast_path_matches_torch_across_set_to_none(monkeypatch):
             torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
     step(True)                      # first step: fresh grads, packed by the Python path
-    assert calls["slow"] == 1 and fb._checker
+    assert fb.slow_collects == 1 and fb.fast_check_available
     step(False)                     # grads are views now: fast path
-    assert calls["slow"] == 1
+    assert fb.slow_collects == 1
     step(True)                      # set_to_none + backward: fresh tensors again -> slow path
-    assert calls["slow"] == 2
+    assert fb.slow_collects == 2
     assert all(p.grad is v for p, v in zip(fb.params, fb.grad_views))
     step(False)                     # and back on the fast path
-    assert calls["slow"] == 2
+    assert fb.slow_collects == 2
     o1.step()                       # no new backward: same grads (views) stepped again, fast
     o2.step()
-    assert calls["slow"] == 2
+    assert fb.slow_collects == 2
     for a, b in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
-def test_missing_grad_takes_slow_path_and_matches_torch(monkeypatch):
+def test_missing_grad_takes_slow_path_and_matches_torch():
     _ext()
     m1, m2 = make_model(), make_model()
     o1, o2 = FusedAdamW(m1.parameters(), lr=1e-2, backend="cpp"), torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    (fb,) = o1._flats[0]
-    calls = _count_slow(monkeypatch, fb)
+    (fb,) = o1.flat_buffers[0]
     x = torch.randn(5, 6)
     for it, drop in enumerate([(), (), (1,), (1,), (), ()]):
         for m, o in ((m1, o1), (m2, o2)):
@@ -165,31 +151,31 @@ def test_missing_grad_takes_slow_path_and_matches_torch(monkeypatch):
         for a, b in zip(m1.parameters(), m2.parameters()):
             torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
         # step 0 packs fresh grads; steps 2, 3 miss a grad; the rest are on the fast path
-        assert calls["slow"] == [1, 1, 2, 3, 4, 4][it]
+        assert fb.slow_collects == [1, 1, 2, 3, 4, 4][it]
 
 
-def test_rebuilt_after_load_state_dict_and_new_views(monkeypatch):
+def test_rebuilt_after_load_state_dict_and_new_views():
     _ext()
     m = make_model()
     opt = FusedAdamW(m.parameters(), lr=1e-2, backend="cpp")
-    (fb,) = opt._flats[0]
+    (fb,) = opt.flat_buffers[0]
     x = torch.randn(5, 6)
     _backward((m,), x)
     opt.step()
     opt.load_state_dict(opt.state_dict())
-    calls = _count_slow(monkeypatch, fb)
+    base = fb.slow_collects
     opt.zero_grad(set_to_none=False)
     _backward((m,), x)
     opt.step()
-    assert calls["slow"] == 0
+    assert fb.slow_collects - base == 0
     # Replacing the views (new list) rebuilds the checker: the old views are no longer "expected".
-    old = fb._checker
-    fb.grad_views = fb._views(fb.grad)
+    builds = fb.checker_builds
+    fb.grad_views = [fb.view(fb.grad, i) for i in range(len(fb.params))]
     opt.step()
-    assert calls["slow"] == 1 and fb._checker is not old
+    assert fb.slow_collects - base == 1 and fb.checker_builds == builds + 1
     assert all(p.grad is v for p, v in zip(fb.params, fb.grad_views))
     opt.step()
-    assert calls["slow"] == 1
+    assert fb.slow_collects - base == 1
 
 
 class _PassThrough(TorchFunctionMode):
@@ -197,19 +183,19 @@ class _PassThrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_torch_function_mode_uses_python_path(monkeypatch):
+def test_torch_function_mode_uses_python_path():
     _ext()
     m = make_model()
     opt = FusedAdamW(m.parameters(), backend="cpp")
-    (fb,) = opt._flats[0]
+    (fb,) = opt.flat_buffers[0]
     _backward((m,), torch.randn(5, 6))
     opt.step()
-    calls = _count_slow(monkeypatch, fb)
+    base = fb.slow_collects
     with _PassThrough():
         opt.step()
-    assert calls["slow"] == 1
+    assert fb.slow_collects - base == 1
     opt.step()
-    assert calls["slow"] == 1
+    assert fb.slow_collects - base == 1
 
 
 def test_without_extension_same_results(monkeypatch):
@@ -220,13 +206,13 @@ def test_without_extension_same_results(monkeypatch):
             monkeypatch.setattr(_extension, "load", lambda: (None, "disabled by test"))
         m = make_model()
         opt = FusedAdamW(m.parameters(), lr=1e-2, backend="torch")
-        (fb,) = opt._flats[0]
+        (fb,) = opt.flat_buffers[0]
         for set_to_none in (True, False, True, False):
             opt.zero_grad(set_to_none=set_to_none)
             _backward((m,), x)
             opt.step()
         if not available:
-            assert fb._checker is False
+            assert not fb.fast_check_available
         results.append([p.detach().clone() for p in m.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

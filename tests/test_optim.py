@@ -114,13 +114,13 @@ def test_sgd_parity(backend, hp):
 def test_params_and_grads_are_flat_views():
     m = make_model()
     opt = FusedAdamW(m.parameters())
-    (fb,) = opt._flats[0]
+    (fb,) = opt.flat_buffers[0]
     for p, _v in zip(m.parameters(), fb.grad_views):
         assert p.untyped_storage().data_ptr() == fb.master.untyped_storage().data_ptr()
     m(torch.randn(2, 6)).sum().backward()
     opt.step()
     assert all(p.grad is v for p, v in zip(m.parameters(), fb.grad_views))  # packed and re-pointed
-    assert fb._runs == [(0, len(fb.params))]   # the common case: one kernel call for the whole buffer
+    assert fb.kernel_runs == [(0, len(fb.params))]   # the common case: one kernel call for the whole buffer
     opt.zero_grad(set_to_none=False)
     assert all(p.grad is v for p, v in zip(m.parameters(), fb.grad_views)) and not fb.grad.any()
     m(torch.randn(2, 6)).sum().backward()          # autograd accumulates into the flat buffer
@@ -139,9 +139,9 @@ def test_params_moved_by_a_wrapper_are_taken_back(backend, dtype, checker):
     models = [make_model(0, dtype), make_model(0, dtype)]
     master = [p.detach().float().clone().requires_grad_() for p in models[1].parameters()]
     opts = [FusedAdamW(models[0].parameters(), lr=0.05, backend=backend), torch.optim.AdamW(master, lr=0.05)]
-    (fb,) = opts[0]._flats[0]
+    (fb,) = opts[0].flat_buffers[0]
     if not checker:
-        fb._checker, fb._checker_for = False, (fb.params, fb.grad_views, len(fb.params))
+        fb.fast_check = False
     x = torch.randn(4, 6, dtype=dtype)
     for step in range(3):
         with torch.no_grad():
@@ -331,7 +331,7 @@ def test_mixed_dtypes_in_one_group(backend):
     m2[2].to(torch.bfloat16)
     o1 = torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9, foreach=False)
     o2 = FusedSGD(m2.parameters(), lr=0.1, momentum=0.9, backend=backend)
-    assert [fb.dtype for fb in o2._flats[0]] == [torch.float32, torch.bfloat16]
+    assert [fb.dtype for fb in o2.flat_buffers[0]] == [torch.float32, torch.bfloat16]
     x = torch.randn(4, 6)
     for _ in range(3):
         o1.zero_grad()

@@ -293,6 +293,15 @@ class DataParallel(nn.Module):
         defer = self._rebuild_pending and self.reduce_op == "reduce_scatter"
         self._mark_ready(p, launch=self.overlap and not defer)
 
+    def param_name(self, p: torch.Tensor) -> str:
+        """``p``'s name in the wrapped module (as ``named_parameters()`` gives it)."""
+        return self._names[id(p)]
+
+    @property
+    def bucket_names(self) -> List[List[str]]:
+        """The parameter names of each gradient bucket, in bucket order (the layout after any re-layout)."""
+        return [[self._names[id(p)] for p in b.params] for b in self.buffer.buckets]
+
     def owns(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is one of the parameters whose gradients live in this wrapper's buffer."""
         return id(p) in self._bucket_idx

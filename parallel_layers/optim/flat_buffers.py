@@ -83,6 +83,33 @@ class FlatBuffer:
         # assigning new lists to params / grad_views rebuilds it (replace the lists, don't edit them).
         self._checker = None
         self._checker_for: Optional[tuple] = None
+        self._checker_builds = 0
+        self._slow_collects = 0
+        # False: always check the gradients in Python (a parameter type whose ``.grad`` getter the C++
+        # check cannot see through, or debugging)
+        self.fast_check = True
+
+    # ------------------------------------------------------------------ read-only views of the fast path
+    @property
+    def kernel_runs(self) -> List[Tuple[int, int]]:
+        """The parameter runs ``(i, j)`` the last step ran the kernel on (one run: every parameter had a grad)."""
+        return list(self._runs)
+
+    @property
+    def slow_collects(self) -> int:
+        """How many steps gathered the gradients in Python (fresh grads after ``set_to_none``, a missing
+        grad, a torch function mode, or no C++ check) instead of the C++ all-views check."""
+        return self._slow_collects
+
+    @property
+    def fast_check_available(self) -> bool:
+        """The C++ all-views check is built for the current ``params`` / ``grad_views``."""
+        return self._checker is not None and self._checker is not False
+
+    @property
+    def checker_builds(self) -> int:
+        """How many times the C++ check was (re)built: once, plus once per new ``params``/``grad_views`` list."""
+        return self._checker_builds
 
     # ------------------------------------------------------------------ views and lazily made states
     def _views(self, flat: torch.Tensor) -> List[torch.Tensor]:
@@ -145,7 +172,7 @@ class FlatBuffer:
         Same answer as ``p.grad is view`` for all params: a tensor's Python object and its ``TensorImpl``
         are one-to-one. Not used while a torch function mode is active (it could intercept ``p.grad``).
         """
-        if _mode_enabled():
+        if _mode_enabled() or not self.fast_check:
             return False
         ck = self._checker_now()
         return ck is not False and ck.all_views()
@@ -161,6 +188,7 @@ class FlatBuffer:
         """(Re)build the C++ checker for the current ``params`` / ``grad_views``; False if unavailable."""
         params, views = self.params, self.grad_views
         self._checker_for = (params, views, len(params))
+        self._checker_builds += 1
         ext = _extension.load()[0]
         ck = False
         if ext is not None and hasattr(ext, "GradViewChecker") and len(params) == len(views) \
@@ -174,6 +202,7 @@ class FlatBuffer:
 
     def _collect_slow(self, on_first) -> None:
         """The Python path of :meth:`collect` (some grad is not its view, or no C++ checker)."""
+        self._slow_collects += 1
         grads = list(map(_grad_of, self.params))
         if all(map(operator.is_, grads, self.grad_views)):
             has = _ALL
@@ -286,6 +315,11 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         # torch.amp.GradScaler then passes `grad_scale` / `found_inf` instead of unscaling and syncing.
         self._step_supports_amp_scaling = True
+
+    @property
+    def flat_buffers(self) -> Tuple[Tuple[FlatBuffer, ...], ...]:
+        """The flat buffers of each param group (one per (device, dtype) in it), in group order."""
+        return tuple(tuple(flats) for flats in self._flats)
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:

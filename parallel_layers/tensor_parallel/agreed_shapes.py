@@ -47,6 +47,7 @@ _SHAPE_SLOTS = 8        # dimensions sent in a shape exchange (more are folded i
 # Per process group (held weakly: the state goes with the group): the agreed shape of each kind of
 # collective, or None for a group whose collectives are not checked (not gloo).
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_EXCHANGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # group -> shape exchanges so far
 
 
 def _agreed_shapes(group) -> Optional[Dict[tuple, Tuple[int, ...]]]:
@@ -56,6 +57,12 @@ def _agreed_shapes(group) -> Optional[Dict[tuple, Tuple[int, ...]]]:
         state = {} if dist.get_backend(key) == "gloo" else None
         _AGREED[key] = state
     return state
+
+
+def exchange_count(group) -> int:
+    """How many shape exchanges (the small all-gather) this process has made on ``group``: one per first
+    call of a kind of collective and one per change of its shape; none while shapes stay the same."""
+    return _EXCHANGES.get(group if group is not None else dist.group.WORLD, 0)
 
 
 def _calling_layer() -> str:
@@ -73,6 +80,8 @@ def _calling_layer() -> str:
 
 def _agree(shape: Tuple[int, ...], group, what: str) -> None:
     """Every rank's ``shape`` (one small all-gather); raise on every rank unless they are all equal."""
+    key = group if group is not None else dist.group.WORLD
+    _EXCHANGES[key] = _EXCHANGES.get(key, 0) + 1
     header = [len(shape), math.prod(shape)] + list(shape[:_SHAPE_SLOTS])
     header += [-1] * (2 + _SHAPE_SLOTS - len(header))
     rows = C.all_gather_dim0(torch.tensor([header], dtype=torch.int64), group).tolist()
@@ -114,4 +123,4 @@ def checked(kind: tuple, x: torch.Tensor, group, what: str,
     return out
 
 
-__all__ = ["checked"]
+__all__ = ["checked", "exchange_count"]
