@@ -417,7 +417,7 @@ class _ScaledLossStage(nn.Module):
         shard = self.stage(x)
         if targets is None:
             return shard
-        self.scaler._on(shard.device)
+        self.scaler.on_device(shard.device)
         loss = self.stage.loss(shard.float(), targets)
         return _ScaleGrad.apply(loss, self.scaler.scale).to(shard.dtype)
 

@@ -95,7 +95,7 @@ class DynamicLossScaler:
         self.min_scale = _number("min_scale", min_scale)
 
     # ------------------------------------------------------------------ device placement
-    def _on(self, device: torch.device) -> None:
+    def on_device(self, device: torch.device) -> None:
         """Move the state to ``device`` (once: the first loss or gradients decide where it lives)."""
         if self._scale.device == device:
             return
@@ -123,7 +123,7 @@ class DynamicLossScaler:
         """``loss * scale``, in fp32 (an fp16 loss times 2^16 would itself overflow)."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"DynamicLossScaler.scale_loss: loss must be a tensor, got {type(loss).__name__}")
-        self._on(loss.device)
+        self.on_device(loss.device)
         return loss * self._scale.reshape(()) if loss.dim() == 0 else loss * self._scale
 
     def unscale_and_check(self, tensors, *, groups: Sequence = (), unscale: bool = True
@@ -139,7 +139,7 @@ class DynamicLossScaler:
         """
         grads, _ = grads_and_flags(tensors, "DynamicLossScaler.unscale_and_check")
         dev = grads[0].device if grads else self._scale.device
-        self._on(dev)
+        self.on_device(dev)
         inv = torch.reciprocal(self._scale)
         found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
         sq = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -164,7 +164,7 @@ class DynamicLossScaler:
         hysteresis budget is refilled.
         """
         if isinstance(found_inf, torch.Tensor):
-            self._on(found_inf.device)
+            self.on_device(found_inf.device)
         s = self._scale
         if isinstance(found_inf, torch.Tensor):
             inf = found_inf.reshape(1) != 0

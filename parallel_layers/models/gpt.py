@@ -221,6 +221,23 @@ class Block(nn.Module):
         return x + self._drop(self.mlp(self.ln2(x)))
 
 
+def untied_head(config: "GPTConfig", tp: _Parallel) -> nn.Module:
+    """The untied LM head: the dense ``nn.Linear(d, V)``'s init; with tp the rows are zero-padded to a multiple
+    of tp (shared by ``GPT`` and the pipeline stage builder, which draw the same numbers)."""
+    d, V = config.d_model, config.vocab_size
+    dense = nn.Linear(d, V, bias=False, **tp.factory)
+    if tp.group is None:
+        return dense
+    from ..tensor_parallel.layers import ColumnParallelLinear, set_parameter
+    from ..tensor_parallel.random import shard
+    padded = -(-V // tp.size) * tp.size
+    head = ColumnParallelLinear(d, padded, bias=False, tp_group=tp.group, sequence_parallel=tp.sp,
+                                dtype=dense.weight.dtype, device="meta")
+    set_parameter(head, "weight", shard(dense.weight.detach(), 0, tp.rank, tp.size, padded),
+                  tensor_parallel=True, partition_dim=0)
+    return head
+
+
 def _resolve_group(tp_group):
     if tp_group is None:
         return None
@@ -271,28 +288,13 @@ class GPT(nn.Module):
         self.wpe.weight.sequence_parallel = tp.sp
         self.blocks = nn.ModuleList(Block(config, tp) for _ in range(config.n_layer))
         self.ln_f = tp.layer_norm(d, config.layer_norm_eps)
-        self.lm_head = None if config.tie_embeddings else self._untied_head(tp)
+        self.lm_head = None if config.tie_embeddings else untied_head(config, tp)
         with torch.no_grad():
             self.wte.weight.mul_(config.init_std)   # N(0, 1) -> N(0, init_std^2), shard-local
             self.wpe.weight.mul_(config.init_std)
         round_to([self], dtype)
         tp.factory["dtype"] = dtype
         self.vocab_size_padded = getattr(self.wte, "num_embeddings_padded", V)
-
-    def _untied_head(self, tp: _Parallel) -> nn.Module:
-        """The dense ``nn.Linear(d, V)``'s init; with tp the rows are zero-padded to a multiple of tp."""
-        d, V = self.config.d_model, self.config.vocab_size
-        dense = nn.Linear(d, V, bias=False, **tp.factory)
-        if tp.group is None:
-            return dense
-        from ..tensor_parallel.layers import ColumnParallelLinear, set_parameter
-        from ..tensor_parallel.random import shard
-        padded = -(-V // tp.size) * tp.size
-        head = ColumnParallelLinear(d, padded, bias=False, tp_group=tp.group, sequence_parallel=tp.sp,
-                                    dtype=dense.weight.dtype, device="meta")
-        set_parameter(head, "weight", shard(dense.weight.detach(), 0, tp.rank, tp.size, padded),
-                      tensor_parallel=True, partition_dim=0)
-        return head
 
     # ------------------------------------------------------------------ pieces (pipeline stages reuse them)
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

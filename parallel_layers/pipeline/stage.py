@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..distributed import collectives as C
 from ..models.checkpointing import checkpointed, checkpointed_block_count, run_blocks
-from ..models.gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group, draw_dtype, round_to
+from ..models.gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group, draw_dtype, round_to, untied_head
 
 
 def partition_layers(num_layers: int, num_stages: int, boundaries: Optional[Sequence[int]] = None,
@@ -229,8 +229,7 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     ln_f = tp.layer_norm(d, config.layer_norm_eps) if has_last else None
     lm_head = None
     if not config.tie_embeddings:
-        shim = type("_HeadShim", (), {"config": config})()
-        lm_head = GPT._untied_head(shim, tp)
+        lm_head = untied_head(config, tp)
         if not has_last:
             lm_head = None
     with torch.no_grad():
