@@ -1,7 +1,12 @@
-"""Data parallelism: flat bucketed param/grad buffers and an overlapped gradient-sync wrapper."""
+"""Data parallelism: flat bucketed param/grad buffers and an overlapped gradient-sync wrapper; parameter
+servers (sharded parameters and AdamW on server ranks, workers that push gradients and pull parameters)."""
 from .buffers import Bucket, ParamAndGradBuffer
 from .ddp import DataParallel, overlap_report
 from .fused_grads import embedding_grad_into_buffer, grad_sink, linear_weight_grad_into_buffer
+from .parameter_server import PSLayout, predicted_bytes_per_step, ps_layout
+from .ps_server import ParameterServerShard, serve
+from .ps_worker import ParameterServerWorker
 
 __all__ = ["Bucket", "ParamAndGradBuffer", "DataParallel", "overlap_report", "grad_sink",
-           "linear_weight_grad_into_buffer", "embedding_grad_into_buffer"]
+           "linear_weight_grad_into_buffer", "embedding_grad_into_buffer", "PSLayout", "ps_layout",
+           "ParameterServerWorker", "ParameterServerShard", "serve", "predicted_bytes_per_step"]
