@@ -6,6 +6,7 @@ not fit the memory it is given.
     python -m benchmarks.zero_offload             # full: bigger file and model
     python -m benchmarks.zero_offload --smoke     # tiny sizes, seconds; never writes CSV
     python -m benchmarks.zero_offload --largest --params 0.5e9 [--slack-gb 1] [--steps 3] [--dir DIR]
+                                      [--grad-dtype bf16|fp32] [--threads N]
 
 Disk bandwidth: one file written sequentially with ``O_DIRECT`` (16 MiB requests from page-aligned
 buffers, then ``fsync``) and read back with ``O_DIRECT``, one request at a time and four in flight: the
@@ -31,13 +32,20 @@ figure, writes at the write figure) over that step time (1.0: the step runs at t
 reads and writes overlapped beyond the sequential figures; the warm variant's bytes come from memory, so
 its figure is not the disk's).
 
-``--largest``: one rank trains ``parallel_layers.models.GPT`` (built in bf16, ``ZeroStage3`` with dp = 1,
-fp32 gradient shard) with ``ZeroStage3Optimizer(offload="disk")``: fp32 master and moments on disk. After
-two warm-up steps (the second measures what a step allocates beyond the steady state) the address space
-is capped (``RLIMIT_AS``) at its current size plus that transient plus ``--slack-gb``: less than the 12
-bytes per parameter of optimizer state, so an in-memory optimizer cannot be built (tried first, the
-outcome reported); then the offloaded one is built and trained ``--steps`` steps. Reports step time,
-disk throughput and the peak RSS (``VmHWM``, reset when the cap is set) while training offloaded.
+``--largest``: one rank (every core's threads) trains ``parallel_layers.models.GPT`` (built in bf16,
+``ZeroStage3`` with dp = 1 and a bf16 gradient shard, ``--grad-dtype fp32`` for an fp32 one) with
+``ZeroStage3Optimizer(offload="disk")``: fp32 master and moments on disk, so a rank holds about 4 bytes
+per parameter (bf16 parameter and gradient shards). After two warm-up steps (the second measures what a
+step allocates beyond the steady state) the address space is capped (``RLIMIT_AS``) at its current size
+plus that transient plus ``--slack-gb``: less than the 12 bytes per parameter of optimizer state, so an
+in-memory optimizer cannot be built (tried first, the outcome reported); then the offloaded one is built
+and trained ``--steps`` steps. Reports step time, disk throughput, and RSS per parameter: after building
+the model, the peak of building it into ZeroStage3, after the warm-up, and the peak (``VmHWM``, reset when
+the cap is set) while training offloaded. Measured on this machine (2 cores, 24 GiB; ``--steps 2``):
+0.49B parameters peaked at 5.85 bytes per parameter (2.69 GiB; 3.69 GB with the fp32 gradient shard
+before), 1.02B at 4.95 (4.72 GiB): about 4 bytes per parameter plus 0.9 GiB (torch, one block's gathered
+parameters and gradients), so 4.1B parameters (``--params 4.1e9``: d 3072, 36 layers) need about 16.5 GiB
+of memory and 49 GB of disk.
 """
 from __future__ import annotations
 
@@ -281,6 +289,9 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 
 
 # ---------------------------------------------------------------------------------------- --largest
+GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def gpt_size_for(params: float, vocab: int = 8192, seq: int = 64) -> dict:
     """A GPT config of about ``params`` parameters (12 d^2 per layer plus the embeddings)."""
     d = 1024 if params < 2e8 else 1536 if params < 7e8 else 2048 if params < 1.5e9 else 2560 if params < 2.5e9 \
@@ -293,7 +304,8 @@ def _status(field: str) -> int:
     return int(harness.status_mb(field) * 2**20)
 
 
-def _largest_rank(rank: int, world: int, size: dict, root: str, steps: int, slack_bytes: int, buffer_mb: float):
+def _largest_rank(rank: int, world: int, size: dict, root: str, steps: int, slack_bytes: int, buffer_mb: float,
+                  grad_dtype: str = "bf16", threads: int = 0):
     import gc
     import resource
 
@@ -301,6 +313,7 @@ def _largest_rank(rank: int, world: int, size: dict, root: str, steps: int, slac
 
     from parallel_layers.zero import ZeroStage3, ZeroStage3Optimizer
 
+    torch.set_num_threads(threads or os.cpu_count() or 1)     # the one rank has the machine to itself
     t0 = time.perf_counter()
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)          # built in bf16: no fp32 copy of the model at any point
@@ -309,7 +322,9 @@ def _largest_rank(rank: int, world: int, size: dict, root: str, steps: int, slac
     finally:
         torch.set_default_dtype(default)
     n_params = sum(p.numel() for p in model.parameters())
-    z = ZeroStage3(model, dist.group.WORLD)
+    model_rss = _status("VmRSS")
+    z = ZeroStage3(model, dist.group.WORLD, grad_dtype=GRAD_DTYPES[grad_dtype])
+    build_peak = _status("VmHWM")                    # the model, then its shards: the peak of the build
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, size["vocab_size"], (size["batch"], size["max_seq_len"]), generator=gen)
     y = torch.roll(x, -1, dims=1)
@@ -360,14 +375,17 @@ def _largest_rank(rank: int, world: int, size: dict, root: str, steps: int, slac
         resource.setrlimit(resource.RLIMIT_AS, old)
     return dict(n_params=n_params, state_bytes=state_bytes, limit=limit, in_memory=in_memory, create_s=create_s,
                 build_s=build_s, step_ms=step_ms, opt_ms=opt_ms, stats=stats, peak_rss=_status("VmHWM"), io=io,
-                loss=loss.item(), steady_rss=rss, transient=transient)
+                loss=loss.item(), steady_rss=rss, transient=transient, model_rss=model_rss, build_peak=build_peak,
+                shard_bytes=z.shard_buffer.untyped_storage().nbytes(), grad_bytes=z.grad_nbytes,
+                threads=torch.get_num_threads())
 
 
-def largest(params: float, directory: str, steps: int, slack_gb: float, buffer_mb: float, bw: Dict[str, float]):
+def largest(params: float, directory: str, steps: int, slack_gb: float, buffer_mb: float, bw: Dict[str, float],
+            grad_dtype: str = "bf16", threads: int = 0):
     size = gpt_size_for(params)
-    out = harness.run_ranks(_largest_rank, 1, (size, directory, steps, int(slack_gb * 2**30), buffer_mb),
-                            timeout_s=7200)[0]
-    out["size"] = size
+    out = harness.run_ranks(_largest_rank, 1, (size, directory, steps, int(slack_gb * 2**30), buffer_mb,
+                                               grad_dtype, threads), timeout_s=7200)[0]
+    out["size"], out["grad_dtype"] = size, grad_dtype
     # the first step also creates the I/O threads; the rest are the steady state
     steady = out["opt_ms"][1:] or out["opt_ms"]
     opt_s = harness.Stats.of(steady).median_ms / 1e3
@@ -390,6 +408,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--slack-gb", type=float, default=1.0,
                     help="--largest: address space allowed beyond the peak of the warm-up step")
     ap.add_argument("--buffer-mb", type=float, default=64.0, help="--largest: offload_buffer_mb")
+    ap.add_argument("--grad-dtype", choices=sorted(GRAD_DTYPES), default="bf16",
+                    help="--largest: ZeroStage3(grad_dtype=): the gradient shard in bf16 (2 bytes per parameter, "
+                         "the default) or fp32 (4)")
+    ap.add_argument("--threads", type=int, default=0, help="--largest: torch threads (default: every core)")
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
     ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
@@ -403,7 +425,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if mode == "largest":
             bw = disk_bandwidth(directory, 1 << 30)
             print(f"disk: O_DIRECT sequential write {bw['write']:.2f} GB/s, read {bw['read']:.2f} GB/s (1 GiB file)")
-            out = largest(args.params, directory, args.steps, args.slack_gb, args.buffer_mb, bw)
+            out = largest(args.params, directory, args.steps, args.slack_gb, args.buffer_mb, bw, args.grad_dtype,
+                          args.threads)
             rows = _largest_rows(out, bw)
             _print_largest(out)
         else:
@@ -438,9 +461,11 @@ def _print_quick(mode, bw, methods, details) -> None:
 def _largest_rows(out, bw) -> List[dict]:
     common = dict(harness.common_fields("largest", torch.device("cpu"), 1), backend="gloo x1")
     size = out["size"]
-    sizes = (f"{size_text(size)} ({out['n_params'] / 1e9:.2f}B params), state {out['state_bytes'] / 2**30:.1f} GiB "
-             f"on disk, RLIMIT_AS {out['limit'] / 2**30:.1f} GiB")
+    sizes = (f"{size_text(size)} ({out['n_params'] / 1e9:.2f}B params), {out['grad_dtype']} grads, state "
+             f"{out['state_bytes'] / 2**30:.1f} GiB on disk, RLIMIT_AS {out['limit'] / 2**30:.1f} GiB, "
+             f"{out['peak_rss'] / out['n_params']:.2f} B/param peak RSS")
     steady = harness.Stats.of(out["step_ms"][1:] or out["step_ms"])
+    common["threads"] = out["threads"]
     return [dict(common, case="zero3_offload_largest_gpt_train_step", sizes=sizes, dtype="bfloat16",
                  ours_median_ms=steady.median_ms, ours_p20_ms=steady.p20_ms, ours_p80_ms=steady.p80_ms,
                  gbps=out["gbps"], bw_fraction=out["fraction"],
@@ -452,6 +477,12 @@ def _print_largest(out) -> None:
     size = out["size"]
     print(f"\nGPT {size_text(size)}: {out['n_params'] / 1e9:.3f}B parameters (bf16 in memory), optimizer state "
           f"{out['state_bytes'] / 2**30:.2f} GiB (fp32 master + moments) on disk, I/O {out['io']}")
+    n = out["n_params"]
+    print(f"{out['grad_dtype']} gradient shard ({out['grad_bytes'] / n:.2f} B/param), bf16 parameter shard "
+          f"({out['shard_bytes'] / n:.2f} B/param); {out['threads']} threads")
+    print(f"RSS per parameter: model built {out['model_rss'] / n:.2f} B, peak of the build (model + shards) "
+          f"{out['build_peak'] / n:.2f} B, after warm-up {out['steady_rss'] / n:.2f} B, peak while training "
+          f"offloaded {out['peak_rss'] / n:.2f} B ({out['peak_rss'] / 2**30:.2f} GiB)")
     print(f"after warm-up: RSS {out['steady_rss'] / 2**30:.2f} GiB, a step's transient "
           f"{out['transient'] / 2**20:.0f} MiB; address space capped at {out['limit'] / 2**30:.2f} GiB "
           f"(RLIMIT_AS: now + transient + slack)")

@@ -8,7 +8,8 @@ torch eager + torch AdamW, fp32 and bf16); a 1-rank NCCL group with a P2P self s
 processes sharing the GPU with gloo taking CUDA tensors (DataParallel's all-reduce path); the fused
 linear against cuBLAS (Triton, the automatic choice, bf16 and float32); every fused-linear config the
 autotuner may try compiled for the GPU's target and checked for register spills; the kernel benchmarks
-on the GPU (Triton and CUDA against torch, L2 flushed between repetitions). CSV rows in DIR, and the
+on the GPU (Triton and CUDA against torch, L2 flushed between repetitions); ZeRO-Offload's step with the
+optimizer state in host memory against on the GPU (``benchmarks.host_offload``). CSV rows in DIR, and the
 fused linear's measured backend choices in DIR/cache.
 
 ``--dry-run`` (and any machine without a GPU): says what it would do and actually runs every step that
@@ -72,6 +73,12 @@ def plan(out: str, python: str = sys.executable) -> List[Step]:
         Step("kernel-benchmarks", kernels + ["--quick", "--device", "cuda", "--csv", os.path.join(out, "kernels.csv")],
              200, env={"TRITON_INTERPRET": "0"},
              dry_argv=kernels + ["--smoke", "--device", "cpu", "--no-csv", "--only", "adamw"]),
+        # ZeRO-Offload: the step with the optimizer state in host memory against on the GPU, and the overlap
+        # of the gradients' copies with backward (the CUDA tests above check its results)
+        Step("host-offload-benchmark", [python, "-m", "benchmarks.host_offload", "--quick",
+                                        "--csv", os.path.join(out, "host_offload.csv")], 120,
+             env={"TRITON_INTERPRET": "0"},
+             dry_argv=[python, "-m", "benchmarks.host_offload", "--smoke", "--no-csv"]),
     ]
 
 

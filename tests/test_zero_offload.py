@@ -485,3 +485,157 @@ def test_offload_options_are_checked(dist_pools, tmp_path):
         assert "'nvme'" in kind
         assert "too small" in tiny and "MiB" in tiny
         assert "offload_io='mmap'" in io
+
+
+# ---------------------------------------------------------------------------------------------- bf16 gradient shard
+def body_bf16_grads(rank, world, root, backwards):
+    """ZeRO-3, bf16 parameters, state on disk: the same 5 steps with an fp32 and a bf16 gradient shard
+    (``backwards`` synced backwards per step: more than one sums in the shard's dtype)."""
+    from parallel_layers.zero import ZeroStage3, ZeroStage3Optimizer
+
+    group = cached_mesh(dp=2).dp_group
+    out = {}
+    for name, grad_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        model = _gpt(torch.bfloat16)
+        z = ZeroStage3(model, group, grad_dtype=grad_dtype)
+        opt = ZeroStage3Optimizer(z, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, no_decay=lambda n, p: p.ndim < 2,
+                                  offload="disk", offload_dir=os.path.join(root, name), offload_buffer_mb=TINY_MB)
+        start = None
+        for i, (x, y) in enumerate(_batches(5 * backwards)):
+            _, loss = z(x.chunk(2)[rank], y.chunk(2)[rank])
+            (loss / backwards).backward()
+            if (i + 1) % backwards:
+                continue
+            opt.clip_grad_norm_(1.0)
+            if start is None:
+                start = opt.master.clone()
+            opt.step()
+            opt.zero_grad()
+        out[name] = (z.shard_buffer.clone(), _states(opt), start, z.grad_buffer.dtype,
+                     opt.memory_report()["grad_bytes"], z.shard_numel)
+        opt.close_offload()
+    (p32, s32, start, d32, g32, n), (p16, s16, _, d16, g16, _) = out["fp32"], out["bf16"]
+    diff, moved = s16[0] - s32[0], s32[0] - start          # moved: what 5 steps did to the fp32 master
+    return (torch.equal(p32, p16), _equal(s32, s16), (diff.norm() / moved.norm()).item(), diff.abs().max().item(),
+            moved.abs().max().item(), (d32, d16), (g32, g16), n)
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_bf16_gradient_shard_matches_the_fp32_one(dist_pools, tmp_path, backwards):
+    for params_equal, states_equal, rel_diff, max_diff, max_moved, dtypes, grad_bytes, n in \
+            dist_pools(2).run(body_bf16_grads, str(tmp_path), backwards):
+        assert dtypes == (torch.float32, torch.bfloat16)
+        assert grad_bytes == (4 * n, 2 * n)
+        if backwards == 1:
+            # a unit's gradients are reduced in bf16 either way and halving (dp 2) is exact in bf16: the
+            # shards hold the same values, so the steps are the same
+            assert params_equal and states_equal and max_diff == 0
+        else:
+            # Two backwards summed in the bf16 shard: each sum is rounded to 8 significant bits (relative
+            # error <= 2^-9 of the sum). AdamW's update m / sqrt(v) is invariant to a common scale of the
+            # gradients, so an element's update changes by about that relative amount, except where the two
+            # backwards nearly cancel (the sum's relative error is then unbounded, but such elements are few and
+            # their update moves them little). So over the whole shard the difference is a small fraction of
+            # what training moved the master: 2^-5 (measured 0.3%) leaves room for 5 steps of propagation
+            # (the bf16 parameters the next forward reads, the clip coefficient); and no element may drift
+            # far against the largest move (measured 2%).
+            assert 0 < rel_diff <= 2**-5, rel_diff
+            assert max_diff <= 0.1 * max_moved, (max_diff, max_moved)
+
+
+class _Stack(nn.Module):
+    def __init__(self, width, depth, dtype):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False, dtype=dtype) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _train_step(z, opt, x):
+    z(x).float().square().mean().backward()
+    opt.step()
+
+
+def body_grad_memory(rank, world, root):
+    """RSS held by ZeroStage3's gradient shard (after backward against after zero_grad, which frees it) and
+    the peak a whole step (forward, backward, offloaded step) adds, with an fp32 and a bf16 shard. Run in a
+    fresh process with glibc's mmap threshold at 64 KiB: every buffer is mapped on its own and unmapped when
+    freed, so RSS follows live memory (no earlier free can hide an allocation)."""
+    from parallel_layers.zero import ZeroStage3, ZeroStage3Optimizer
+
+    group = cached_mesh(dp=1).dp_group
+    out = {}
+    for name, grad_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        z = ZeroStage3(_Stack(1024, 8, torch.bfloat16), group, grad_dtype=grad_dtype)   # 8.4M parameters
+        opt = ZeroStage3Optimizer(z, lr=1e-3, offload="disk", offload_dir=os.path.join(root, name),
+                                  offload_buffer_mb=4)
+        x = torch.randn(4, 1024, dtype=torch.bfloat16)
+        _train_step(z, opt, x)                  # warm-up: kernels loaded, I/O threads started
+        opt.zero_grad()
+        gc.collect()
+        before = _status_kb("VmRSS")
+        _reset_peak()
+        _train_step(z, opt, x)
+        peak = _status_kb("VmHWM") - before
+        after_backward = _status_kb("VmRSS")
+        opt.zero_grad()                         # frees the gradient shard
+        gc.collect()
+        held = after_backward - _status_kb("VmRSS")
+        out[name] = (held, peak, z.grad_nbytes)
+        opt.close_offload()
+        del z, opt
+        gc.collect()
+    return out
+
+
+def test_bf16_gradient_shard_halves_the_resident_gradient_memory(tmp_path, monkeypatch):
+    from parallel_layers.testing import WorkerPool
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")       # read by glibc when the worker starts
+    with WorkerPool(1) as pool:
+        out = pool.run(body_grad_memory, str(tmp_path), timeout=120)[0]
+    (held32, peak32, bytes32), (held16, peak16, bytes16) = out["fp32"], out["bf16"]
+    mib = 2**20
+    print(f"gradient shard: fp32 {bytes32 / mib:.0f} MiB holds {held32 / mib:.1f} MiB of RSS, step peak "
+          f"+{peak32 / mib:.1f} MiB; bf16 {bytes16 / mib:.0f} MiB holds {held16 / mib:.1f} MiB, step peak "
+          f"+{peak16 / mib:.1f} MiB")
+    assert bytes16 * 2 == bytes32
+    for held, nbytes in ((held32, bytes32), (held16, bytes16)):
+        assert 0.95 * nbytes <= held <= 1.05 * nbytes + mib, (held / mib, nbytes / mib)
+    # the step's peak drops by the bytes saved (the rest of the step is the same in both)
+    assert abs((peak32 - peak16) - (bytes32 - bytes16)) <= 0.1 * bytes16, (peak32 / mib, peak16 / mib)
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+def body_bench(rank, world, fn_name, *args):
+    import importlib
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:        # benchmarks/ is a folder of the repo, not of the installed package
+        sys.path.insert(0, repo)
+    return getattr(importlib.import_module("benchmarks.zero_offload"), fn_name)(rank, world, *args)
+
+
+def test_benchmark_smoke_rows(monkeypatch, dist_pools):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks import harness, zero_offload
+
+    monkeypatch.setattr(harness, "run_ranks", lambda fn, world, args=(), **_: dist_pools(world).run(
+        body_bench, fn.__name__, *args, timeout=300))
+    rows = zero_offload.collect("smoke", torch.device("cpu"))
+    cases = {r["case"] for r in rows}
+    assert {"disk_sequential_write", "disk_sequential_read", "io_read_direct_preadv"} <= cases
+    steps = [r for r in rows if r["case"].startswith("zero2_offload_")]
+    assert len(steps) == 2 * len(zero_offload.VARIANTS)
+    for r in rows:
+        assert set(r) <= set(harness.CSV_FIELDS) and r["mode"] == "smoke"
+        assert r["gbps"] > 0
+    for r in steps:
+        assert r["ours_median_ms"] > 0 and r["speedup"] > 0 and r["bw_fraction"] > 0

@@ -86,15 +86,18 @@ TensorSpans check_list(const char* op, const char* name, const std::vector<at::T
 
 void register_cpu_ops(pybind11::module_& m) {
   using namespace pybind11::literals;
+  // The optimizer steps touch no Python object, so they let go of the GIL: an offloaded step's I/O threads
+  // (parallel_layers/zero/offload.py) and a delayed host step's caller keep running while a shard is stepped.
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("cpu_adamw_step", &pl_cpu::adamw_step,
         "Fused AdamW/Adam step on flat fp32 buffers (see parallel_layers.ops.optimizer_step)",
         "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "param_copy"_a, "step"_a, "grad_scale"_a,
         "found_inf"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled_weight_decay"_a,
-        "maximize"_a);
+        "maximize"_a, release_gil());
   m.def("cpu_sgd_step", &pl_cpu::sgd_step,
         "Fused SGD step on flat fp32 buffers (see parallel_layers.ops.optimizer_step)",
         "param"_a, "grad"_a, "momentum_buffer"_a, "param_copy"_a, "step"_a, "grad_scale"_a, "found_inf"_a,
-        "lr"_a, "momentum"_a, "dampening"_a, "weight_decay"_a, "nesterov"_a, "maximize"_a);
+        "lr"_a, "momentum"_a, "dampening"_a, "weight_decay"_a, "nesterov"_a, "maximize"_a, release_gil());
   m.def("cpu_unscale_and_norm", &pl_cpu::unscale_and_norm,
         "Unscale + non-finite check + global L2 norm (see parallel_layers.ops.unscale_norm)",
         "tensors"_a, "inv_scale"_a, "found_inf"_a, "norm_out"_a, "unscale"_a);

@@ -302,6 +302,12 @@ class DataParallel(nn.Module):
         """The parameter names of each gradient bucket, in bucket order (the layout after any re-layout)."""
         return [[self._names[id(p)] for p in b.params] for b in self.buffer.buckets]
 
+    @property
+    def launched_reductions(self) -> Dict[int, object]:
+        """The buckets whose reduction this synced backward has launched: bucket index -> its async work
+        (None for a group of one). A new dict for every backward; read it, never change it."""
+        return self._works
+
     def owns(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is one of the parameters whose gradients live in this wrapper's buffer."""
         return id(p) in self._bucket_idx

@@ -20,7 +20,7 @@ state, length)`` for every piece of a parameter in this rank's shard. ``flats``:
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -33,18 +33,20 @@ Piece = Tuple[nn.Parameter, int, int, int]
 
 
 def gather_full_state(named: List[Tuple[str, nn.Parameter]], pieces: Sequence[Piece],
-                      flats: Sequence[torch.Tensor], group) -> Dict[str, Dict[str, torch.Tensor]]:
+                      flats: Sequence[torch.Tensor], group,
+                      device: Optional[torch.device] = None) -> Dict[str, Dict[str, torch.Tensor]]:
     """``{name: {"master", "exp_avg", "exp_avg_sq"}}`` (fp32, the parameter's shape) for every parameter
-    of ``named`` (a collective over ``group``)."""
+    of ``named`` (a collective over ``group``, on ``device``: the model's, where the group communicates;
+    default the shards' own, which differs when they live in host memory: ZeRO-Offload)."""
     base, total = {}, 0
     for _, p in named:
         base[id(p)] = total
         total += p.numel()
-    flat = torch.zeros(total, len(STATE_KEYS), dtype=torch.float32, device=flats[0].device)
+    flat = torch.zeros(total, len(STATE_KEYS), dtype=torch.float32, device=device or flats[0].device)
     for p, start_p, start_s, n in pieces:
         b = base[id(p)] + start_p
         for col, src in enumerate(flats):
-            flat[b:b + n, col] = src[start_s:start_s + n]
+            flat[b:b + n, col] = src[start_s:start_s + n].to(flat.device, non_blocking=False)
     if C.world_size(group) > 1:
         C.all_reduce(flat, group)
     return {name: {k: flat[base[id(p)]:base[id(p)] + p.numel(), col].reshape(p.shape).clone()
@@ -84,7 +86,8 @@ def full_state_dict(opt, named_params: NamedParams, group) -> dict:
     ``opt.shard_pieces()``, which may rebuild the layout it lists."""
     pieces = opt.shard_pieces()
     return {"step": opt.steps_taken, "steps": opt._steps_by_name(), "param_groups": opt._named_param_groups(),
-            "state": gather_full_state(named_params(), pieces, (opt.master, opt.exp_avg, opt.exp_avg_sq), group)}
+            "state": gather_full_state(named_params(), pieces, (opt.master, opt.exp_avg, opt.exp_avg_sq), group,
+                                       getattr(opt, "device", None))}
 
 
 @torch.no_grad()

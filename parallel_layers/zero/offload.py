@@ -1,7 +1,8 @@
 """ZeRO-Infinity on the CPU: each rank's optimizer shard (fp32 master weights + AdamW moments) lives in a
 file and is streamed through a few fixed host buffers while the fused AdamW kernel steps it.
 
-Options of ``ZeroOptimizer`` (stages 1 and 2) and ``ZeroStage3Optimizer``:
+Options of ``ZeroOptimizer`` (stages 1 and 2) and ``ZeroStage3Optimizer`` (and so of ``Parallel3D``'s
+``optimizer_options`` and ``demo --offload disk --offload-dir DIR``):
 
 * ``offload="disk", offload_dir=DIR``: the shard lives in ``DIR/zero-<stage>-rank<g>-dp<r>of<n>.optstate``
   (one file per rank, created by the optimizer, removed when it is garbage collected; two live optimizers
@@ -21,17 +22,27 @@ Options of ``ZeroOptimizer`` (stages 1 and 2) and ``ZeroStage3Optimizer``:
   memory budget (a cgroup) is charged for. Hence direct by default, ``"buffered"`` for a state that fits
   the page cache. Reads use ``os.preadv`` straight into page-aligned buffers (``O_DIRECT`` needs that;
   ``os.pread`` returns a new bytes object per request, which cold reads showed no consistent gain for).
-* ``offload="cpu"`` (ZeRO-Offload: accelerator state moved to host memory) raises on a CPU model: its
-  state already is in host memory, there is nothing to move. Models on an accelerator are not supported
-  by either option yet.
+* ``offload="cpu"`` (ZeRO-Offload: a CUDA model's state in pinned host memory, stepped by the CPU kernel
+  while the gradients and parameters cross on side streams; ``offload_delayed_update=True`` overlaps that
+  step with the next forward and backward and changes results) is :mod:`.host_offload`. On a CPU model it
+  raises: the state already is in host memory, there is nothing to move. ``offload="disk"`` needs a CPU
+  model (the step runs the CPU kernel on the buffers).
+
+The largest model (``python -m benchmarks.zero_offload --largest``): ZeRO-3 keeps the bf16 parameter
+shard and, with ``ZeroStage3(grad_dtype=torch.bfloat16)``, a bf16 gradient shard, so a rank holds about
+4 bytes per parameter (measured peak RSS: 5.85 B/param at 0.49B parameters, 4.95 at 1.02B; the rest is
+torch and one block's gathered parameters and gradients) and the disk 12: a 24 GiB machine fits about
+4-5B parameters where in-memory ZeRO (16 B/param) fits about 1.2B. The kernel reads the bf16 gradients
+as they are (no fp32 copy of the shard or of a sub-group).
 
 The step walks the sub-groups that hold a parameter with a gradient (frozen stretches are neither read
 nor written). Three buffers rotate: while the kernel steps sub-group ``i`` in one, a reader thread fills
 the next with sub-group ``i + 1`` and a writer thread writes sub-group ``i - 1`` back from the third
-(the kernel and ``os.preadv``/``os.pwrite`` release the GIL). Results are bit-identical to the in-memory
-optimizer: AdamW is elementwise, the kernel is built with ``-ffp-contract=off`` (a sub-range computes
-each element exactly as the whole range does), and every call gets the same arguments. A ``found_inf``
-step is checked on the host first (free on a CPU) and reads and writes nothing.
+(the kernel's binding and ``os.preadv``/``os.pwrite`` release the GIL, so the I/O threads' Python runs
+while a sub-group is stepped). Results are bit-identical to the in-memory optimizer: AdamW is
+elementwise, the kernel is built with ``-ffp-contract=off`` (a sub-range computes each element exactly as
+the whole range does), and every call gets the same arguments. A ``found_inf`` step is checked on the
+host first (free on a CPU) and reads and writes nothing.
 
 Failures. The file is checked before every step (:meth:`StateFile.verify`). A read or write that fails
 mid-step raises :class:`OffloadIOError` naming the file, the sub-group and the OS error; the file is
@@ -46,11 +57,12 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from .host_offload import HostOffload
 from .state_file import ALIGN_NUMEL, IO_MODES, OffloadStateError, StateFile, aligned_buffer, layout_digest
 
 SLOTS = 3                       # read i+1 | step i | write i-1
@@ -70,8 +82,13 @@ class DiskOffload:
 
 
 def resolve_offload(owner: str, offload: Optional[str], offload_dir: Optional[str], device: torch.device,
-                    buffer_mb: float = DEFAULT_BUFFER_MB, io: str = "auto") -> Optional[DiskOffload]:
-    """The optimizer's ``offload=`` options checked: None (state in memory) or a :class:`DiskOffload`."""
+                    buffer_mb: float = DEFAULT_BUFFER_MB, io: str = "auto", delayed_update: bool = False
+                    ) -> Union[None, DiskOffload, HostOffload]:
+    """The optimizer's ``offload=`` options checked: None (state in memory), a :class:`DiskOffload`, or a
+    :class:`~.host_offload.HostOffload` (``offload="cpu"`` on a CUDA model)."""
+    if delayed_update and offload != "cpu":
+        raise ValueError(f"{owner}: offload_delayed_update=True overlaps the host's optimizer step with the "
+                         f"device's next step; it needs offload='cpu' (a CUDA model), got offload={offload!r}")
     if offload is None:
         if offload_dir is not None:
             raise ValueError(f"{owner}: offload_dir={offload_dir!r} was given without offload='disk'; pass "
@@ -83,8 +100,13 @@ def resolve_offload(owner: str, offload: Optional[str], offload_dir: Optional[st
                              f"memory, but this model is on the CPU: its state already is in host memory and "
                              f"there is nothing to move. Drop offload= (same result), or pass offload='disk', "
                              f"offload_dir=DIR to keep the state in files")
-        raise ValueError(f"{owner}: offload='cpu' for a model on {device} is not implemented; only CPU models "
-                         f"can offload (offload='disk')")
+        if device.type != "cuda":
+            raise ValueError(f"{owner}: offload='cpu' for a model on {device} is not implemented; it needs a CUDA "
+                             f"model (copy streams, pinned memory)")
+        if offload_dir is not None:
+            raise ValueError(f"{owner}: offload_dir={offload_dir!r} is for offload='disk'; offload='cpu' keeps the "
+                             f"state in host memory: drop offload_dir")
+        return HostOffload(delayed_update=bool(delayed_update))
     if offload != "disk":
         raise ValueError(f"{owner}: offload={offload!r}; choose None (in memory), 'disk' (files under "
                          f"offload_dir) or 'cpu'")

@@ -58,7 +58,8 @@ import torch.distributed as dist
 from ..distributed import collectives as C
 from . import full_state
 from . import memory as M
-from .offload import DEFAULT_BUFFER_MB, resolve_offload
+from .host_offload import HostOffload, HostShard, LaunchedBuckets, segments_of
+from .offload import DEFAULT_BUFFER_MB, DiskOffload, resolve_offload
 
 # Re-exported: other modules and users import these names from here.
 from .sharded_adamw import STATE_FORMAT, NoDecay, _ZeroAdamW, step_multipliers  # noqa: F401
@@ -112,8 +113,12 @@ class ZeroOptimizer(_ZeroAdamW):
 
     ZeRO-Infinity: ``offload="disk", offload_dir=DIR`` keeps this rank's master weights and moments in a
     file under ``DIR``, streamed through ``offload_buffer_mb`` of host buffers in each step (bit-identical
-    results; ``offload_io``: ``"auto"``, ``"direct"``, ``"buffered"``); ``offload="cpu"`` raises on a CPU
-    model (nothing to move). See :mod:`parallel_layers.zero.offload`.
+    results; ``offload_io``: ``"auto"``, ``"direct"``, ``"buffered"``); see
+    :mod:`parallel_layers.zero.offload`. ZeRO-Offload: ``offload="cpu"`` on a CUDA model keeps them in
+    pinned host memory and steps them on the CPU, each bucket's gradient copied to the host as soon as it
+    is reduced (``offload_delayed_update=True``: the CPU step overlaps the next forward and backward, one
+    update stale; call :meth:`wait_for_step` to apply the last one); it raises on a CPU model (nothing to
+    move). See :mod:`parallel_layers.zero.host_offload`.
     """
 
     _owner = "ZeroOptimizer"
@@ -122,7 +127,7 @@ class ZeroOptimizer(_ZeroAdamW):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  no_decay: NoDecay = None, backend: Optional[str] = None, offload: Optional[str] = None,
                  offload_dir: Optional[str] = None, offload_buffer_mb: float = DEFAULT_BUFFER_MB,
-                 offload_io: str = "auto"):
+                 offload_io: str = "auto", offload_delayed_update: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer: stage={stage!r} must be 1 (sharded optimizer state) or 2 (also "
                              f"sharded gradients); stage 3 shards parameters and needs its own wrapper")
@@ -144,7 +149,7 @@ class ZeroOptimizer(_ZeroAdamW):
             raise ValueError("ZeroOptimizer: the buckets hold parameters of several dtypes "
                              f"{sorted({str(b.param_data.dtype) for b in buckets})}; use one param dtype")
         self._offload = resolve_offload("ZeroOptimizer", offload, offload_dir, self.device, offload_buffer_mb,
-                                        offload_io)
+                                        offload_io, offload_delayed_update)
         self._owned = {id(p) for p in dp_module.buffer.params}
         # fp32 params: p.grad is the buffer's view (autograd accumulates into it); else p.grad stays None
         self._direct = dp_module.buffer.param_dtype == dp_module.grad_dtype
@@ -158,7 +163,7 @@ class ZeroOptimizer(_ZeroAdamW):
         self._messages: Dict[int, str] = {}
         self._placeholders: Dict[int, torch.Tensor] = {}
         self._build(buckets)
-        if self._offload is not None:
+        if isinstance(self._offload, DiskOffload):
             self._stream, self._new_stream = self._new_stream, None
         self._register_grad_hooks()
         if stage == 2:
@@ -186,6 +191,8 @@ class ZeroOptimizer(_ZeroAdamW):
             opt = ref()
             if opt is not None:
                 opt._on_grad(p)
+                if opt._host is not None:
+                    opt._host_poll()
 
         def drop_placeholder(grad, pref):
             # before autograd accumulates into .grad: a placeholder holds nothing to add to
@@ -212,6 +219,8 @@ class ZeroOptimizer(_ZeroAdamW):
         (stage 1): there ``p.grad`` is the full averaged gradient and the step slices that very buffer, so
         ``torch.nn.utils.clip_grad_norm_`` is right and its clipping reaches the step."""
         self._callback_queued = False
+        if self._host is not None:
+            self._host_catch_up(after_backward=True)
         for p in self.dp.buffer.params:
             g = p.grad
             if self._direct:
@@ -244,6 +253,7 @@ class ZeroOptimizer(_ZeroAdamW):
         self._seen.clear()
 
     def _zero_grads(self, set_to_none: bool) -> None:
+        self._h_fresh = False
         if self.stage == 2 and self._grad_storage().nbytes() == 0:
             # released by the step: the next forward re-allocates the buffer zeroed, so what backward adds
             # starts from zero; only the placeholders of low-precision parameters go
@@ -312,9 +322,13 @@ class ZeroOptimizer(_ZeroAdamW):
             # several buckets: the shards are not adjacent in the grad buffer; they are gathered here.
             own = not self._scattered() and len(buckets) > 1
             self._grad_flat = torch.zeros(pos, dtype=torch.float32, device=dev) if own else None
+            if isinstance(self._offload, HostOffload):
+                self._build_host(buckets, pos, low)
+                return
             if self._offload is not None:
                 # Staging for the low-precision copy the kernel writes; fp32: the step writes param_data.
-                self.low = self._own_params(0, pos, torch.empty(pos, dtype=self.param_dtype)) if low else None
+                self.low = (self._own_params(0, pos, torch.empty(pos, dtype=self.param_dtype, device=dev)) if low
+                            else None)
                 self._new_stream = self._offload_state(
                     self._offload, tag=f"stage{self.stage}", group=self.group, layout=self._layout, numel=pos,
                     resident_master=None, init_master=lambda lo, hi, out: self._own_params(lo, hi, out))
@@ -327,6 +341,80 @@ class ZeroOptimizer(_ZeroAdamW):
             self.exp_avg = torch.zeros(pos, dtype=torch.float32, device=dev)
             self.exp_avg_sq = torch.zeros(pos, dtype=torch.float32, device=dev)
         self._pieces_cache = None
+
+    # ------------------------------------------------------------------ ZeRO-Offload (offload="cpu")
+    def _build_host(self, buckets, pos: int, low: bool) -> None:
+        """The state in pinned host memory (:mod:`.host_offload`), one gradient segment per bucket; the
+        device keeps the low-precision staging shard the all-gather sends (bf16/fp16 models)."""
+        old, dev = self._host, self.device
+        host = HostShard(self._owner, pos, dev, grad_dtype=self.dp.grad_dtype,
+                         low_dtype=self.param_dtype if low else None, config=self._offload,
+                         segments=segments_of([b.shard_numel for b in buckets]))
+        self._own_params(0, pos, host.master)
+        self._host = host
+        self.master, self.exp_avg, self.exp_avg_sq = host.master, host.exp_avg, host.exp_avg_sq
+        self.low = self._own_params(0, pos, torch.empty(pos, dtype=self.param_dtype, device=dev)) if low else None
+        if old is not None:          # a re-layout: _check_layout still holds the old tensors for the remap
+            old.close()
+        self._h_launched = LaunchedBuckets(self.dp)
+        self._h_early: set = set()   # buckets whose gradient backward copied as soon as it was reduced
+        self._h_sync = self._h_launched.sync_token()
+        self._h_fresh = False        # the host holds the device's gradient shard as it is now
+        # where a bucket's reduced shard is final when its reduction is queued: a group of one (the
+        # bucket's own gradients), or NCCL writing the fp32 shard itself (the copy waits for the collective)
+        nccl = self.dp_size > 1 and dist.get_backend(self.group) == "nccl"
+        self._h_early_ok = self.dp_size == 1 or (
+            nccl and self._scattered() and getattr(self.dp, "comm_dtype", None) == self.dp.grad_dtype)
+        self._pieces_cache = None
+
+    def _host_grad_src(self, i: int) -> torch.Tensor:
+        b = self._bucket_list[i]
+        if self._scattered():
+            return self.dp.bucket_grad_shard(b)
+        s, e = b.shard_range(self.dp_rank)
+        return b.grad_data[s:e]
+
+    def _host_poll(self) -> None:
+        """A gradient hook, in backward: queue the host copy of every bucket launched since the last look
+        whose reduced shard is final once its reduction ran (see :meth:`_build_host`)."""
+        if not self._h_early_ok or self._key(self._buckets()) != self._layout_key:
+            return
+        for bi, work in self._h_launched.new():
+            if self.dp_size == 1:
+                s, e = self._bucket_list[bi].shard_range(0)
+                src, work = self._bucket_list[bi].grad_data[s:e], None
+            else:
+                src = self.dp.bucket_grad_shard(self._bucket_list[bi])
+            self._host.copy_grad(bi, src, work)
+            self._h_early.add(bi)
+
+    def _host_catch_up(self, after_backward: bool) -> None:
+        """After a synced backward (its end: ``after_backward``) or a ``sync_gradients()`` (seen by the
+        step): queue the copies of the buckets not copied early. Only the end-of-backward call trusts the
+        early copies (they belong to the backward just ended); the step's copies everything."""
+        token = self._h_launched.sync_token()
+        if token is None or token is self._h_sync or self._key(self._buckets()) != self._layout_key:
+            return
+        for i in range(len(self._bucket_list)):
+            if not (after_backward and i in self._h_early):
+                self._host.copy_grad(i, self._host_grad_src(i))
+        self._h_early.clear()
+        self._h_sync, self._h_fresh = token, True
+
+    def _fetch_host_grads(self) -> None:
+        self._host_catch_up(after_backward=False)
+        if not self._h_fresh:            # e.g. zero_grad() since: the device's shard as it is now
+            for i in range(len(self._bucket_list)):
+                self._host.copy_grad(i, self._host_grad_src(i))
+        self._h_fresh = False            # consumed: stage 2 zeroes it, and the next backward changes it
+
+    def _upload_targets(self, lo: int, hi: int):
+        if self.low is not None:
+            return [(lo, hi, self.low[lo:hi])]
+        return list(self._own_segments(lo, hi))      # fp32: straight into this rank's param_data slices
+
+    def _after_host_upload(self) -> None:
+        self._gather_params()
 
     def _own_segments(self, lo: int, hi: int):
         """``(a, b, param_data slice)``: where shard elements ``[a, b)`` (within ``[lo, hi)``) live in this
@@ -360,6 +448,7 @@ class ZeroOptimizer(_ZeroAdamW):
             return
         if self._stream is not None:
             self._stream.verify(self._owner)
+        self.wait_for_step()
         old_layout, old = self._layout, (self.master, self.exp_avg, self.exp_avg_sq)
         self._build(buckets)
         new_stream, self._new_stream = getattr(self, "_new_stream", None), None
@@ -401,7 +490,7 @@ class ZeroOptimizer(_ZeroAdamW):
         pos = 0
         for desc in old_layout:
             n_shard = desc["numel"] // self.dp_size
-            part = torch.stack([t[pos:pos + n_shard].float() for t in old], dim=1)
+            part = torch.stack([t[pos:pos + n_shard].float() for t in old], dim=1).to(self.device)
             full = C.all_gather_dim0(part, self.group)       # [numel, 3]
             pos += n_shard
             for name, o, _ in desc["params"]:
@@ -458,7 +547,7 @@ class ZeroOptimizer(_ZeroAdamW):
         50 ms vs 12 ms), so there each rank broadcasts its shard into place instead (same result); our
         ring all-gather (``distributed.ring``) measured no faster than the broadcasts in the ZeRO-1 step."""
         # offloaded fp32 model: the step wrote the shard into param_data already (src None)
-        src = self.low if self.low is not None else None if self._stream is not None else self.master
+        src = self.low if self.low is not None else None if (self._stream or self._host) is not None else self.master
         if self._use_broadcast:
             for b, off in zip(self._bucket_list, self._offsets):
                 mine = b.param_data[self.dp_rank * b.shard_numel:(self.dp_rank + 1) * b.shard_numel]
@@ -502,6 +591,7 @@ class ZeroOptimizer(_ZeroAdamW):
         weights and AdamW moments in its shape, by the module's parameter name, with the step counts and
         ``param_groups`` (parameters by name). A collective over the dp group; :meth:`load_full_state_dict`
         loads it at any dp size or bucket layout (resuming on more or fewer ranks)."""
+        self.wait_for_step()
         return full_state.full_state_dict(self, self._named_params, self.group)
 
     @torch.no_grad()
@@ -509,6 +599,7 @@ class ZeroOptimizer(_ZeroAdamW):
         """Load a :meth:`full_state_dict` saved at any dp size (no collective): this rank's shard of the
         masters and moments, the parameters (the masters in the parameters' dtype), the step counts, and
         ``param_groups`` when the dict has them."""
+        self.wait_for_step()
         named = full_state.load_full_state_dict(self, state, self._named_params, "ZeroOptimizer")
         for name, p in named:                       # every rank holds the full parameters in stages 1 and 2
             p.copy_(state["state"][name]["master"].to(device=p.device, dtype=p.dtype))
@@ -566,7 +657,8 @@ class ZeroOptimizer(_ZeroAdamW):
         buckets, the flat grad shard gathered from the buffer.
         ``transient_grad_bytes``: stage 2's full grad buffer, allocated from forward to the step only.
         Offloaded (``offload="disk"``): ``optimizer_bytes`` is the host buffers the state streams through,
-        ``offload_bytes`` the state file (0 in memory).
+        ``offload_bytes`` the state file (0 in memory); ``offload="cpu"``: ``optimizer_bytes`` 0 (none on the
+        device), ``offload_bytes`` the pinned host memory.
         """
         self._check_layout()
         buckets = self._bucket_list

@@ -31,6 +31,7 @@ from ..distributed import collectives as C
 from ..ops._checks import scalar_tensor
 from ..ops.optimizer_step import adamw_step
 from . import memory as M
+from .host_offload import HostShard
 from .offload import DiskOffload, StreamedShard, open_streamed_shard
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -112,6 +113,7 @@ class _ZeroAdamW(torch.optim.Optimizer):
     exp_avg = _ShardState()
     exp_avg_sq = _ShardState()
     _stream: Optional[StreamedShard] = None      # the offloaded state, when offload="disk"
+    _host: Optional[HostShard] = None            # the state in pinned host memory, when offload="cpu"
 
     # ------------------------------------------------------------------ where the state lives
     def _state_tensor(self, name: str) -> torch.Tensor:
@@ -144,6 +146,7 @@ class _ZeroAdamW(torch.optim.Optimizer):
     def _checkpoint_states(self) -> Dict[str, torch.Tensor]:
         """The state for ``state_dict()``: clones, or, offloaded, tensors mapped from a private copy of the
         state file (no copy in memory; the copy's disk space is freed with the tensors)."""
+        self.wait_for_step()
         if self._stream is None:
             return {k: getattr(self, k).clone() for k in STATES}
         out = self._stream.snapshot(self._owner)
@@ -159,9 +162,12 @@ class _ZeroAdamW(torch.optim.Optimizer):
             if t.numel() != size:
                 raise ValueError(f"{self._owner}.load_state_dict: state {k!r} has {t.numel()} elements, this "
                                  f"rank's shard {size}; was it saved from another model or layout?")
+        self.wait_for_step()
         if self._stream is None:
             for k, t in named.items():
                 getattr(self, k).copy_(t)
+            if self._host is not None:         # the device's parameters follow the loaded master
+                self._host.upload_all(self._upload_targets)
         else:
             self._stream.load({k: t for k, t in named.items() if k in self._stream.states}, self._owner)
             for k, t in named.items():
@@ -173,6 +179,8 @@ class _ZeroAdamW(torch.optim.Optimizer):
     def _state_bytes(self) -> Dict[str, int]:
         """``{"optimizer": bytes of state in memory, "offload": bytes in the state file}``; the memory of an
         offloaded state is its streaming buffers (and a resident master)."""
+        if self._host is not None:
+            return {"optimizer": 0, "offload": self._host.host_bytes}
         if self._stream is None:
             return {"optimizer": M.storage_bytes([self.master, self.exp_avg, self.exp_avg_sq]), "offload": 0}
         resident = [getattr(self, k) for k in STATES if k not in self._stream.states]
@@ -186,6 +194,25 @@ class _ZeroAdamW(torch.optim.Optimizer):
         if self._stream is not None:
             self._stream.close()
             self._stream.failed = f"{self._owner}: close_offload() was called; build a new optimizer"
+        if self._host is not None:
+            self.wait_for_step()
+            self._host.close()
+
+    def wait_for_step(self) -> None:
+        """``offload="cpu", offload_delayed_update=True``: apply the step whose CPU work is still in flight
+        (upload its parameters; stages 1 and 2 all-gather them: a collective over the dp group). Until then
+        the model holds the parameters of one step before. Called by every checkpoint and state read; a
+        no-op otherwise."""
+        if self._host is not None and self._host.finish():
+            self._after_host_upload()
+
+    def _after_host_upload(self) -> None:
+        """Subclass hook: a delayed step's parameters were uploaded (stages 1 and 2 gather them)."""
+
+    def _upload_targets(self, lo: int, hi: int):
+        """Subclass hook, ``offload="cpu"``: ``(a, b, device tensor)`` where shard elements ``[a, b)`` of
+        ``[lo, hi)`` go after a step (the low-precision copy, or an fp32 model's parameter shard)."""
+        raise NotImplementedError
 
     def _init_groups(self, params, *, lr, betas, eps, weight_decay, no_decay: NoDecay) -> None:
         named = self._module_named_params()
@@ -409,7 +436,9 @@ class _ZeroAdamW(torch.optim.Optimizer):
         grad = self._grad_source()
         runs = self._runs(had)
         mixed = any(r[4] is None for r in runs)
-        if self._stream is None:
+        if self._host is not None:
+            self._step_host(runs, mixed, scale, inf)
+        elif self._stream is None:
             wd_vec = self._wd_vector() if mixed else None
             self._step_span(runs, 0, self.master.numel(), (self.master, self.exp_avg, self.exp_avg_sq), grad,
                             (lambda a, b: wd_vec[a:b]) if mixed else None, scale, inf, keep)
@@ -419,11 +448,16 @@ class _ZeroAdamW(torch.optim.Optimizer):
         return loss
 
     def _step_span(self, runs, lo: int, hi: int, states: Sequence[torch.Tensor], grad: torch.Tensor,
-                   wd_of: Optional[Callable[[int, int], torch.Tensor]], scale, inf, keep) -> None:
+                   wd_of: Optional[Callable[[int, int], torch.Tensor]], scale, inf, keep, *,
+                   steps: Optional[torch.Tensor] = None, low: Optional[torch.Tensor] = None) -> None:
         """The fused AdamW calls of ``runs`` over shard elements ``[lo, hi)``. ``states``: master, exp_avg,
-        exp_avg_sq holding exactly those elements (index 0 is element ``lo``); ``grad`` and ``self.low``
-        are whole shards. ``wd_of(a, b)``: per-element weight decay of ``[a, b)`` for runs mixing groups."""
+        exp_avg_sq holding exactly those elements (index 0 is element ``lo``); ``grad`` and ``low`` (default
+        ``self.low``) are whole shards. ``wd_of(a, b)``: per-element weight decay of ``[a, b)`` for runs
+        mixing groups. ``steps``: the per-parameter step counts (default ``self._steps``; a host copy when
+        the state is in host memory)."""
         master, exp_avg, exp_avg_sq = states
+        steps = self._steps if steps is None else steps
+        low = self.low if low is None else low
         for ((lr, beta1, beta2, eps, maximize), _), s, e, idx, wd in runs:
             a, b = max(s, lo), min(e, hi)
             if a >= b:
@@ -433,9 +467,9 @@ class _ZeroAdamW(torch.optim.Optimizer):
                 m.addcmul_(m, wd_of(a, b) * keep, value=-lr)
                 wd = 0.0
             adamw_step(m, grad[a:b], exp_avg[a - lo:b - lo], exp_avg_sq[a - lo:b - lo], lr=lr,
-                       step=self._steps[idx:idx + 1], beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                       step=steps[idx:idx + 1], beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
                        maximize=maximize, grad_scale=scale, found_inf=inf,
-                       param_copy=None if self.low is None else self.low[a:b], backend=self.backend)
+                       param_copy=None if low is None else low[a:b], backend=self.backend)
 
     def _step_streamed(self, runs, grad, wd_of, scale, inf, keep) -> None:
         """The runs over the offloaded state: each sub-group that a run touches is read, stepped in its
@@ -449,6 +483,33 @@ class _ZeroAdamW(torch.optim.Optimizer):
             self._after_chunk(lo, hi, states[0])
 
         stream.stream(stream.groups([(r[1], r[2]) for r in runs]), step_chunk, self._owner)
+
+    def _step_host(self, runs, mixed: bool, scale, inf) -> None:
+        """The runs over the state in host memory (:mod:`.host_offload`): the gradients copied to the host
+        (the ones backward could not copy yet now), the CPU kernel chunk by chunk, each chunk's parameters
+        copied back while the next is stepped."""
+        host = self._host
+        self._fetch_host_grads()
+        # the scalars the kernel reads, on the host: one small copy (the step waits for the gradients anyway)
+        scalars = torch.stack([scale.reshape(()), inf.reshape(())]).float().cpu()
+        if scalars[1].item() != 0:        # found_inf: skipped, nothing stepped or copied back
+            host.finish()                 # (a delayed step still in flight is applied as usual)
+            return
+        scale_h, inf_h, keep_h = scalars[0:1], torch.zeros(1), torch.ones(1)
+        steps_h = self._steps.to("cpu", copy=True)       # a copy: a delayed step reads it after _advance moved on
+        wd_vec = self._wd_vector() if mixed else None      # the master lives on the host, so does this
+
+        def step_chunk(lo, hi, grad, low):
+            states = [t[lo:hi] for t in (host.master, host.exp_avg, host.exp_avg_sq)]
+            self._step_span(runs, lo, hi, states, grad, (lambda a, b: wd_vec[a:b]) if mixed else None,
+                            scale_h, inf_h, keep_h, steps=steps_h, low=low)
+
+        # (delayed update: the previous step's parameters are uploaded first; _after_step gathers them)
+        host.step([(r[1], r[2]) for r in runs], step_chunk, self._upload_targets)
+
+    def _fetch_host_grads(self) -> None:
+        """Subclass hook, ``offload="cpu"``: queue the gradient copies backward did not queue."""
+        raise NotImplementedError
 
     def _wd_chunk(self, a: int, b: int) -> torch.Tensor:
         """``_wd_vector()[a:b]`` without the whole vector: filled from the pieces into a sub-group buffer."""

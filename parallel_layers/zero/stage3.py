@@ -4,8 +4,9 @@ Layout (:mod:`.stage3_units`). The module is cut into *units* (default: every el
 ``nn.ModuleList``, consecutive small ones merged up to ``min_unit_numel`` elements, plus the root for the
 parameters left over). A unit's parameters are flattened into one buffer padded to a multiple of
 ``16 * dp`` elements; rank r keeps shard r of every unit, all of them concatenated in ONE persistent
-tensor, ``shard_buffer``: that is the only persistent parameter storage. The fp32 gradient shards live in
-``grad_buffer``, same layout, so an optimizer steps every unit with one fused kernel call.
+tensor, ``shard_buffer``: that is the only persistent parameter storage. The gradient shards (fp32, or
+the parameter dtype with ``grad_dtype=``) live in ``grad_buffer``, same layout, so an optimizer steps every
+unit with one fused kernel call.
 
 Per unit and step (``timeline`` records each event with a timestamp, so tests can prove the overlap):
 
@@ -118,8 +119,14 @@ class ZeroStage3(nn.Module):
     those saves, and its recomputation would read freed parameters).
     ``find_unused_parameters``: ranks may differ in which parameters get a gradient (a data-dependent
     branch inside a unit every rank runs); the optimizer's step then agrees on it with one small all-reduce.
-    After backward, this rank's averaged fp32 gradient shards are in ``grad_buffer`` (accumulated across
-    backwards until :meth:`zero_grad`).
+    After backward, this rank's averaged gradient shards are in ``grad_buffer`` (accumulated across
+    backwards until :meth:`zero_grad`), in ``grad_dtype``: float32 by default, or the parameters' dtype
+    (``torch.bfloat16``), which halves the gradient shard (2 bytes per parameter instead of 4: with the
+    optimizer state on disk, bf16 parameters and gradients are then all a rank holds, about 4 bytes per
+    parameter). What it changes: the unit's gradients are reduced in the parameter dtype either way, and
+    for a power-of-two dp size the averaged shard is the same value in both dtypes, so one backward per
+    step gives the same step; a sum over several backwards without ``no_sync()`` is rounded to the
+    parameter dtype at every backward (``no_sync()`` accumulates in the parameter dtype in both cases).
 
     Use with :class:`ZeroStage3Optimizer` (param groups, schedulers, ``clip_grad_norm_``: see its
     docstring)::
@@ -142,7 +149,8 @@ class ZeroStage3(nn.Module):
     def __init__(self, module: nn.Module, dp_group, *,
                  wrap: Wrap = None, min_unit_numel: int = MIN_UNIT_NUMEL,
                  param_dtype: Optional[torch.dtype] = None, prefetch: bool = True, broadcast_from_rank0: bool = True,
-                 free_root_early: bool = True, find_unused_parameters: bool = False):
+                 free_root_early: bool = True, find_unused_parameters: bool = False,
+                 grad_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.module, self.dp_group, self.prefetch = module, dp_group, bool(prefetch)
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -173,9 +181,13 @@ class ZeroStage3(nn.Module):
                                   for i, (name, mods, named) in enumerate(plan)]
         self.shard_numel = sum(u.shard_numel for u in self.units)
         self.shard_buffer = torch.zeros(self.shard_numel, dtype=self.param_dtype, device=self.device)
-        self.grad_buffer = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        self.grad_dtype = self._check_grad_dtype(grad_dtype)
+        # zeroed (its pages touched) only once _build has freed the module's own parameters: the build's peak
+        # is then the module plus its shards, not the module plus shards plus gradient shards
+        self.grad_buffer = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
         self.grad_nbytes = self.grad_buffer.untyped_storage().nbytes()
         self._build(broadcast_from_rank0)
+        self.grad_buffer.zero_()
         self.timeline: List[tuple] = []
         self._set_forward_order([u.index for u in self.units])   # refined from each forward
         self._cur_order: List[int] = []
@@ -193,6 +205,8 @@ class ZeroStage3(nn.Module):
             u.shard = self.shard_buffer[pos:pos + u.shard_numel]
             u.grad_shard = self.grad_buffer[pos:pos + u.shard_numel]
             pos += u.shard_numel
+            u.full.untyped_storage().resize_(u.nbytes)       # one unit's full buffer at a time
+            u.full[u.numel:].zero_()                          # padding: zero parameters, so Adam keeps it zero
             for p, o in zip(u.params, u.offsets):
                 u.full[o:o + p.numel()].copy_(p.detach().reshape(-1))
             if broadcast:
@@ -212,6 +226,15 @@ class ZeroStage3(nn.Module):
             for p in u.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p))
+
+    def _check_grad_dtype(self, grad_dtype: Optional[torch.dtype]) -> torch.dtype:
+        if grad_dtype is None or grad_dtype == torch.float32:
+            return torch.float32
+        if grad_dtype != self.param_dtype:
+            raise ValueError(f"ZeroStage3: grad_dtype={grad_dtype} for {self.param_dtype} parameters; the gradient "
+                             f"shard is float32 (the default) or the parameters' dtype ({self.param_dtype}), which "
+                             f"halves its memory for bf16/fp16 parameters")
+        return grad_dtype
 
     # ------------------------------------------------------------------ memory bookkeeping
     @property

@@ -1,7 +1,8 @@
 """AdamW for :class:`ZeroStage3`: fused kernel calls over this rank's shard of every unit.
 
 ``ZeroStage3`` keeps all of this rank's parameter shards in one flat tensor (``shard_buffer``) and the
-averaged fp32 gradient shards in another of the same layout (``grad_buffer``), so a step is one
+averaged gradient shards in another of the same layout (``grad_buffer``: fp32, or bf16/fp16 with
+``ZeroStage3(grad_dtype=)``, which the kernel reads as it is), so a step is one
 ``parallel_layers.ops.adamw_step`` call per *run* of ``S = shard_numel`` elements (pieces of parameters
 with a gradient, the same lr/betas/eps and the same step count: one call in the common case):
 
@@ -18,12 +19,14 @@ in the shard too) and clipping behave as in :mod:`.optimizer`.
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
 
 from . import full_state
 from . import memory as M
+from .host_offload import HostOffload, HostShard, ReducedUnits, segments_of
 from .offload import DEFAULT_BUFFER_MB, resolve_offload
 from .sharded_adamw import STATE_FORMAT, NoDecay, _ZeroAdamW
 from .stage3 import ZeroStage3
@@ -59,7 +62,11 @@ class ZeroStage3Optimizer(_ZeroAdamW):
 
     ``offload="disk", offload_dir=DIR, offload_buffer_mb=, offload_io=``: the fp32 master (bf16/fp16
     models; an fp32 model's master is its parameter shard, which stays) and the moments live in a file per
-    rank, streamed through the buffers in each step, as ``ZeroOptimizer``'s (:mod:`.offload`).
+    rank, streamed through the buffers in each step, as ``ZeroOptimizer``'s (:mod:`.offload`). With
+    ``ZeroStage3(grad_dtype=torch.bfloat16)`` a rank then holds about 4 bytes per parameter.
+    ``offload="cpu"`` (a CUDA model; ``offload_delayed_update=``): master and moments in pinned host memory,
+    each unit's gradient shard copied to the host as soon as backward has reduced it, the step on the CPU,
+    the updated shard copied back (:mod:`.host_offload`).
     """
 
     _owner = "ZeroStage3Optimizer"
@@ -68,7 +75,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  no_decay: NoDecay = None, backend: Optional[str] = None, offload: Optional[str] = None,
                  offload_dir: Optional[str] = None, offload_buffer_mb: float = DEFAULT_BUFFER_MB,
-                 offload_io: str = "auto"):
+                 offload_io: str = "auto", offload_delayed_update: bool = False):
         if not isinstance(zmodule, ZeroStage3):
             raise TypeError(f"ZeroStage3Optimizer: expected a ZeroStage3 module, got {type(zmodule).__name__}")
         self.z, self.backend = zmodule, backend
@@ -76,9 +83,12 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         self.device = shard.device
         low = shard.dtype != torch.float32
         self.low = shard if low else None
-        disk = resolve_offload(self._owner, offload, offload_dir, self.device, offload_buffer_mb, offload_io)
-        if disk is not None:
-            self._stream = self._offload_state(disk, tag="stage3", group=zmodule.dp_group, layout=zmodule._layout(),
+        where = resolve_offload(self._owner, offload, offload_dir, self.device, offload_buffer_mb, offload_io,
+                               offload_delayed_update)
+        if isinstance(where, HostOffload):
+            self._build_host(where, shard, low)
+        elif where is not None:
+            self._stream = self._offload_state(where, tag="stage3", group=zmodule.dp_group, layout=zmodule._layout(),
                                                numel=shard.numel(), resident_master=None if low else shard,
                                                init_master=lambda lo, hi, out: out.copy_(shard[lo:hi]))
         else:
@@ -86,6 +96,49 @@ class ZeroStage3Optimizer(_ZeroAdamW):
             self.exp_avg = torch.zeros_like(self.master)
             self.exp_avg_sq = torch.zeros_like(self.master)
         self._init_groups(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
+
+    # ------------------------------------------------------------------ ZeRO-Offload (offload="cpu")
+    def _build_host(self, config: HostOffload, shard: torch.Tensor, low: bool) -> None:
+        """The state in pinned host memory (:mod:`.host_offload`), one gradient segment per unit; the
+        device keeps the parameter shard (which the step's upload updates) and the gradient shard."""
+        z = self.z
+        host = HostShard(self._owner, shard.numel(), self.device, grad_dtype=z.grad_dtype,
+                         low_dtype=shard.dtype if low else None, config=config,
+                         segments=segments_of([u.shard_numel for u in z.units]))
+        host.master.copy_(shard)
+        self._host = host
+        self.master, self.exp_avg, self.exp_avg_sq = host.master, host.exp_avg, host.exp_avg_sq
+        self._h_reduced = ReducedUnits(z)
+        self._h_copied: set = set()     # units whose gradient shard the host holds as the device does
+        ref = weakref.ref(self)
+
+        def poll(p):
+            opt = ref()
+            if opt is not None:
+                opt._host_poll()
+
+        for p in z.module.parameters():
+            if p.requires_grad:       # after ZeroStage3's own hooks: they reduce the unit before it
+                p.register_post_accumulate_grad_hook(poll)
+
+    def _host_poll(self) -> None:
+        """In backward (and at the step): queue the host copy of every unit reduced since the last look."""
+        if self.z._held:              # gather_all(): reduced later, by reduce_scatter_and_free()
+            return
+        for i in self._h_reduced.new():
+            lo, hi = self._host.segments[i]
+            self._host.copy_grad(i, self.z.grad_buffer[lo:hi])
+            self._h_copied.add(i)
+
+    def _fetch_host_grads(self) -> None:
+        self._host_poll()
+        for i, (lo, hi) in enumerate(self._host.segments):
+            if i not in self._h_copied:   # reduced without a hook seeing it, or no gradient (zeros)
+                self._host.copy_grad(i, self.z.grad_buffer[lo:hi])
+        self._h_copied.clear()        # consumed (and with a delayed update the next backward fills the other buffer)
+
+    def _upload_targets(self, lo: int, hi: int):
+        return [(lo, hi, self.z.shard_buffer[lo:hi])]
 
     # ------------------------------------------------------------------ what _ZeroAdamW asks
     def _module_named_params(self):
@@ -122,6 +175,8 @@ class ZeroStage3Optimizer(_ZeroAdamW):
 
     def _zero_grads(self, set_to_none: bool) -> None:
         self.z.zero_grad(set_to_none)
+        if self._host is not None:
+            self._h_copied.clear()
 
     def _before_step(self) -> None:
         unreduced = self.z._unreduced_units()
@@ -144,13 +199,17 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         module's parameter name, with the step counts and ``param_groups`` (parameters by name). A
         collective over the dp group; :meth:`load_full_state_dict` loads it at any dp size (resuming on
         more or fewer ranks)."""
+        self.wait_for_step()
         return full_state.full_state_dict(self, self._named_params, self.z.dp_group)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
         """Load a :meth:`full_state_dict` saved at any dp size (no collective): this rank's shard of the
         parameters, masters and moments, the step counts, and ``param_groups`` when the dict has them."""
+        self.wait_for_step()
         full_state.load_full_state_dict(self, state, self._named_params, "ZeroStage3Optimizer")
+        if self._host is not None:
+            self._host.upload_all(self._upload_targets)
 
     def _named_params(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return list(self.z.module.named_parameters())
@@ -184,7 +243,8 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         """Bytes this rank holds (measured on storages, padding included) and what is gathered transiently.
 
         ``param_bytes``: the parameter shards (the only persistent parameter storage). ``grad_bytes``: the
-        fp32 gradient shards (allocated from a backward's first reduction until ``zero_grad()``).
+        gradient shards, in ``ZeroStage3(grad_dtype=)`` (allocated from a backward's first reduction until
+        ``zero_grad()``).
         ``optimizer_bytes``: exp_avg, exp_avg_sq and, for low-precision models, the
         fp32 master (an fp32 model's master *is* ``param_bytes``). ``gathered_bytes``: full parameter and
         gradient buffers alive now (0 between steps); ``peak_gathered_bytes``: the most alive at once during
@@ -198,7 +258,8 @@ class ZeroStage3Optimizer(_ZeroAdamW):
                "param_bytes": M.storage_bytes([z.shard_buffer]),
                "grad_bytes": z.grad_nbytes,
                # an fp32 model's master is its parameter shard (param_bytes)
-               "optimizer_bytes": state["optimizer"] - (M.storage_bytes([self.master]) if self.low is None else 0),
+               "optimizer_bytes": state["optimizer"] - (M.storage_bytes([self.master])
+                                                        if self.low is None and self._host is None else 0),
                "offload_bytes": state["offload"],
                "gathered_bytes": sum(M.storage_bytes([u.full]) + M.storage_bytes([u.grad_full])
                                      for u in z.units),

@@ -53,12 +53,16 @@ class Unit:
         self.padded = max(1, math.ceil(pos / (SHARD_ALIGN * dp))) * SHARD_ALIGN * dp
         self.shard_numel = self.padded // dp
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.full = torch.zeros(self.padded, dtype=dtype, device=device)
-        self.grad_full = torch.zeros(self.padded, dtype=dtype, device=device)
+        # Both full buffers start without storage (the wrapper allocates them while a unit is gathered or
+        # reduced): allocated here for every unit at once they would hold twice the model while it is built.
+        self.full = torch.empty(self.padded, dtype=dtype, device=device)
+        self.grad_full = torch.empty(self.padded, dtype=dtype, device=device)
         # each parameter's gradient slice, shaped like it (views stay valid while the storage is freed)
         self.grad_view_of = {id(p): self.grad_full[o:o + n].view(p.shape)
                              for p, o, n in zip(self.params, self.offsets, self.numels)}
         self.nbytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.grad_full.untyped_storage().resize_(0)
         self.n_grad = sum(p.requires_grad for p in self.params)
         self.has_frozen = self.n_grad < len(self.params)
         self.shard = self.grad_shard = None     # views of the wrapper's flat buffers, set by the wrapper
