@@ -121,20 +121,12 @@ def body_3d_zero3(rank, world, dims, schedule):
     stage_numel = sum(p.numel() for p in model.model.parameters())
     loss_errs, norm_errs, clipped, resident, gathers = [], [], [], [], []
     z = model.z
-    launches = []
-    orig_gather = z._gather
-
-    def counting_gather(u, prefetch=False):
-        if u.gather_work is None and not u.gathered():
-            launches.append(u.index)
-        return orig_gather(u, prefetch)
-    z._gather = counting_gather
     eval_errs, after_eval = [], []
     for i, (x, y) in enumerate(_batches(STEPS)):
         ref_loss, ref_norm = _reference_step(dense, ref_opt, x, y)
-        launches.clear()
         out = model.train_step(x, y)
-        gathers.append(sorted(launches))
+        # the all-gathers this step launched (ZeroStage3's timeline starts anew with each step's gathering)
+        gathers.append(sorted(e[1] for e in z.timeline if e[0] == "gather_launch"))
         loss_err, norm_err = _step_errs(out, ref_loss, ref_norm)
         loss_errs.append(loss_err)
         norm_errs.append(norm_err)
@@ -145,7 +137,6 @@ def body_3d_zero3(rank, world, dims, schedule):
             eval_errs.append(_eval_err(model, dense))
             after_eval.append(sum(p.untyped_storage().nbytes() for p in model.model.parameters()))
     rep = model.memory_report()
-    z._gather = orig_gather
     ref = dense.state_dict()
     got = model.dense_state_dict()
     after_sd = sum(p.untyped_storage().nbytes() for p in model.model.parameters())

@@ -122,7 +122,7 @@ def body_bf16(rank, world, stage, comm_dtype, steps):
     names = dict((id(p), n) for n, p in dp.module.named_parameters())
     keys = sorted(ref)
     sq = torch.zeros(len(keys), 2, dtype=torch.float64)
-    for b, off in zip(opt._bucket_list, opt._offsets):
+    for b, off in opt.bucket_shards:
         for p, start_p, start_s, n in b.param_shard_overlaps(dp.dp_rank):
             k = names[id(p)]
             want = ref[k].reshape(-1)[start_p:start_p + n].double()
@@ -188,7 +188,8 @@ def body_fp16_inf(rank, world):
     for _ in range(2):
         _, inf = _amp_step(dp, opt, scaler, *mine)
         assert inf == 0.0
-    before = [t.clone() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, opt._step, dp.buffer.param_buffer)]
+    before = [t.clone() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq, torch.tensor(opt.steps_taken),
+                                  dp.buffer.param_buffer)]
     scale_before = scaler.scale_value()
     # Inject inf into rank 1's LOCAL gradient, at an element that rank 0 owns after the reduce-scatter: only
     # rank 0's shard sees it, so only the agreement over the dp group can make rank 1 skip too.
@@ -202,12 +203,12 @@ def body_fp16_inf(rank, world):
     opt.step(grad_scale=scaler.scale.clone(), found_inf=found_inf)
     scaler.update(found_inf)
     opt.zero_grad()
-    after = (opt.master, opt.exp_avg, opt.exp_avg_sq, opt._step, dp.buffer.param_buffer)
+    after = (opt.master, opt.exp_avg, opt.exp_avg_sq, torch.tensor(opt.steps_taken), dp.buffer.param_buffer)
     unchanged = [torch.equal(a, c) for a, c in zip(before, after)]
     # recovery: the same batch, the loss goes down again
     losses = [_amp_step(dp, opt, scaler, *mine) for _ in range(6)]
     return dict(shard_finite=shard_finite, found_inf=found_inf.item(), unchanged=unchanged,
-                scales=(scale_before, scaler.scale_value()), losses=losses, step=opt._step.item())
+                scales=(scale_before, scaler.scale_value()), losses=losses, step=opt.steps_taken)
 
 
 def test_fp16_overflow_on_one_rank_skips_everywhere_and_recovers(dist_pools):
@@ -276,7 +277,7 @@ def _ckpt_run(rank, dp, opt, scaler, batches):
 
 
 def _ckpt_result(dp, opt, scaler, losses):
-    return dict(params=[p.detach().clone() for p in dp.module.parameters()], layout=opt._layout,
+    return dict(params=[p.detach().clone() for p in dp.module.parameters()], layout=opt.layout,
                 states=[getattr(opt, k).clone() for k in ("master", "exp_avg", "exp_avg_sq", "_step")],
                 scaler=scaler.state_dict(), losses=losses)
 

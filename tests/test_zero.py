@@ -57,7 +57,7 @@ def _local(x, rank, world):
 def body_parity(rank, world, stage, bucket_cap_mb, mask_decay, rebuild, reduce_op="reduce_scatter"):
     no_decay = (lambda name, p: p.ndim < 2) if mask_decay else None
     ref, dp, opt = _setup(world, stage, bucket_cap_mb, no_decay=no_decay, rebuild=rebuild, reduce_op=reduce_op)
-    key0 = opt._layout_key
+    key0 = opt.layout_key
     if mask_decay:
         decay = [p for p in ref.parameters() if p.ndim >= 2]
         rest = [p for p in ref.parameters() if p.ndim < 2]
@@ -82,7 +82,7 @@ def body_parity(rank, world, stage, bucket_cap_mb, mask_decay, rebuild, reduce_o
     ref_params = dict(ref.named_parameters())
     param_err = worst(_rel(p.detach(), ref_params[n].detach()) for n, p in dp.module.named_parameters())
     return (loss_err, param_err, len(dp.buffer.buckets), [p.detach().clone() for p in dp.module.parameters()],
-            opt._layout_key != key0)
+            opt.layout_key != key0)
 
 
 # rebuild None/True: DataParallel re-lays out its buckets at the end of the first backward, BEFORE its
@@ -141,7 +141,7 @@ def body_memory(rank, world, stage, dtype):
     dp(torch.randn(2, 100, dtype=dtype)).sum().backward()
     opt.step()
     # the optimizer steps on DataParallel's reduce-scatter output itself: one gradient shard, not two
-    same_storage = opt._grad_shard().data_ptr() == dp.grad_shard.data_ptr()
+    same_storage = opt.grad_shard.data_ptr() == dp.grad_shard.data_ptr()
     return opt.memory_report(), expected_bytes(stage, world, 5248, param_dtype=dtype, comm_dtype=comm), same_storage
 
 
@@ -210,7 +210,7 @@ def body_checkpoint(rank, world, stage):
     dp2 = DataParallel(fresh, dp.dp_group, reduce_op="reduce_scatter", bucket_cap_mb=0.02,
                        first_bucket_cap_mb=0.02, rebuild_bucket_order=True)
     opt2 = ZeroOptimizer(dp2, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    layouts_differ = opt_sd["layout"] != opt2._layout
+    layouts_differ = opt_sd["layout"] != opt2.layout
     opt2.load_state_dict(opt_sd)
     _run(rank, world, dp2, opt2, batches[5:])
     same = all(torch.equal(a, b) for a, b in zip(dp.module.parameters(), dp2.module.parameters()))
@@ -229,20 +229,21 @@ def body_found_inf(rank, world, stage, dtype):
     _, dp, opt = _setup(world, stage, 0.02, dtype=dtype)
     batches = _batches(3, world)
     _run(rank, world, dp, opt, batches[:2])
-    before = [t.clone() for t in [opt.master, opt.exp_avg, opt.exp_avg_sq, opt._step, dp.buffer.param_buffer]]
+    before = [t.clone() for t in [opt.master, opt.exp_avg, opt.exp_avg_sq, torch.tensor(opt.steps_taken),
+                                  dp.buffer.param_buffer]]
     x, y = batches[2]
     _, loss = dp(_local(x, rank, world), _local(y, rank, world))
     loss.backward()
     opt.step(found_inf=torch.ones(1), grad_scale=torch.full((1,), 1024.0))
-    after = [opt.master, opt.exp_avg, opt.exp_avg_sq, opt._step, dp.buffer.param_buffer]
+    after = [opt.master, opt.exp_avg, opt.exp_avg_sq, torch.tensor(opt.steps_taken), dp.buffer.param_buffer]
     unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
     opt.zero_grad()
     _run(rank, world, dp, opt, batches[2:])    # the next step is taken
-    moved = not torch.equal(before[0], opt.master) and opt._step.item() == 3
+    moved = not torch.equal(before[0], opt.master) and opt.steps_taken == 3
     consistent = True
     if dtype != torch.float32:   # the bf16 params are the fp32 master's copy, written in the same pass
         from parallel_layers.distributed import collectives as C
-        for b, off in zip(opt._bucket_list, opt._offsets):
+        for b, off in opt.bucket_shards:
             s, e = b.shard_range(opt.dp_rank)
             consistent &= torch.equal(b.param_data[s:e], opt.master[off:off + b.shard_numel].to(dtype))
         C.all_reduce(dp.buffer.param_buffer.float(), dp.dp_group)

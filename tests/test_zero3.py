@@ -311,7 +311,7 @@ def body_found_inf(rank, world):
     unchanged = all(torch.equal(a, b) for a, b in zip(before, [getattr(opt, k) for k in keys] + [z.shard_buffer]))
     opt.zero_grad()
     _train(z, opt, batches[2:], rank, world)
-    moved = not torch.equal(before[0], opt.master) and opt._step.item() == 3
+    moved = not torch.equal(before[0], opt.master) and opt.steps_taken == 3
     return unchanged, moved, torch.equal(z.shard_buffer, opt.master.to(torch.bfloat16))
 
 

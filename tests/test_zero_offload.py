@@ -113,19 +113,19 @@ def body_parity(rank, world, stage, dtype, root, slow_disk=False):
         frozen = model.wpe.weight.detach().clone()
         wrapper, opt = _wrap(model, stage, root if kind == "disk" else None)
         if kind == "disk" and slow_disk:
-            _slow_writes(opt._stream.file)
+            _slow_writes(opt.offload_stream.file)
         skipped_untouched = None
         for i, batch in enumerate(_batches(5)):
             inf = torch.ones(1) if scaled and i == 2 else None       # an overflow: the step is skipped
             if kind == "disk" and inf is not None:
-                before = (_digest(opt._stream.file.path), dict(opt._stream.stats))
+                before = (_digest(opt.offload_stream.file.path), dict(opt.offload_stream.stats))
             _step(rank, wrapper, opt, batch, scaled=scaled, found_inf=inf)
             if kind == "disk" and inf is not None:
-                skipped_untouched = before == (_digest(opt._stream.file.path), dict(opt._stream.stats))
+                skipped_untouched = before == (_digest(opt.offload_stream.file.path), dict(opt.offload_stream.stats))
         now = wrapper.full_state_dict()["wpe.weight"] if stage == 3 else model.wpe.weight.detach()
         out[kind] = (_params(wrapper, stage), _states(opt), opt.steps_taken, torch.equal(now, frozen))
         if kind == "disk":
-            stream = opt._stream
+            stream = opt.offload_stream
             streamed = (stream.stats["steps"], len(stream.groups([(0, stream.numel)])), stream.states)
             path = stream.file.path
             opt.close_offload()             # the state file is scratch space: removed with the optimizer
@@ -213,7 +213,7 @@ def body_memory(rank, world, root):
     backward()
     disk, disk_peak = growth(lambda: ZeroOptimizer(dp, stage=1, lr=1e-3, offload="disk", offload_dir=root,
                                                    offload_buffer_mb=4))
-    state_bytes, buffers = 12 * disk.shard_numel, disk._stream.buffer_bytes
+    state_bytes, buffers = 12 * disk.shard_numel, disk.offload_stream.buffer_bytes
     report = disk.memory_report()
     disk.close_offload()
     del disk
@@ -262,15 +262,15 @@ def body_bad_files(rank, world, root):
 
     results = {}
     _, w, opt = fresh("missing")
-    os.unlink(opt._stream.file.path)
+    os.unlink(opt.offload_stream.file.path)
     results["missing"] = refused(opt, w)
 
     _, w, opt = fresh("truncated")
-    os.truncate(opt._stream.file.path, opt._stream.file.nbytes // 2)
+    os.truncate(opt.offload_stream.file.path, opt.offload_stream.file.nbytes // 2)
     results["truncated"] = refused(opt, w)
 
     _, w, opt = fresh("rank")                    # the other rank's file copied over this rank's
-    mine = opt._stream.file.path
+    mine = opt.offload_stream.file.path
     shutil.copyfile(mine, mine + ".copy")
     paths = [None, None]
     dist.all_gather_object(paths, mine, group=group)
@@ -280,23 +280,24 @@ def body_bad_files(rank, world, root):
 
     _, w, opt = fresh("run")                     # this rank's file of another run (same model and layout)
     _, _, other = fresh("run-other")
-    shutil.copyfile(other._stream.file.path, opt._stream.file.path)
+    shutil.copyfile(other.offload_stream.file.path, opt.offload_stream.file.path)
     results["run"] = refused(opt, w)
 
     _, w, opt = fresh("replaced")                # a new file put in its place
-    os.replace(shutil.copyfile(other._stream.file.path, opt._stream.file.path + ".x"), opt._stream.file.path)
+    path = opt.offload_stream.file.path
+    os.replace(shutil.copyfile(other.offload_stream.file.path, path + ".x"), path)
     results["replaced"] = refused(opt, w)
 
     _, w, opt = fresh("layout")                  # a file of another model
     _, _, small = fresh("layout-other", n_layer=1)
-    shutil.copyfile(small._stream.file.path, opt._stream.file.path)
+    shutil.copyfile(small.offload_stream.file.path, opt.offload_stream.file.path)
     results["layout"] = refused(opt, w)
 
     _, w, opt = fresh("stale")                   # an older copy of its own file put back
     _step(rank, w, opt, batch)                  # (the first step re-lays out the buckets: a new file)
-    shutil.copyfile(opt._stream.file.path, opt._stream.file.path + ".old")
+    shutil.copyfile(opt.offload_stream.file.path, opt.offload_stream.file.path + ".old")
     _step(rank, w, opt, batch)
-    shutil.copyfile(opt._stream.file.path + ".old", opt._stream.file.path)
+    shutil.copyfile(opt.offload_stream.file.path + ".old", opt.offload_stream.file.path)
     results["stale"] = refused(opt, w)
 
     try:                                        # two live optimizers on one file
@@ -339,7 +340,7 @@ def body_failed_write(rank, world, root):
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, ckpt)
 
     calls = []
-    real_write = opt._stream.file.write
+    real_write = opt.offload_stream.file.write
 
     def disk_full_on_third_write(name, lo, hi, src):      # the disk fills up mid-step
         calls.append(name)
@@ -347,7 +348,7 @@ def body_failed_write(rank, world, root):
             raise OSError(28, "No space left on device")
         real_write(name, lo, hi, src)
 
-    opt._stream.file.write = disk_full_on_third_write
+    opt.offload_stream.file.write = disk_full_on_third_write
     errors = []
     for attempt in (lambda: _step(rank, dp, opt, batches[2]), lambda: _step(rank, dp, opt, batches[2]),
                     opt.state_dict):
@@ -432,7 +433,7 @@ def body_checkpoint(rank, world, stage, root):
         model.load_state_dict(model_sd)
         wrapper, opt = run(model, offload_dir, [])
         if stage == 1:                          # the state moves across bucket layouts (a collective)
-            results[name + " layouts differ"] = (sd["layout"] != opt._layout, True)
+            results[name + " layouts differ"] = (sd["layout"] != opt.layout, True)
         opt.load_state_dict(sd)
         for b in batches[3:]:
             _step(rank, wrapper, opt, b)

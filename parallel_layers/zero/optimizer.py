@@ -500,6 +500,28 @@ class ZeroOptimizer(_ZeroAdamW):
         if self.low is not None:
             self.low.copy_(self.master)
 
+    # ------------------------------------------------------------------ read-only views of the layout
+    @property
+    def bucket_shards(self) -> List[Tuple[object, int]]:
+        """``(bucket, offset)`` per DataParallel bucket: its shard on this rank starts at ``offset`` of the flat
+        ``master`` / ``exp_avg`` / ``exp_avg_sq``."""
+        return list(zip(self._bucket_list, self._offsets))
+
+    @property
+    def layout(self) -> list:
+        """The bucket layout this state is laid out in (what ``state_dict()["layout"]`` records)."""
+        return self._layout
+
+    @property
+    def layout_key(self) -> tuple:
+        """Identifies the buckets' current storage; changes when DataParallel re-lays them out."""
+        return self._layout_key
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's averaged gradient shard (flat fp32), as the step reads it."""
+        return self._grad_shard()
+
     # ------------------------------------------------------------------ step
     def _scattered(self) -> bool:
         return getattr(self.dp, "reduce_op", "reduce_scatter") == "reduce_scatter"

@@ -115,6 +115,11 @@ class _ZeroAdamW(torch.optim.Optimizer):
     _stream: Optional[StreamedShard] = None      # the offloaded state, when offload="disk"
     _host: Optional[HostShard] = None            # the state in pinned host memory, when offload="cpu"
 
+    @property
+    def offload_stream(self) -> Optional[StreamedShard]:
+        """The state streamed from disk (``offload="disk"``: its ``file``, ``stats``, ``buffer_bytes``), else None."""
+        return self._stream
+
     # ------------------------------------------------------------------ where the state lives
     def _state_tensor(self, name: str) -> torch.Tensor:
         stream = self._stream
