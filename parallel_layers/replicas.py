@@ -151,7 +151,7 @@ class ShardedGrads(_Bucketed):
         if self.zero == 2:
             # ZeRO-2 frees the full grad buffer between steps; the pipeline calls the stages directly,
             # not through the DataParallel forward whose pre-hook would bring it back
-            self.optimizer._materialize_grads()
+            self.optimizer.materialize_grads()
         self.optimizer.zero_grad()
 
     def norm_pieces(self) -> List[torch.Tensor]:

@@ -285,6 +285,12 @@ class ZeroOptimizer(_ZeroAdamW):
             st.resize_(0)
         self.dp.grad_shard.zero_()
 
+    def materialize_grads(self) -> None:
+        """ZeRO-2 frees DataParallel's full gradient buffer between steps and brings it back (zeroed) in the
+        wrapper's forward pre-hook; a caller that runs the module's pieces itself (a pipeline stage) calls
+        this before the step's first backward."""
+        self._materialize_grads()
+
     def _materialize_grads(self, *_unused) -> None:
         st = self._grad_storage()
         if st.nbytes() == 0 and self._grad_nbytes:
