@@ -24,9 +24,17 @@ BENCH = "python -m parallel_layers bench"
 SECTIONS = [("kernels.csv", "Fused kernels", f"{BENCH} --only kernels"),
             ("tp.csv", "Tensor parallel (2 ranks)", f"{BENCH} --only tp"),
             ("dp.csv", "Data parallel", f"{BENCH} --only dp"),
+            ("zero_offload.csv", "ZeRO-Infinity: optimizer state on disk", f"{BENCH} --only zero"),
+            ("cpu_adam.csv", "CPU AdamW (the ZeRO-Offload step) against torch's", f"{BENCH} --only zero"),
+            ("parameter_server.csv", "Parameter servers against the ring all-reduce", f"{BENCH} --only dp"),
             ("zero.csv", "ZeRO", f"{BENCH} --only zero"),
             ("pipeline.csv", "Pipeline", f"{BENCH} --only pipeline"),
             ("demo.csv", "Demo layouts, 8 processes on 2 cores (ours ms = step time)", f"{BENCH} --only demo"),
+            ("generic_3d.csv", "Parallel3D on the reference GPT: any-model path against the GPT-specific one",
+             f"{BENCH} --only demo"),
+            ("freeze_training.csv", "Freeze training (PipeTransformer): time to the same loss", f"{BENCH} --only demo"),
+            ("torch_native_3d.csv", "Llama dp2 x tp2 x pp2 against FSDP2 + DTensor + torch pipelining",
+             f"{BENCH} --only demo"),
             ("matmul.csv", "Fused matmul epilogue (GPU)", f"{BENCH} --only kernels")]
 SCALING = ("scaling.csv", "Scaling curves", f"{BENCH} --only scaling")
 PLOTS = [("ratios.png", "every case against its baseline"),

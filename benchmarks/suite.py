@@ -29,10 +29,10 @@ from . import harness
 GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("kernels", ("kernels", "matmul")),
     ("tp", ("tp", "cross_entropy")),
-    ("dp", ("dp",)),
-    ("zero", ("zero", "zero3", "zero_offload")),
+    ("dp", ("dp", "parameter_server")),
+    ("zero", ("zero", "zero3", "zero_offload", "cpu_adam")),
     ("pipeline", ("pipeline",)),
-    ("demo", ("demo_layouts", "generic_3d", "torch_native_3d")),
+    ("demo", ("demo_layouts", "generic_3d", "torch_native_3d", "freeze_training")),
     ("scaling", ("scaling",)),
 ])
 

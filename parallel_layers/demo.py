@@ -45,7 +45,7 @@ import torch
 
 from .cpu_affinity import available_cores, bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
-from .demo_models import MODELS, model_description, parallel_model, reference
+from .demo_models import MODELS, lm_loss, model_description, parallel_model, reference
 from .testing.compare import worst as worst_error
 from .testing.workers import free_port
 
@@ -166,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", metavar="DIR", help="resume from a universal checkpoint (DIR/iter_NNNNNNN, or a --save "
                    "DIR: its latest) saved with any --dp/--tp/--pp/--zero/--schedule/--precision, and train up to "
                    "--steps; the comparison covers the resumed steps")
+    p.add_argument("--freeze", default="off", metavar="off|auto|STEP:BLOCKS,...",
+                   help="freeze training (PipeTransformer): freeze the bottom blocks as training goes and give the "
+                        "pipeline ranks they free to data parallelism; auto: when their gradient norms stop changing; "
+                        "2:2,6:3: the first 2 blocks from step 2, the first 3 from step 6 (needs --tp 1)")
+    p.add_argument("--freeze-cap", type=float, default=0.5, metavar="F",
+                   help="with --freeze: at most this fraction of the blocks freezes")
+    p.add_argument("--freeze-interval", type=int, default=10, metavar="N",
+                   help="with --freeze auto: steps per gradient-norm window (a decision after each)")
     p.add_argument("--out", default="demo_out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
     p.add_argument("--no-reference", action="store_true", help="skip the single-process comparison")
@@ -222,6 +230,8 @@ def check_args(args) -> None:
         from ._optional import have
         if not have("transformers"):
             errs.append("--model llama needs transformers (pip install transformers)")
+    from .elastic.demo_support import check_freeze_args
+    errs += check_freeze_args(args)
     if errs:
         raise SystemExit("demo: " + "; ".join(errs))
 
@@ -283,12 +293,17 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     mesh = ParallelMesh(args.dp, args.tp, args.pp)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
     what, extra = parallel_model(args)
-    model = Parallel3D(what, mesh, zero=args.zero, schedule=args.schedule,
-                       num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
-                       weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
-                       device=device, checkpoint=checkpoint_setting(args), **extra,
-                       optimizer_options=None if args.offload == "none" else
-                       {"offload": args.offload, "offload_dir": args.offload_dir})
+    if args.freeze != "off":                     # the whole model, re-laid out as its bottom blocks freeze
+        from .elastic.demo_support import freeze_trainer
+        model = freeze_trainer(args, lambda: reference(args)[0], lm_loss, mesh, dtype=dtype, device=device,
+                               checkpoint=checkpoint_setting(args))
+    else:
+        model = Parallel3D(what, mesh, zero=args.zero, schedule=args.schedule,
+                           num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
+                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
+                           device=device, checkpoint=checkpoint_setting(args), **extra,
+                           optimizer_options=None if args.offload == "none" else
+                           {"offload": args.offload, "offload_dir": args.offload_dir})
     start, saved, load_s = 0, [], None
     if args.load:
         t_load = time.perf_counter()
@@ -313,6 +328,14 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
         step_times.append(time.perf_counter() - t0)
         losses.append(out["loss"])
         skipped += int(out.get("skipped", False))
+        if out.get("relayout"):                  # --freeze: this step began in a new layout
+            from .elastic.demo_support import relayout_line
+            line = relayout_line(out["relayout"])
+            if bar is not None:
+                bar.write(line)
+                bar.set_description(f"{args.model} dp={model.mesh.dp} tp=1 pp={model.mesh.pp}")
+            elif rank == 0:
+                print(line, flush=True)
         mem.fill_(rss_mb())
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         tps = tokens_per_step / step_times[-1]
@@ -347,7 +370,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     bubble = model.bubble_fraction() if rank == 0 else None
     per_rank = [None] * dist.get_world_size()
     info = {"rank": rank, "rss_mb": round(rss_mb(), 1),
-            "coord": {"dp": mesh.dp_rank, "tp": mesh.tp_rank, "pp": mesh.pp_rank},
+            "coord": {"dp": model.mesh.dp_rank, "tp": model.mesh.tp_rank, "pp": model.mesh.pp_rank},
             "cores": available_cores()}
     if device is not None and device.type == "cuda":
         info["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
@@ -359,7 +382,8 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
             "step_time_s": sum(timed) / len(timed), "per_rank": per_rank, "timeline_png": png,
             "bubble_fraction": bubble, "skipped_steps": skipped if args.precision == "fp16" else None,
             "val_losses": val_losses, "first_step": start + 1, "saved": saved, "load_seconds": load_s,
-            "loss_scale": out["loss_scale"] if args.precision == "fp16" and args.steps else None}
+            "loss_scale": out["loss_scale"] if args.precision == "fp16" and args.steps else None,
+            "freeze": model.history if args.freeze != "off" else None}
 
 
 def _worker(rank: int, world: int, args, port: int) -> None:
@@ -386,8 +410,11 @@ def _worker(rank: int, world: int, args, port: int) -> None:
 
 
 # ---------------------------------------------------------------------- the reference
-def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = None):
-    """The single-process run: ``(losses, val_losses)`` (``[[step, loss], ...]``, empty without ``val``)."""
+def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = None, freeze=None):
+    """The single-process run: ``(losses, val_losses)`` (``[[step, loss], ...]``, empty without ``val``).
+    ``freeze``: the parallel run's layout changes (``--freeze``), whose freezes it replays."""
+    from .elastic.demo_support import freeze_steps, replay_freeze
+    freezes = freeze_steps(freeze)
     model, loss_of = reference(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=args.weight_decay, foreach=False)
@@ -395,6 +422,7 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
     evals, val_batches = validation_plan(val, args)
     for step in range(args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
+        replay_freeze(model, freezes, step)
         loss = loss_of(model, x, y)
         loss.backward()
         if args.max_grad_norm is not None:
@@ -461,7 +489,8 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
                "tokens_per_s": par["tokens_per_s"], "step_time_s": par["step_time_s"],
                "memory_rss_mb": [r["rss_mb"] for r in par["per_rank"]], "per_rank": par["per_rank"],
                "bubble_fraction": par["bubble_fraction"], "tolerance_rel_per_step": tol,
-               "skipped_steps": par.get("skipped_steps"), "final_loss_scale": par.get("loss_scale")}
+               "skipped_steps": par.get("skipped_steps"), "final_loss_scale": par.get("loss_scale"),
+               "freeze": par.get("freeze")}
     if start:
         print(f"\nresumed from {args.load} at step {start} (a universal checkpoint: any layout loads it; "
               f"{par['load_seconds']:.2f} s on rank 0)")
@@ -476,6 +505,8 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
               f"final loss scale {par['loss_scale']:g}")
     if par["bubble_fraction"] is not None:
         print(f"pipeline bubble (last step, measured): {par['bubble_fraction']:.1%}")
+    for event in par.get("freeze") or []:
+        print(f"freeze training: from step {event['step'] + 1}: {event['to']}")
     if ref is None:
         summary["agree"], summary["max_rel_diff"] = None, None
         print("single-process comparison skipped (--no-reference)")
@@ -541,7 +572,7 @@ def _run_torchrun(args) -> int:
         par = train_parallel(args, corpus, device, val)
         code = 0
         if par is not None:
-            ref = None if args.no_reference else train_reference(args, corpus, val)
+            ref = None if args.no_reference else train_reference(args, corpus, val, par.get("freeze"))
             summary = summarize(args, par, ref, corpus.numel(), "torchrun")
             code = 0 if summary["agree"] in (True, None) else 1
         flag = torch.tensor([code], device=device)
@@ -574,7 +605,7 @@ def main(argv=None) -> int:
     ref = None
     if not args.no_reference:
         print("single-process reference run ...", flush=True)
-        ref = train_reference(args, corpus, val)
+        ref = train_reference(args, corpus, val, par.get("freeze"))
     summary = summarize(args, par, ref, corpus.numel(), f"torch.multiprocessing.spawn ({wall:.1f}s)")
     return 0 if summary["agree"] in (True, None) else 1
 

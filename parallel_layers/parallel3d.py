@@ -183,6 +183,9 @@ class Parallel3D:
         if num_chunks is None:
             num_chunks = 2 if schedule == "interleaved" else 1
         self.mesh, self.zero, self.dtype, self.scaler = mesh, zero, dtype, loss_scaler
+        # called as after_reduce(self) in every train_step once the gradients are reduced over dp, before the
+        # norm and the optimizer step: to measure them (FreezeTrainer's per-block norms)
+        self.after_reduce: Optional[Callable[["Parallel3D"], None]] = None
         self.max_grad_norm, self.skip_nonfinite, self.skipped_steps = max_grad_norm, skip_nonfinite, 0
         self.num_microbatches = num_microbatches
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
@@ -246,6 +249,8 @@ class Parallel3D:
             mode.abandon_step()
             raise
         mode.reduce()
+        if self.after_reduce is not None:
+            self.after_reduce(self)
         found_inf = None
         if self.scaler is not None or self.skip_nonfinite:
             found_inf = torch.zeros(1, dtype=torch.float32, device=self._flag_device())
@@ -262,6 +267,11 @@ class Parallel3D:
             self.scaler.update(found_inf)
             out["loss_scale"] = float(self.scaler.scale.item())
         return out
+
+    @property
+    def grad_device(self) -> torch.device:
+        """Where the gradients and the step's flags live (the loss scale's device under fp16)."""
+        return self._flag_device()
 
     def _flag_device(self) -> torch.device:
         if self.scaler is not None:

@@ -71,6 +71,11 @@ UNDER_NCCL_RULES = {
     "test_vocab_cross_entropy.py": {"test_parity_with_f_cross_entropy": ("2",)},
     "test_universal_checkpoint.py": {"test_universal_checkpoint_resumes_on_another_mesh": ("3d-zero1",)},
     "test_pipeline_any_model.py": {"test_hf_model_pipelined_matches_single_process": ("llama-interleaved",)},
+    "test_zero_offload.py": {"test_offload_trains_bit_identically_to_in_memory": ("3-",),
+                             "test_bf16_gradient_shard_matches_the_fp32_one": ("",)},
+    "test_zero_host_offload.py": {"test_gradients_are_reported_as_each_unit_or_bucket_is_reduced": ("",)},
+    "test_freeze_training.py": {"test_fixed_schedule_relayout_pp4_to_dp2_pp2_matches_single_process": ("1",)},
+    "test_parameter_server.py": {"test_sync_matches_single_process": ("2",)},
 }
 
 
@@ -117,6 +122,13 @@ SLOW = {
     "test_cuda_compile.py": "*",
     "test_ops_large_index.py": "*",
     "test_readme.py": ("test_readme_example_runs",),
+    "test_zero_offload.py": ("test_bf16_gradient_shard_halves_the_resident_gradient_memory",
+                             "test_benchmark_smoke_rows"),
+    "test_zero_host_offload.py": ("test_cpu_adam_and_host_offload_benchmarks_smoke",),
+    "test_freeze_training.py": ("test_demo_freeze_shows_the_layout_changing",
+                                "test_hf_llama_freezes_through_its_recipe",
+                                "test_benchmark_smoke_reports_time_to_the_same_loss"),
+    "test_parameter_server.py": ("test_a_dead_worker_stops_a_sync_run_but_not_an_async_one",),
 }
 
 
