@@ -9,7 +9,7 @@ PIP           := $(PY) -m pip
 DEPS_STAMP    := $(VENV)/.deps-torch-$(TORCH_VERSION)
 EXT_STAMP     := $(VENV)/.ext-built
 CSRC          := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh') setup.py parallel_layers/_extension.py
-PYTEST_ARGS   ?=
+PYTEST_ARGS   ?= --durations=25
 BENCH_ARGS    ?=
 
 .PHONY: setup lint test test-fast bench bench-quick demo gpu-check clean
