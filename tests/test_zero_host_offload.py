@@ -224,7 +224,7 @@ def body_cuda_parity(rank, world, stage, dtype):
         report = opt.memory_report()
         out[kind] = (_params(wrapper, stage), _state(opt), opt.steps_taken, report)
         if kind == "cpu":
-            out["host"] = (skipped_untouched, dict(opt._host.stats), opt.shard_numel if stage != 3 else
+            out["host"] = (skipped_untouched, dict(opt.host_shard.stats), opt.shard_numel if stage != 3 else
                            wrapper.shard_numel, opt.master.is_pinned(), opt.master.device.type)
             opt.close_offload()
     return out, start, allocated
@@ -280,7 +280,7 @@ def body_cuda_delayed(rank, world, dtype):
         if i == 1:                              # the first step's update is still on the CPU
             stale_first = torch.equal(_params(z2, 3), start)
         _step(z2, opt2, batch)
-    in_flight = opt2._host.in_flight
+    in_flight = opt2.host_shard.in_flight
     opt2.wait_for_step()                        # applies the last step
     got = (_params(z2, 3), _state(opt2))
     opt2.close_offload()
@@ -299,7 +299,7 @@ def test_host_offload_cuda_delayed_update_applies_each_step_one_step_late(dist_p
 
 def body_cuda_overlap(rank, world):
     z, opt = _wrap(_gpt(torch.bfloat16, device="cuda"), 3, offload="cpu")
-    host = opt._host
+    host = opt.host_shard
     host.timing = True
     total = sum(u.shard_numel for u in z.units) * z.grad_buffer.element_size()
     x, y = _batches(1, "cuda")[0]

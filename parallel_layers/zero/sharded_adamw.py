@@ -120,6 +120,11 @@ class _ZeroAdamW(torch.optim.Optimizer):
         """The state streamed from disk (``offload="disk"``: its ``file``, ``stats``, ``buffer_bytes``), else None."""
         return self._stream
 
+    @property
+    def host_shard(self) -> Optional[HostShard]:
+        """The state in pinned host memory (``offload="cpu"`` on a CUDA model), else None."""
+        return self._host
+
     # ------------------------------------------------------------------ where the state lives
     def _state_tensor(self, name: str) -> torch.Tensor:
         stream = self._stream
