@@ -4,7 +4,9 @@ unit per module does and as torch AdamW on one process, keeps every contract (sk
 checkpointing, no_sync, find_unused_parameters, the read guard, state dicts), and a step of a model of
 many tiny modules takes at most twice ZeRO-2's on the same model (1,500 modules took 30x: ~4,500
 collectives a step, 7,521 elements padded to 48,032)."""
+import os
 import statistics
+import sys
 import time
 
 import pytest
@@ -14,6 +16,10 @@ from torch.utils.checkpoint import checkpoint
 
 from parallel_layers.testing import cached_mesh
 from parallel_layers.testing.compare import worst
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/ is top level
+# the model the benchmark times (800 tiny modules: LayerNorm(2) and Linear(2, 2), 1,604 parameters)
+from benchmarks.zero3_small_params import TinyModules  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 D, N_BLOCKS, WIDE_AT = 4, 24, 10
@@ -147,22 +153,6 @@ def test_merged_small_units_match_torch_adamw_and_one_unit_per_module(dist_pools
 TINY_MODULES = 800
 
 
-class _Tiny(nn.Module):
-    """800 tiny modules (LayerNorm(2) and Linear(2, 2): 4 and 6 elements), 1,604 parameters, 4,021 elements."""
-
-    def __init__(self, n=TINY_MODULES):
-        super().__init__()
-        self.inp = nn.Linear(8, 2)
-        self.blocks = nn.ModuleList(nn.LayerNorm(2) if i % 2 == 0 else nn.Linear(2, 2) for i in range(n))
-        self.head = nn.Linear(2, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + torch.tanh(block(h))
-        return self.head(h).square().mean()
-
-
 def body_step_times(rank, world, steps):
     """Seconds per step (forward, backward, step, zero_grad) of ZeRO-3 and ZeRO-2 on the same model, the
     two interleaved so that load from other processes hits both alike; a barrier before each step."""
@@ -173,10 +163,10 @@ def body_step_times(rank, world, steps):
 
     group = cached_mesh(dp=world).dp_group
     torch.manual_seed(0)
-    z = ZeroStage3(_Tiny(), group)
+    z = ZeroStage3(TinyModules(TINY_MODULES), group)
     opt3 = ZeroStage3Optimizer(z, lr=1e-3)
     torch.manual_seed(0)
-    dp = DataParallel(_Tiny(), group, reduce_op="reduce_scatter")
+    dp = DataParallel(TinyModules(TINY_MODULES), group, reduce_op="reduce_scatter")
     opt2 = ZeroOptimizer(dp, stage=2, lr=1e-3)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
 
