@@ -52,6 +52,27 @@ class Stats:
         return cls(med, min(q[0], med), max(q[3], med))
 
 
+@dataclass
+class PairedRatio:
+    """``ours / baseline`` over paired samples (the two timed back to back, so drift hits both): the
+    median of the per-pair ratios and a 95% bootstrap interval of that median."""
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, ours_ms: Sequence[float], base_ms: Sequence[float], resamples: int = 2000) -> "PairedRatio":
+        if len(ours_ms) != len(base_ms) or not ours_ms:
+            raise ValueError(f"PairedRatio: {len(ours_ms)} samples of ours against {len(base_ms)} of the "
+                             f"baseline; time them in pairs")
+        ratios = torch.tensor([o / b for o, b in zip(ours_ms, base_ms)], dtype=torch.float64)
+        gen = torch.Generator().manual_seed(0)          # the same interval for the same samples
+        picks = torch.randint(0, len(ratios), (resamples, len(ratios)), generator=gen)
+        medians = ratios[picks].quantile(0.5, dim=1).sort().values
+        return cls(float(ratios.quantile(0.5)), float(medians[int(0.025 * resamples)]),
+                   float(medians[int(0.975 * resamples) - 1]))
+
+
 _L2_SCRUB: Dict[torch.device, torch.Tensor] = {}
 
 

@@ -8,8 +8,10 @@ spawned by ``harness.run_ranks`` itself.
 """
 import importlib
 import os
+import re
 import sys
 
+import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,10 +76,25 @@ def test_generic_3d_smoke_rows(monkeypatch, dist_pools):
     (the first losses printed in the row agree to every digit)."""
     _in_pools(monkeypatch, dist_pools)
     rows = generic_3d.collect("smoke", CPU)
-    _check(rows, ["generic_3d_dp2xpp2_zero0", "generic_3d_dp2xpp2_zero1"])
+    _check(rows, ["generic_3d_dp2xpp2_zero0", "generic_3d_dp2xpp2_zero1", "generic_3d_stage0_of_pp2_fwd_bwd",
+                  "generic_3d_stage1_of_pp2_fwd_bwd"])
     for r in rows:
-        generic, specific = r["baseline"].split("first loss ")[1].split(" vs ")
-        assert generic == specific and r["speedup"] > 0, r
+        ratio, low, high = map(float, re.search(r"generic/specific ([\d.]+) \(95% CI ([\d.]+)-([\d.]+)",
+                                                 r["baseline"]).groups())
+        assert low <= ratio <= high and r["met"] == ("yes" if ratio <= 1.03 else "no"), r
+        if "stage" not in r["case"]:
+            generic, specific = r["baseline"].split("first loss ")[1].split(" vs ")
+            assert generic == specific and r["speedup"] > 0, r
+
+
+def test_paired_ratio():
+    """The median of per-pair ratios, with an interval that holds it; unequal counts are an error."""
+    r = harness.PairedRatio.of([11.0, 20.0, 33.0], [10.0, 20.0, 30.0])
+    assert r.median == pytest.approx(1.1) and r.low <= r.median <= r.high
+    same = harness.PairedRatio.of([5.0] * 8, [5.0] * 8)
+    assert (same.median, same.low, same.high) == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="in pairs"):
+        harness.PairedRatio.of([1.0, 2.0], [1.0])
 
 
 def test_torch_native_3d_smoke_row(monkeypatch, dist_pools):
