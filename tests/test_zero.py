@@ -276,6 +276,37 @@ def test_clear_errors(dist_pools):
         assert len(msgs) == 2 and "reduce_scatter" in msgs[0] and "stage=3" in msgs[1]
 
 
+def body_collected(rank, world, stage):
+    import gc
+    import weakref
+
+    _, dp, opt = _setup(world, stage, 0.02)
+    _run(rank, world, dp, opt, _batches(1, world))
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    collected = gone() is None
+    # the module trains on under a new optimizer, its gradient buffer brought back by the new one's hook
+    opt = _new_optimizer(dp, stage)
+    before = [p.detach().clone() for p in dp.module.parameters()]
+    _run(rank, world, dp, opt, _batches(1, world))
+    moved = all(not torch.equal(a, p) for a, p in zip(before, dp.module.parameters()))
+    return collected, moved
+
+
+def _new_optimizer(dp, stage):
+    from parallel_layers.zero import ZeroOptimizer
+    return ZeroOptimizer(dp, stage=stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_dropped_optimizer_is_garbage_collected(dist_pools, stage):
+    """A ZeRO optimizer nobody holds is freed (its shards and moments with it): the hooks it leaves on
+    the module and the parameters reach it only weakly."""
+    for collected, moved in dist_pools(2).run(body_collected, stage):
+        assert collected and moved
+
+
 def test_benchmark_smoke_prints_figures():
     """``python -m benchmarks.zero --smoke`` runs end to end (no CSV); it asserts nothing about speed."""
     import os

@@ -75,6 +75,16 @@ from .sharded_grad import (  # noqa: F401
 )
 
 
+def _give_back_grad_buffer(hook, buffer, nbytes: int) -> None:
+    """A collected stage-2 optimizer leaves its DataParallel wrapper as it found it: no hook, the full
+    gradient buffer allocated (zeroed)."""
+    hook.remove()
+    st = buffer.grad_buffer.untyped_storage()
+    if st.nbytes() == 0 and nbytes:
+        st.resize_(nbytes)
+        buffer.grad_buffer.zero_()
+
+
 class ZeroOptimizer(_ZeroAdamW):
     """Sharded AdamW over a ``DataParallel(module, dp_group, reduce_op="reduce_scatter")`` wrapper; a
     ``torch.optim.Optimizer`` that takes ``torch.optim.AdamW``'s param groups.
@@ -167,8 +177,17 @@ class ZeroOptimizer(_ZeroAdamW):
             self._stream, self._new_stream = self._new_stream, None
         self._register_grad_hooks()
         if stage == 2:
-            # The grad buffer only needs to exist from forward to the step; see _release_grads.
-            self._hook = dp_module.register_forward_pre_hook(self._materialize_grads)
+            # The grad buffer only needs to exist from forward to the step; see _release_grads. The hook
+            # reaches the optimizer weakly (a bound method would keep it alive as long as the module); once
+            # the optimizer is collected the hook goes and the buffer is back (zeroed), as it found it.
+            ref = weakref.ref(self)
+
+            def materialize(module, args):
+                opt = ref()
+                if opt is not None:
+                    opt._materialize_grads()
+            self._hook = dp_module.register_forward_pre_hook(materialize)
+            weakref.finalize(self, _give_back_grad_buffer, self._hook, dp_module.buffer, self._grad_storage().nbytes())
             self._release_grads()
 
     def _module_named_params(self):
