@@ -606,8 +606,10 @@ class ZeroOptimizer(_ZeroAdamW):
         works = []
         for b, off in zip(self._bucket_list, self._offsets):
             if src is None:
+                # in place: the input is this rank's own chunk of the output (NCCL's in-place all-gather,
+                # the ring's and gloo's alike), so no copy of the shard is made
                 s, e = b.shard_range(self.dp_rank)
-                send = b.param_data[s:e].clone()        # the all-gather's input may not alias its output
+                send = b.param_data[s:e]
             else:
                 send = src[off:off + b.shard_numel]
             _, work = C.all_gather_dim0(send, self.group, out=b.param_data, async_op=True)
