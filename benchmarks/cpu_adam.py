@@ -111,13 +111,10 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu_adam", description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny sizes; never writes CSV")
-    size.add_argument("--quick", action="store_true", help="16M elements")
-    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    harness.add_profile_args(ap, smoke_help="tiny sizes; never writes CSV", quick_help="16M elements")
+    harness.add_csv_args(ap, CSV_PATH)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     print(f"device: {harness.device_name(torch.device('cpu'))} | torch {torch.__version__} | mode: {mode}")
     rows = collect(mode, torch.device("cpu"), progress=lambda what: print(what, flush=True))
     for r in rows:
@@ -125,9 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{r['baseline']:<40} {r['base_median_ms']:8.1f} ms  {r['speedup']:5.2f}x  ({r['x']}); "
               f"ours {r['gbps']:.1f} GB/s = {r['bw_fraction']:.2f} of copy {r['copy_gbps']:.1f} GB/s "
               f"(in place {r['inplace_gbps']:.1f}), torch {r['base_bw_fraction']:.2f}")
-    if not (args.no_csv or args.smoke):
-        harness.append_csv(args.csv, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(args.csv)}")
+    harness.append_and_report(rows, harness.csv_target(args, args.csv))
     return 0
 
 

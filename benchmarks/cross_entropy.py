@@ -261,17 +261,16 @@ def print_table(rows: List[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny sizes (a few seconds)")
-    size.add_argument("--quick", action="store_true", help=f"fewer rows and reps (~{QUICK_BUDGET_S} s)")
+    harness.add_profile_args(ap, smoke_help="tiny sizes (a few seconds)",
+                             quick_help=f"fewer rows and reps (~{QUICK_BUDGET_S} s)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", type=int)
     ap.add_argument("--vocab", type=int, help="full vocabulary; each rank holds vocab / tp columns")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size the shard corresponds to")
     ap.add_argument("--reps", type=int)
-    ap.add_argument("--no-csv", action="store_true")
+    harness.add_csv_args(ap)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     if (args.reps or PROFILES[mode]["reps"]) < 5:
         print("note: fewer than 5 timed repetitions", file=sys.stderr)
     device = torch.device(args.device)
@@ -282,9 +281,7 @@ def main(argv=None) -> int:
           f"{r0['threads']} thread(s); logits shard {r0['sizes']} fp32 per rank")
     print(f"peak extra memory: {MEM_METHOD_CUDA if device.type == 'cuda' else MEM_METHOD_CPU}")
     print_table(rows)
-    if not args.no_csv:
-        harness.append_csv(CSV_PATH, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(CSV_PATH)}")
+    harness.append_and_report(rows, None if args.no_csv else CSV_PATH)
     return 0
 
 

@@ -142,18 +142,16 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny model, 3 steps, two layouts; never writes CSV")
-    size.add_argument("--quick", action="store_true", help=f"every layout, 4 steps, one set of ranks "
-                                                                     f"(~{QUICK_BUDGET_S} s)")
+    harness.add_profile_args(ap, smoke_help="tiny model, 3 steps, two layouts; never writes CSV",
+                             quick_help=f"every layout, 4 steps, one set of ranks (~{QUICK_BUDGET_S} s)")
     ap.add_argument("--steps", type=int, default=None, help="steps per layout (default: the mode's profile)")
-    ap.add_argument("--no-csv", action="store_true")
+    harness.add_csv_args(ap)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), steps=args.steps)
     print(f"({time.time() - t0:.1f} s)")
-    harness.print_and_append(rows, None if (args.no_csv or args.smoke) else CSV_PATH)
+    harness.print_and_append(rows, harness.csv_target(args, CSV_PATH))
     return 0
 
 

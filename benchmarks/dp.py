@@ -166,22 +166,20 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny model, 2 reps: checks the program runs; "
-                                                                     "never writes CSV")
-    size.add_argument("--quick", action="store_true", help=f"~7M-parameter model, few reps (~{QUICK_BUDGET_S} s)")
+    harness.add_profile_args(ap, smoke_help="tiny model, 2 reps: checks the program runs; never writes CSV",
+                             quick_help=f"~7M-parameter model, few reps (~{QUICK_BUDGET_S} s)")
     ap.add_argument("--model", choices=sorted(MODELS), default=None, help="default: the mode's profile")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--parts", default=None, help="a: overlap gain at 2 ranks; b: vs DDP at 4 ranks (default ab)")
     ap.add_argument("--csv", default=None, help=f"CSV to append to (default {os.path.relpath(CSV_PATH)})")
-    ap.add_argument("--no-csv", action="store_true")
+    harness.add_csv_args(ap)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), model=args.model, reps=args.reps, warmup=args.warmup, parts=args.parts)
     print(f"({time.time() - t0:.1f} s)")
-    harness.print_and_append(rows, None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH))
+    harness.print_and_append(rows, harness.csv_target(args, args.csv or CSV_PATH))
     return 0
 
 

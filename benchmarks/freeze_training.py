@@ -224,12 +224,11 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny GPT (seconds); never writes CSV")
-    size.add_argument("--quick", action="store_true", help="fewer steps (see PROFILES)")
-    ap.add_argument("--no-csv", action="store_true")
+    harness.add_profile_args(ap, smoke_help="tiny GPT (seconds); never writes CSV",
+                             quick_help="fewer steps (see PROFILES)")
+    harness.add_csv_args(ap)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     rows, res, runs = _collect(mode, lambda text: print(f"  {text} ...", flush=True))
     print(f"{'run':<18} {'time to target':>15} {'median step':>12} {'final loss':>11}  layouts")
     for name, r in res.items():
@@ -246,9 +245,7 @@ def main(argv=None) -> int:
             print(f"{name}: AutoFreeze froze " + ("; ".join(f"{d['frozen']} blocks after step {d['step']}"
                                                              for d in changed) or "nothing")
                   + f" ({len(run['decisions'])} windows decided)")
-    if not (args.no_csv or mode == "smoke"):
-        harness.append_csv(CSV_PATH, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(CSV_PATH)}")
+    harness.append_and_report(rows, harness.csv_target(args, CSV_PATH))
     return 0
 
 

@@ -9,6 +9,7 @@ a training step pays), but never work queued by the previous call.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import datetime
@@ -401,6 +402,43 @@ def missed(rows: List[Dict[str, object]]) -> List[str]:
 def print_and_append(rows: List[Dict[str, object]], csv_path: Optional[str]) -> None:
     """What every benchmark's CLI ends with: the table, then the rows appended to ``csv_path`` (None: not)."""
     print(format_table(rows) if rows else "(no rows)")
+    append_and_report(rows, csv_path)
+
+
+def append_and_report(rows: List[Dict[str, object]], csv_path: Optional[str]) -> None:
+    """The rows appended to ``csv_path`` and a line saying so; nothing if ``csv_path`` is None or no rows."""
     if csv_path and rows:
         append_csv(csv_path, rows)
         print(f"appended {len(rows)} rows to {os.path.relpath(csv_path)}")
+
+
+# ------------------------------------------------------------------------------------- the command line
+def add_profile_args(parser: argparse.ArgumentParser, smoke_help: str, quick_help: str):
+    """``--smoke`` or ``--quick``, the sizes a benchmark runs at (neither: the full run; see :func:`profile_of`).
+    Returns their mutually exclusive group, to which a benchmark with a mode of its own adds it."""
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--smoke", action="store_true", help=smoke_help)
+    modes.add_argument("--quick", action="store_true", help=quick_help)
+    return modes
+
+
+def add_csv_args(parser: argparse.ArgumentParser, csv_path: Optional[str] = None,
+                 no_csv_help: Optional[str] = None) -> None:
+    """``--no-csv``; given ``csv_path``, also ``--csv PATH`` (default ``csv_path``), and ``--no-csv``'s help
+    then names that file unless ``no_csv_help`` is given."""
+    if csv_path is not None and no_csv_help is None:
+        no_csv_help = f"do not append to {os.path.relpath(csv_path)}"
+    parser.add_argument("--no-csv", action="store_true", help=no_csv_help)
+    if csv_path is not None:
+        parser.add_argument("--csv", default=csv_path, help="CSV file to append to")
+
+
+def profile_of(args: argparse.Namespace) -> str:
+    """The profile :func:`add_profile_args`' options chose: "smoke", "quick" or "full"."""
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+def csv_target(args: argparse.Namespace, csv_path: str) -> Optional[str]:
+    """``csv_path``, or None where the run must not write: with ``--no-csv``, and in a smoke run (its tiny
+    sizes check that the program runs; its figures are no results to keep)."""
+    return None if args.no_csv or args.smoke else csv_path

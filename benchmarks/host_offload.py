@@ -139,13 +139,10 @@ def _refusal_on_cpu() -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.host_offload", description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny sizes; never writes CSV")
-    size.add_argument("--quick", action="store_true", help="GPT d 1024 x 8 layers")
-    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    harness.add_profile_args(ap, smoke_help="tiny sizes; never writes CSV", quick_help="GPT d 1024 x 8 layers")
+    harness.add_csv_args(ap, CSV_PATH)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     if not torch.cuda.is_available():
         print("no CUDA device: ZeRO-Offload moves the optimizer state off a GPU, and a CPU model has nothing to "
               "move. What offload='cpu' says on one:\n  " + _refusal_on_cpu())
@@ -155,9 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in rows:
         print(f"{r['case']:<34} {r['ours_median_ms']:8.1f} ms vs {r['base_median_ms']:8.1f} ms in GPU memory "
               f"({r['base_median_ms'] / r['ours_median_ms']:.2f}x); {r['x']}; PCIe {r['gbps']:.1f} GB/s")
-    if not (args.no_csv or args.smoke):
-        harness.append_csv(args.csv, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(args.csv)}")
+    harness.append_and_report(rows, harness.csv_target(args, args.csv))
     return 0
 
 

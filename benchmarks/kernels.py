@@ -442,11 +442,9 @@ def print_table(rows: List[dict], mode: str) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help=f"smaller sizes, fewer reps (~{QUICK_BUDGET_S} s)")
-    size.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
-    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    harness.add_profile_args(ap, smoke_help="tiny sizes, for the smoke test",
+                             quick_help=f"smaller sizes, fewer reps (~{QUICK_BUDGET_S} s)")
+    harness.add_csv_args(ap, CSV_PATH)
     ap.add_argument("--only", action="append", default=[], metavar="SUBSTRING",
                     help="run only cases whose name contains this (repeatable)")
     ap.add_argument("--backend", help="one backend (torch, cpp, triton, cuda); default: every fused "
@@ -456,7 +454,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--plot", action="store_true", help="draw PNGs under benchmarks/results/ afterwards")
     args = ap.parse_args(argv)
 
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     device = torch.device(args.device)
     cases = [c for c in CASES if not args.only or any(s in c for s in args.only)]
     if not cases:

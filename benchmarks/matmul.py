@@ -161,18 +161,16 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.matmul", description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny shapes, for a quick end-to-end run")
-    size.add_argument("--quick", action="store_true", help="full shapes, fewer repetitions")
-    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    harness.add_profile_args(ap, smoke_help="tiny shapes, for a quick end-to-end run",
+                             quick_help="full shapes, fewer repetitions")
+    harness.add_csv_args(ap, CSV_PATH)
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (at least 10; default 20 full, "
                                                           "10 otherwise)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 3 full, fewer otherwise)")
     ap.add_argument("--cpu-reference", action="store_true",
                     help="without CUDA: time the torch reference path on CPU (fp32) for the record")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.cpu_reference:
         print("The matmul benchmark needs a CUDA GPU (the fused Triton kernel runs on CUDA tensors; "

@@ -262,20 +262,19 @@ def network_prediction(model_bytes: float, workers: int, servers: int, gbps: flo
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="2 workers x 2 servers, tiny GPT; never writes CSV")
-    size.add_argument("--quick", action="store_true", help="GPT of ~1.1M parameters, few reps")
+    harness.add_profile_args(ap, smoke_help="2 workers x 2 servers, tiny GPT; never writes CSV",
+                             quick_help="GPT of ~1.1M parameters, few reps")
     ap.add_argument("--model", choices=sorted(MODELS), default=None, help="default: the mode's profile")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--csv", default=None, help=f"CSV to append to (default {os.path.relpath(CSV_PATH)})")
-    ap.add_argument("--no-csv", action="store_true")
+    harness.add_csv_args(ap)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), model=args.model, reps=args.reps, warmup=args.warmup)
     print(f"({time.time() - t0:.1f} s)")
-    harness.print_and_append(rows, None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH))
+    harness.print_and_append(rows, harness.csv_target(args, args.csv or CSV_PATH))
     print("model, bandwidth-bound, a 1 GB fp32 model (250M parameters), communication seconds per step:")
     for gbps in NIC_GBPS:
         for workers, servers in ((8, 1), (8, 2), (8, 4), (8, 8), (64, 8), (64, 64)):

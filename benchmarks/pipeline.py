@@ -364,26 +364,25 @@ def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict, judged: bool = True
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny model, 1 rep, p = 2 only; never writes CSV")
-    size.add_argument("--quick", action="store_true", help=f"small profile (~{QUICK_BUDGET_S} s)")
+    harness.add_profile_args(ap, smoke_help="tiny model, 1 rep, p = 2 only; never writes CSV",
+                             quick_help=f"small profile (~{QUICK_BUDGET_S} s)")
     ap.add_argument("--pp", default=None, help="pipeline sizes, e.g. 2,4 (default: the mode's profile)")
     ap.add_argument("--microbatches", default=None, help="e.g. 4,8 (default: the mode's profile)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--model", choices=sorted(MODELS), default=None)
     ap.add_argument("--csv", default=None, help=f"CSV to append to (default {os.path.relpath(CSV_PATH)})")
-    ap.add_argument("--no-csv", action="store_true")
+    harness.add_csv_args(ap)
     ap.add_argument("--no-bind-cores", action="store_true",
                     help="leave the ranks free on every core (default: each bound to its own where cores suffice)")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     ints = lambda s: None if s is None else [int(x) for x in s.split(",")]  # noqa: E731
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), pps=ints(args.pp), ms=ints(args.microbatches), reps=args.reps,
                    warmup=args.warmup, model=args.model, bind_cores=False if args.no_bind_cores else None)
     print(f"({time.time() - t0:.1f} s)")
-    harness.print_and_append(rows, None if (args.no_csv or args.smoke) else (args.csv or CSV_PATH))
+    harness.print_and_append(rows, harness.csv_target(args, args.csv or CSV_PATH))
     return 0
 
 

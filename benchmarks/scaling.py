@@ -473,16 +473,14 @@ def collect(mode: str, device: torch.device, progress=None) -> List[dict]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="small sizes, few reps (~50 s on 2 cores)")
-    size.add_argument("--smoke", action="store_true", help="tiny sizes, world sizes 1 and 2 (seconds)")
-    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    harness.add_profile_args(ap, smoke_help="tiny sizes, world sizes 1 and 2 (seconds)",
+                             quick_help="small sizes, few reps (~50 s on 2 cores)")
+    harness.add_csv_args(ap, CSV_PATH)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="device of the element-count curve (the multi-process parts use gloo on CPU)")
     ap.add_argument("--plot", action="store_true", help="draw the PNGs afterwards (benchmarks.scaling_plots)")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     t0 = time.time()
     rows = collect(mode, torch.device(args.device))
     print(f"scaling ({mode}): {harness.device_name(torch.device('cpu'))}; elements on {args.device}; "

@@ -44,14 +44,13 @@ def load(name: str):
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parallel_layers bench",
                                  description="Run the parallel_layers benchmarks and print one table.")
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="small sizes, few repetitions (< 5 min on 2 cores)")
-    size.add_argument("--smoke", action="store_true", help="tiny sizes: checks every benchmark runs (no CSV)")
+    harness.add_profile_args(ap, smoke_help="tiny sizes: checks every benchmark runs (no CSV)",
+                             quick_help="small sizes, few repetitions (< 5 min on 2 cores)")
     ap.add_argument("--only", action="append", default=[], metavar="GROUP",
                     help=f"run only these groups (repeatable or comma-separated): {', '.join(GROUPS)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="device for single-process benchmarks (multi-process ones use gloo on CPU)")
-    ap.add_argument("--no-csv", action="store_true", help="do not append to benchmarks/results/*.csv")
+    harness.add_csv_args(ap, no_csv_help="do not append to benchmarks/results/*.csv")
     ap.add_argument("--no-plots", action="store_true", help="do not redraw the PNGs")
     ap.add_argument("--readme", action="store_true", help="afterwards regenerate the tables in benchmarks/README.md")
     ap.add_argument("--list", action="store_true", help="list the groups and their modules, then exit")
@@ -67,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"unknown group(s) {unknown}; choose from {', '.join(GROUPS)}", file=sys.stderr)
         return 2
     groups = [g for g in GROUPS if not only or g in only]
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     write_csv = not (args.no_csv or args.smoke)
     device = torch.device(args.device)
 

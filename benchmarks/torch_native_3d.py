@@ -196,19 +196,16 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny Llama (seconds); never writes CSV")
-    size.add_argument("--quick", action="store_true", help="fewer reps (see PROFILES)")
-    ap.add_argument("--no-csv", action="store_true")
+    harness.add_profile_args(ap, smoke_help="tiny Llama (seconds); never writes CSV",
+                             quick_help="fewer reps (see PROFILES)")
+    harness.add_csv_args(ap)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     rows, _ = _run(mode, lambda text: print(f"  {text} ...", flush=True))
     for r in rows:
         print(f"{r['case']}: ours {r['ours_median_ms']:.1f} ms, torch-native {r['base_median_ms']:.1f} ms, "
               f"speedup {r['speedup']:.3f}x\n  {r['baseline']}")
-    if not (args.no_csv or mode == "smoke"):
-        harness.append_csv(CSV_PATH, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(CSV_PATH)}")
+    harness.append_and_report(rows, harness.csv_target(args, CSV_PATH))
     return 0
 
 

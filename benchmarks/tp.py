@@ -115,16 +115,14 @@ def collect(mode: str, device: Optional[torch.device] = None, progress: Optional
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
-    size.add_argument("--quick", action="store_true", help=f"smaller sizes, fewer reps (~{QUICK_BUDGET_S} s)")
-    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    harness.add_profile_args(ap, smoke_help="tiny sizes, for the smoke test",
+                             quick_help=f"smaller sizes, fewer reps (~{QUICK_BUDGET_S} s)")
+    harness.add_csv_args(ap, CSV_PATH)
     ap.add_argument("--sizes", action="append", metavar="BxSxDxH",
                     help="batch x seq x d_model x n_head (repeatable); default: the mode's sizes")
     ap.add_argument("--reps", type=int, help="timed repetitions")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     reps, warmup = REPS[mode]
     reps = args.reps or reps
     sizes = [tuple(int(v) for v in t.split("x")) for t in args.sizes] if args.sizes else SIZES[mode]

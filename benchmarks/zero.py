@@ -235,14 +235,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from parallel_layers.zero import format_report
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.zero", description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test; never writes CSV")
-    size.add_argument("--quick", action="store_true", help="small GPT, few reps (see PROFILES)")
-    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    harness.add_profile_args(ap, smoke_help="tiny sizes, for the smoke test; never writes CSV",
+                             quick_help="small GPT, few reps (see PROFILES)")
+    harness.add_csv_args(ap, CSV_PATH)
     ap.add_argument("--reps", type=int, help="timed repetitions")
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     reps, warmup = args.reps or PROFILES[mode]["reps"], PROFILES[mode]["warmup"]
     t0 = time.time()
     print(f"device: {harness.device_name(torch.device('cpu'))} | {WORLD} gloo ranks, 1 thread each | torch "
@@ -268,10 +266,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\nparameters in {dtype} (gradients accumulate in fp32 main grads):")
         print(format_report([r for r in mem if r["dtype"] == dtype]))
     print(f"\n({time.time() - t0:.1f} s)")
-    if not (args.no_csv or args.smoke):
-        rows = speeds + mem_rows
-        harness.append_csv(args.csv, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(args.csv)}")
+    harness.append_and_report(speeds + mem_rows, harness.csv_target(args, args.csv))
     return 0
 
 

@@ -178,12 +178,11 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny sizes (seconds); never writes CSV")
-    size.add_argument("--quick", action="store_true", help="small GPT, few reps (see PROFILES)")
-    ap.add_argument("--no-csv", action="store_true")
+    harness.add_profile_args(ap, smoke_help="tiny sizes (seconds); never writes CSV",
+                             quick_help="small GPT, few reps (see PROFILES)")
+    harness.add_csv_args(ap)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    mode = harness.profile_of(args)
     t0 = time.time()
     rows, res, sizes = _run(mode)
     ours, base = res["ours"], res["fsdp2"]
@@ -199,9 +198,7 @@ def main(argv=None) -> int:
           f"peak memory ours/FSDP2 {mem_ratio:.3f}x (target <= 1.0x)")
     print(f"first-step loss ours {res['ours_first_loss']:.6f} FSDP2 {res['fsdp2_first_loss']:.6f}; "
           f"memory: {MEM_METHOD}; {time.time() - t0:.0f} s")
-    if not (args.no_csv or args.smoke):
-        harness.append_csv(CSV_PATH, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(CSV_PATH)}")
+    harness.append_and_report(rows, harness.csv_target(args, CSV_PATH))
     return 0
 
 

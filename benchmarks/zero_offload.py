@@ -399,10 +399,9 @@ def largest(params: float, directory: str, steps: int, slack_gb: float, buffer_m
 # ---------------------------------------------------------------------------------------- CLI
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.zero_offload", description=__doc__.split("\n")[0])
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny sizes; never writes CSV")
-    size.add_argument("--quick", action="store_true", help="1 GiB file, small GPT, few reps")
-    size.add_argument("--largest", action="store_true", help="train a GPT whose optimizer state exceeds the budget")
+    modes = harness.add_profile_args(ap, smoke_help="tiny sizes; never writes CSV",
+                                     quick_help="1 GiB file, small GPT, few reps")
+    modes.add_argument("--largest", action="store_true", help="train a GPT whose optimizer state exceeds the budget")
     ap.add_argument("--params", type=float, default=0.5e9, help="--largest: about this many parameters")
     ap.add_argument("--steps", type=int, default=3, help="--largest: training steps")
     ap.add_argument("--slack-gb", type=float, default=1.0,
@@ -413,10 +412,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "the default) or fp32 (4)")
     ap.add_argument("--threads", type=int, default=0, help="--largest: torch threads (default: every core)")
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: a temp dir)")
-    ap.add_argument("--no-csv", action="store_true", help=f"do not append to {os.path.relpath(CSV_PATH)}")
-    ap.add_argument("--csv", default=CSV_PATH, help="CSV file to append to")
+    harness.add_csv_args(ap, CSV_PATH)
     args = ap.parse_args(argv)
-    mode = "smoke" if args.smoke else "largest" if args.largest else "quick" if args.quick else "full"
+    mode = "largest" if args.largest else harness.profile_of(args)
     directory = tempfile.mkdtemp(prefix="zero_offload_", dir=args.dir)
     t0 = time.time()
     print(f"device: {harness.device_name(torch.device('cpu'))} | torch {torch.__version__} | mode: {mode} | "
@@ -435,9 +433,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(f"\n({time.time() - t0:.1f} s)")
-    if not (args.no_csv or args.smoke):
-        harness.append_csv(args.csv, rows)
-        print(f"appended {len(rows)} rows to {os.path.relpath(args.csv)}")
+    harness.append_and_report(rows, harness.csv_target(args, args.csv))
     return 0
 
 
