@@ -1,4 +1,4 @@
-// ISA detection, argument checks and the pybind11 registration of the CPU kernels.
+// ISA detection and argument checks of the CPU kernels.
 #include "cpu_common.h"
 
 #include <cstdlib>
@@ -83,33 +83,3 @@ TensorSpans check_list(const char* op, const char* name, const std::vector<at::T
 }
 
 }  // namespace pl_cpu
-
-void register_cpu_ops(pybind11::module_& m) {
-  using namespace pybind11::literals;
-  // The optimizer steps touch no Python object, so they let go of the GIL: an offloaded step's I/O threads
-  // (parallel_layers/zero/offload.py) and a delayed host step's caller keep running while a shard is stepped.
-  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("cpu_adamw_step", &pl_cpu::adamw_step,
-        "Fused AdamW/Adam step on flat fp32 buffers (see parallel_layers.ops.optimizer_step)",
-        "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "param_copy"_a, "step"_a, "grad_scale"_a,
-        "found_inf"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled_weight_decay"_a,
-        "maximize"_a, release_gil());
-  m.def("cpu_sgd_step", &pl_cpu::sgd_step,
-        "Fused SGD step on flat fp32 buffers (see parallel_layers.ops.optimizer_step)",
-        "param"_a, "grad"_a, "momentum_buffer"_a, "param_copy"_a, "step"_a, "grad_scale"_a, "found_inf"_a,
-        "lr"_a, "momentum"_a, "dampening"_a, "weight_decay"_a, "nesterov"_a, "maximize"_a, release_gil());
-  m.def("cpu_unscale_and_norm", &pl_cpu::unscale_and_norm,
-        "Unscale + non-finite check + global L2 norm (see parallel_layers.ops.unscale_norm)",
-        "tensors"_a, "inv_scale"_a, "found_inf"_a, "norm_out"_a, "unscale"_a);
-  m.def("cpu_multi_tensor_cast", &pl_cpu::multi_tensor_cast,
-        "Multi-tensor scaled cast with overflow detection (see parallel_layers.ops.cast)",
-        "srcs"_a, "dsts"_a, "scale"_a, "found_inf"_a);
-  m.def("cpu_pack_bucket", &pl_cpu::pack_bucket, "Pack tensors into a flat bucket (see parallel_layers.ops.bucket)",
-        "srcs"_a, "bucket"_a, "offsets"_a, "scale"_a);
-  m.def("cpu_unpack_bucket", &pl_cpu::unpack_bucket,
-        "Unpack (or accumulate) a flat bucket into tensors (see parallel_layers.ops.bucket)",
-        "bucket"_a, "dsts"_a, "offsets"_a, "scale"_a, "accumulate"_a);
-  m.def("cpu_isa", []() { return std::string(pl_cpu::isa_name(pl_cpu::cpu_isa())); },
-        "The instruction set the CPU kernels dispatch to (avx512, avx2 or default)");
-  void register_grad_views(pybind11::module_&); register_grad_views(m);  // csrc/cpu/grad_views.cpp
-}

@@ -10,7 +10,8 @@
 // algorithms as c10's scalar conversions) because GCC 12 does not vectorise F16C/_Float16 casts.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -1,8 +1,11 @@
 // The torch-facing CPU kernels. Signatures follow the kernel contracts in parallel_layers/ops/*.py
-// exactly (positional arguments, in that order).
+// exactly (positional arguments, in that order). Only ATen's tensor headers here: <torch/extension.h>
+// (pybind11 and all of torch's API) costs ~15 s of compile per file, so only the registration
+// (cpu_bindings.cpp, ../bindings.cpp) includes it.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <vector>

@@ -11,12 +11,14 @@
 // Same answer as the Python check: a Python tensor object and its TensorImpl are one-to-one (the impl
 // owns its PyObject slot), so `p.grad is view` <=> the grad's TensorImpl is the view's TensorImpl. The
 // checker keeps references to the params and the views, so a stored pointer can never be reused by a
-// different tensor while the checker lives.
-#include <torch/extension.h>
+// different tensor while the checker lives. Header-only: cpu_bindings.cpp registers it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 
-namespace {
+namespace pl_cpu {
 
 class GradViewChecker {
  public:
@@ -75,18 +77,4 @@ class GradViewChecker {
   std::vector<const void*> data_ptrs_;
 };
 
-}  // namespace
-
-void register_grad_views(pybind11::module_& m) {
-  using namespace pybind11::literals;
-  pybind11::class_<GradViewChecker>(m, "GradViewChecker",
-                                    "Checks that every params[i].grad is exactly views[i] (FlatBuffer.collect's "
-                                    "fast path)")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>(), "params"_a,
-           "views"_a, "data_views"_a = std::vector<at::Tensor>())
-      .def("params_in_place", &GradViewChecker::params_in_place,
-           "True iff every params[i] still points at the storage of data_views[i]")
-      .def("all_views", &GradViewChecker::all_views,
-           "True iff every params[i].grad is defined and is exactly views[i]")
-      .def("__len__", &GradViewChecker::size);
-}
+}  // namespace pl_cpu
