@@ -187,7 +187,9 @@ class ZeroOptimizer(_ZeroAdamW):
                 if opt is not None:
                     opt._materialize_grads()
             self._hook = dp_module.register_forward_pre_hook(materialize)
-            weakref.finalize(self, _give_back_grad_buffer, self._hook, dp_module.buffer, self._grad_storage().nbytes())
+            give_back = weakref.finalize(self, _give_back_grad_buffer, self._hook, dp_module.buffer,
+                                         self._grad_storage().nbytes())
+            give_back.atexit = False     # at exit nobody trains on: no full gradient buffer to allocate
             self._release_grads()
 
     def _module_named_params(self):
