@@ -15,7 +15,16 @@ Two ways in, one training path:
   parameter count (``boundaries="parameters"``) or measured costs (``block_costs=``). Side inputs
   (attention masks, position ids, token types) are passed to :meth:`train_step` by keyword; every stage
   rebuilds what its blocks need from them, so one tensor travels between stages. Weights tied between
-  the first and last stage stay tied. ``loss_fn(logits, targets)`` is yours.
+  the first and last stage stay tied. ``loss_fn(logits, targets)`` is yours (default: token cross
+  entropy, :func:`~parallel_layers.pipeline.token_loss.token_cross_entropy`).
+
+The loss is torch's: the mean over the labels of the whole GLOBAL batch that are not ``ignore_index``
+(default -100), however unevenly the ignored labels fall on micro-batches and data-parallel replicas;
+the gradients are those of that mean. The count comes from the labels (every rank holds the global
+batch, so it is known before the step: no extra collective). ``loss_fn`` returns either the mean over
+its micro-batch's counted labels (``F.cross_entropy(..., ignore_index=-100)``: weighted by its count) or
+``(sum, count)`` (never divides by zero; the counts are checked against the labels'). See
+:mod:`parallel_layers.pipeline.token_loss`.
 
 One training step (:meth:`train_step`):
 
@@ -75,6 +84,7 @@ from .models.gpt import GPTConfig
 from .pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
 from .pipeline.any_model import split_model
 from .pipeline.recipes import Recipe, recipe_for
+from .pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
 from .pipeline.timeline import draw
 from .replicas import replica_mode
 
@@ -139,6 +149,15 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
     return chunks, tied, duplicates, (tied_group if tied else None)
 
 
+def _default_loss(ignore_index: Optional[int]) -> Callable:
+    """The loss of a model given without ``loss_fn``: token cross entropy as ``(sum, count)``."""
+    def token_loss(logits, targets):
+        if ignore_index is None:
+            return token_cross_entropy(logits, targets, ignore_index=-(2 ** 62))
+        return token_cross_entropy(logits, targets, ignore_index=ignore_index)
+    return token_loss
+
+
 def _describe(model: nn.Module) -> dict:
     """What a checkpoint of this model must match: its class and every parameter's dense shape."""
     return {"class": type(model).__name__,
@@ -159,7 +178,12 @@ class Parallel3D:
     gathered once per step; fp32 only). ``schedule``: ``gpipe``, ``1f1b`` or ``interleaved``
     (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``: None disables clipping.
     ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16).
-    ``optimizer_options``: more keyword arguments for the ZeRO optimizers.
+    ``optimizer_options``: more keyword arguments for the ZeRO optimizers. ``ignore_index``: labels that do
+    not count in the loss (None: every label counts).
+
+    Defaults that differ from ``torch.optim.AdamW``'s: ``betas=(0.9, 0.95)`` (GPT-3's, Megatron-LM's and
+    Llama's, against torch's ``(0.9, 0.999)``) and ``max_grad_norm=1.0`` (the global gradient norm is
+    clipped at 1 unless ``max_grad_norm=None``); ``weight_decay=0.0`` (torch: 0.01).
     """
 
     def __init__(self, model: Union[GPTConfig, nn.Module], mesh: ParallelMesh, *, zero: int = 0,
@@ -171,7 +195,7 @@ class Parallel3D:
                  checkpoint: Union[bool, int] = False, skip_nonfinite: bool = False,
                  loss_fn: Optional[Callable] = None, recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
                  boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
-                 optimizer_options: Optional[dict] = None):
+                 optimizer_options: Optional[dict] = None, ignore_index: Optional[int] = IGNORE_INDEX):
         is_gpt = isinstance(model, GPTConfig)
         if not is_gpt and not isinstance(model, nn.Module):
             raise TypeError(f"Parallel3D: model must be a GPTConfig or an nn.Module, not {type(model).__name__}")
@@ -188,6 +212,7 @@ class Parallel3D:
         self.after_reduce: Optional[Callable[["Parallel3D"], None]] = None
         self.max_grad_norm, self.skip_nonfinite, self.skipped_steps = max_grad_norm, skip_nonfinite, 0
         self.num_microbatches = num_microbatches
+        self.ignore_index = ignore_index
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
         if is_gpt:
             self.config = model
@@ -202,6 +227,8 @@ class Parallel3D:
             if device is not None or next(model.parameters()).dtype != dtype:
                 model.to(device=device, dtype=dtype)
             self.description = _describe(model)
+            if loss_fn is None:
+                loss_fn = _default_loss(ignore_index)
             chunks, tied, duplicates, self.tied_group = _model_stages(
                 model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
                 boundaries=boundaries, block_costs=block_costs, checkpoint=checkpoint)
@@ -220,31 +247,45 @@ class Parallel3D:
         engine_chunks = [_ScaledLossStage(c, self.scaler) if (self.scaler is not None and c.is_last) else c
                          for c in self.chunks]
         self.engine = PipelineEngine(engine_chunks, mesh.pp_group, schedule=schedule,
-                                     num_microbatches=num_microbatches, device=device)
+                                     num_microbatches=num_microbatches, device=device,
+                                     ignore_index=-100 if is_gpt else ignore_index)
 
     # ------------------------------------------------------------------ one step
     def local_batch(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """This replica's slice (dim 0) of a global batch."""
         if t is None:
             return None
-        if t.shape[0] % self.mesh.dp:
-            raise ValueError(f"Parallel3D: global batch of {t.shape[0]} does not split over dp={self.mesh.dp}; "
-                             f"use a multiple of dp x microbatches = {self.mesh.dp * self.num_microbatches}")
-        per = t.shape[0] // self.mesh.dp
+        dp, m = self.mesh.dp, self.num_microbatches
+        if t.shape[0] % (dp * m):
+            below, above = t.shape[0] // (dp * m) * dp * m, -(-t.shape[0] // (dp * m)) * dp * m
+            raise ValueError(f"Parallel3D: a global batch of {t.shape[0]} rows does not split into dp={dp} replicas "
+                             f"x num_microbatches={m} equal micro-batches; the global batch must be a multiple of "
+                             f"dp x num_microbatches = {dp * m} (e.g. {below or above} or {above}), or change "
+                             f"num_microbatches")
+        per = t.shape[0] // dp
         return t[self.mesh.dp_rank * per:(self.mesh.dp_rank + 1) * per]
+
+    def _loss_denominator(self, targets: torch.Tensor) -> tuple:
+        """``(N, N / dp)``: the counted labels of the global batch, and what each replica divides its loss
+        sums by (the replicas' gradients are averaged over dp, so ``N / dp`` makes the average the
+        gradient of the global mean)."""
+        ignore = -100 if isinstance(self.config, GPTConfig) else self.ignore_index
+        n = count_labels(targets, ignore)
+        return n, n / self.mesh.dp
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, **side) -> dict:
         """One optimizer step on the GLOBAL batch ``inputs``/``targets`` and side inputs (every rank passes
-        the same ones; each takes its dp slice). Returns ``{"loss": mean loss over the global batch,
-        "grad_norm": ...}`` on every rank, plus ``skipped`` (fp16, or ``skip_nonfinite``) and
-        ``loss_scale`` (fp16)."""
+        the same ones; each takes its dp slice). Returns ``{"loss": the mean over the counted labels of the
+        global batch (torch's number: nan when none counts), "grad_norm": ...}`` on every rank, plus
+        ``skipped`` (fp16, or ``skip_nonfinite``) and ``loss_scale`` (fp16)."""
         mode = self.mode
         x, y = self.local_batch(inputs), self.local_batch(targets)
         side = {k: self.local_batch(v) for k, v in side.items()}
+        counted, denominator = self._loss_denominator(targets)
         mode.begin_step()
         try:
             with mode.accumulating():
-                loss = self.engine.step(x, y, **side)
+                loss = self.engine.step(x, y, loss_denominator=denominator, **side)
         except BaseException:
             mode.abandon_step()
             raise
@@ -259,7 +300,7 @@ class Parallel3D:
         if self.max_grad_norm is None:
             coef = None
         mode.step(clip_coef=coef, grad_scale=scale, found_inf=found_inf)
-        out = {"loss": self._mean_over_dp(loss), "grad_norm": None if norm is None else float(norm)}
+        out = {"loss": self._mean_over_dp(loss, counted), "grad_norm": None if norm is None else float(norm)}
         if found_inf is not None:
             out["skipped"] = bool(found_inf.item())     # same on every rank (agreed by the all-reduce)
             self.skipped_steps += out["skipped"]
@@ -286,17 +327,19 @@ class Parallel3D:
         every rank."""
         x, y = self.local_batch(inputs), self.local_batch(targets)
         side = {k: self.local_batch(v) for k, v in side.items()}
+        counted, denominator = self._loss_denominator(targets)
         with self.mode.forward_only():
-            loss = self.engine.evaluate(x, y, **side)
-        return self._mean_over_dp(loss)
+            loss = self.engine.evaluate(x, y, loss_denominator=denominator, **side)
+        return self._mean_over_dp(loss, counted)
 
-    def _mean_over_dp(self, loss: torch.Tensor) -> float:
-        """This replica's mean loss averaged over the dp group (in float64): the global batch's, on every rank."""
+    def _mean_over_dp(self, loss: torch.Tensor, counted: int) -> float:
+        """The replicas' losses (each its loss sums / (N / dp)) averaged over the dp group in float64: the
+        global batch's mean, on every rank (nan when no label counts, as torch gives)."""
         loss = loss.detach().to(torch.float64).reshape(1)
         if self.mesh.dp > 1:
             C.all_reduce(loss, self.mesh.dp_group)
             loss /= self.mesh.dp
-        return loss.item()
+        return loss.item() if counted else math.nan
 
     def _norm(self, found_inf: Optional[torch.Tensor] = None):
         """``(norm, coef)`` of the global gradient norm. With ``found_inf``: set to 1 on every rank when any
@@ -414,22 +457,24 @@ class _ScaleGrad(torch.autograd.Function):
 
 class _ScaledLossStage(nn.Module):
     """The engine's view of the last stage of an fp16 model: the loss in fp32 from the stage's logits, its
-    backward scaled by ``scaler.scale``. The value handed back (cast to the model dtype, as every pipeline
-    rank's loss buffer is) is the *unscaled* loss; the backward into the fp32 loss carries ``scale / m``
-    in fp32 and the fp16 logits receive ``scale * dloss/dlogits`` (what ``scaler.scale_loss(loss)`` would
-    give, without fp16's 65504 cap on ``scale / m`` itself)."""
+    backward scaled by ``scaler.scale``. The value handed back (fp32, a mean or ``(sum, count)``) is the
+    *unscaled* loss; the backward into it carries ``scale / D`` in fp32 and the fp16 logits receive
+    ``scale * dloss/dlogits`` (what ``scaler.scale_loss(loss)`` would give, without fp16's 65504 cap on
+    ``scale / D`` itself)."""
 
     def __init__(self, stage: nn.Module, scaler: DynamicLossScaler):
         super().__init__()
         self.stage, self.scaler = stage, scaler
 
-    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        shard = self.stage(x)
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None, **side):
+        shard = self.stage(x, **side)
         if targets is None:
             return shard
         self.scaler.on_device(shard.device)
         loss = self.stage.loss(shard.float(), targets)
-        return _ScaleGrad.apply(loss, self.scaler.scale).to(shard.dtype)
+        if isinstance(loss, (tuple, list)):          # (sum, count): the sum's backward is scaled
+            return _ScaleGrad.apply(loss[0], self.scaler.scale), loss[1]
+        return _ScaleGrad.apply(loss, self.scaler.scale)
 
     def finish_grads(self) -> None:
         if hasattr(self.stage, "finish_grads"):

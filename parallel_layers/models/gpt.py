@@ -335,14 +335,16 @@ class GPT(nn.Module):
         return linear_weight_grad_into_buffer(h, self.wte.weight)   # F.linear; under DP: grad into its buffer
 
     def loss(self, logits_shard: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-             inplace_backward: bool = True) -> torch.Tensor:
-        """Mean cross entropy over the targets that are not ``ignore_index``, from the logits shard."""
+             inplace_backward: bool = True, reduction: str = "mean") -> torch.Tensor:
+        """Cross entropy over the targets that are not ``ignore_index``, from the logits shard: their mean
+        (``reduction="sum"``: their sum)."""
         v_local = logits_shard.shape[-1]
         if self.tp_group is None:
-            return F.cross_entropy(logits_shard.reshape(-1, v_local), targets.reshape(-1), ignore_index=ignore_index)
+            return F.cross_entropy(logits_shard.reshape(-1, v_local), targets.reshape(-1), ignore_index=ignore_index,
+                                   reduction=reduction)
         from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
         return vocab_parallel_cross_entropy(logits_shard.reshape(-1, v_local), targets.reshape(-1),
-                                            tp_group=self.tp_group, ignore_index=ignore_index,
+                                            tp_group=self.tp_group, ignore_index=ignore_index, reduction=reduction,
                                             vocab_size=self.config.vocab_size, inplace_backward=inplace_backward)
 
     def gather_logits(self, logits_shard: torch.Tensor) -> torch.Tensor:

@@ -3,14 +3,19 @@
 ``PipelineEngine(chunks, pp_group, schedule=..., num_microbatches=m)``; ``engine.step(inputs, targets)``
 splits the batch into ``m`` microbatches along dim 0, runs this rank's instructions and leaves the
 accumulated gradients in the chunks' parameters (call ``zero_grad`` before, the optimizer after). The
-last stage's loss of every microbatch is scaled by ``1 / m`` before its backward, so for a mean loss
-over equal microbatches the accumulated gradients equal the full batch's. Returns the mean loss over
-microbatches (on every pipeline rank when ``broadcast_loss``, else on the last stage only, None
-elsewhere). ``engine.evaluate(inputs, targets)`` returns the same mean loss from a forward-only pass
-(validation: eval mode, no gradients, nothing kept between microbatches).
+loss is token-weighted (:mod:`.token_loss`): the mean over the labels of the whole batch that are not
+``ignore_index``, as torch computes it on one process, whatever the micro-batches' share of ignored
+labels; each micro-batch's backward runs on ``its loss sum / the batch's count`` (for equal micro-batches
+without ignored labels, exactly ``its mean / m``). Returns that mean as a 0-dim fp32 tensor (on every
+pipeline rank when ``broadcast_loss``, else on the last stage only, None elsewhere).
+``engine.step(..., loss_denominator=D)`` divides by ``D`` instead of the batch's own count (a data-parallel
+replica of a global batch: the global count over the replicas whose gradients are averaged).
+``engine.evaluate(inputs, targets)`` returns the same mean loss from a forward-only pass (validation: eval
+mode, no gradients, nothing kept between microbatches).
 
 A chunk is any module ``chunk(x, targets=None)``: stage 0 receives the microbatch of ``inputs``; the
-last stage receives ``targets`` and returns a scalar loss; every other stage maps a tensor to a tensor.
+last stage receives ``targets`` and returns the micro-batch's loss, a scalar mean over its counted
+labels or ``(sum, count)`` (see :mod:`.token_loss`); every other stage maps a tensor to a tensor.
 Side inputs, ``engine.step(inputs, targets, attention_mask=..., position_ids=...)``: tensors every
 rank holds (batch along dim 0) that every stage needs, split into the same microbatches and passed to
 every chunk call as keyword arguments, so only the hidden states travel between stages (each stage
@@ -41,6 +46,7 @@ import torch.nn as nn
 from ..distributed import collectives as C
 from .p2p import HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header, header_buffer, peer_failure
 from .schedules import Instr, build_schedule, check_schedule_args
+from .token_loss import IGNORE_INDEX, TokenLoss, count_labels_each
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 
 
@@ -78,7 +84,7 @@ class _StepState:
         self.act_meta: Dict[int, Tuple[tuple, torch.dtype]] = {}   # chunk -> incoming (shape, dtype), from its header
         self.sent_shape: Dict[int, tuple] = {}                      # chunk -> shape of its first output sent
         self.header_sent: set = set()                               # chunks whose header went out
-        self.losses: List[torch.Tensor] = []
+        self.token_loss: Optional[TokenLoss] = None                   # last stage: the loss accounting
         self.prefetched: Dict[Instr, Tuple[object, torch.Tensor]] = {}   # gloo: receive -> (work, buffer)
         self.guessed: Dict[Instr, Tuple[tuple, torch.dtype]] = {}        # gloo: posted in last step's shape
 
@@ -86,7 +92,7 @@ class _StepState:
 class PipelineEngine:
     def __init__(self, chunks: Sequence[nn.Module], pp_group, *, schedule: str = "1f1b", num_microbatches: int,
                  tensor_shape: Optional[Sequence[int]] = None, broadcast_loss: bool = True,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, ignore_index: Optional[int] = IGNORE_INDEX):
         self.chunks = list(chunks)
         if not self.chunks:
             raise ValueError("PipelineEngine: no chunks given")
@@ -99,6 +105,7 @@ class PipelineEngine:
         self.steps = build_schedule(schedule, self.p, num_microbatches, self.rank, self.v)
         self.tensor_shape = None if tensor_shape is None else tuple(int(x) for x in tensor_shape)
         self.broadcast_loss = broadcast_loss
+        self.ignore_index = ignore_index       # labels equal to it do not count in the loss (None: all count)
         # the device communication buffers live on: the chunks' (NCCL moves only device tensors)
         self.device = device if device is not None else next(
             (p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
@@ -138,12 +145,15 @@ class PipelineEngine:
         return out
 
     # ------------------------------------------------------------------ one step
-    def step(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, **side):
+    def step(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, *,
+             loss_denominator: Optional[float] = None, **side):
         """One training step: forward and backward of every microbatch (see the module docstring;
-        ``side``: side inputs, passed to every chunk)."""
-        return self._run(self._train, inputs, targets, side)
+        ``side``: side inputs, passed to every chunk; ``loss_denominator``: what the loss sums are
+        divided by, default the number of counted labels in ``targets``)."""
+        return self._run(self._train, inputs, targets, side, loss_denominator)
 
-    def evaluate(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, **side):
+    def evaluate(self, inputs: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, *,
+                 loss_denominator: Optional[float] = None, **side):
         """The mean loss over the microbatches of ``inputs``/``targets``, forward only (Megatron-LM's
         ``forward_only``, DeepSpeed's ``eval_batch``): the schedule's forward-only instruction list
         (:func:`~parallel_layers.pipeline.schedules.build_schedule`), under ``torch.no_grad`` with the
@@ -160,19 +170,22 @@ class PipelineEngine:
             for c in self.chunks:
                 c.eval()
             with torch.no_grad():
-                return self._run(self._eval, inputs, targets, side)
+                return self._run(self._eval, inputs, targets, side, loss_denominator)
         finally:
             for m, mode in modes:
                 m.training = mode
             self.timeline = kept
 
     def _run(self, prog: _Program, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
-             side: Dict[str, torch.Tensor]):
+             side: Dict[str, torch.Tensor], loss_denominator: Optional[float] = None):
         holds_first, holds_last = 0 in map(self.stage, range(self.v)), self.S - 1 in map(self.stage, range(self.v))
         split_side = {k: self._split(t, k, True) for k, t in side.items() if t is not None}
         st = _StepState(not prog.forward_only, self._split(inputs, "inputs", holds_first),
                         self._split(targets, "targets", holds_last),
                         [{k: v[mb] for k, v in split_side.items()} for mb in range(self.m)])
+        if holds_last:
+            st.token_loss = TokenLoss(count_labels_each(st.mb_targets, self.ignore_index), loss_denominator,
+                                      self.ignore_index, f"pipeline stage {self.S - 1}")
         self._header_links = prog.header_links
         self.prefetched_receives = 0                                 # how many, this step (tests, tuning)
         self.timeline.start()
@@ -205,9 +218,15 @@ class PipelineEngine:
             if hasattr(chunk, "finish_grads") and id(chunk) not in seen:
                 seen.add(id(chunk))
                 chunk.finish_grads()
-        loss = torch.stack(st.losses).mean() if st.losses else None
+        loss = None
+        # every rank's loss buffer in one dtype, whatever the loss function returned: fp32 (fp64 models: fp64)
+        first = next((p for c in self.chunks for p in c.parameters()), None)
+        loss_dtype = torch.promote_types(first.dtype if first is not None else torch.float32, torch.float32)
+        if st.token_loss is not None:
+            st.token_loss.check()
+            loss = st.token_loss.total(self.device).to(loss_dtype)
         if self.broadcast_loss and self.p > 1:
-            buf = loss.clone() if loss is not None else torch.zeros((), dtype=self._loss_dtype(), device=self.device)
+            buf = loss.clone() if loss is not None else torch.zeros((), dtype=loss_dtype, device=self.device)
             try:
                 C.broadcast(buf, self.p - 1, self.group)   # stage S - 1 lives on pipeline rank p - 1
             except Exception as exc:  # noqa: BLE001 - forward-only, the first stage may wait only here
@@ -231,10 +250,10 @@ class PipelineEngine:
                 x = st.inputs_of[(mb, c)] if st.train else st.inputs_of.pop((mb, c))
             side = st.mb_side[mb]
             if s == self.S - 1:
-                loss = self._timed("F", mb, c, lambda: self.chunks[c](x, st.mb_targets[mb], **side))
-                st.losses.append(loss.detach())
+                out = self._timed("F", mb, c, lambda: self.chunks[c](x, st.mb_targets[mb], **side))
+                part = st.token_loss.weigh(out, mb)
                 if st.train:
-                    st.outputs[(mb, c)] = loss / self.m
+                    st.outputs[(mb, c)] = part
             else:
                 st.outputs[(mb, c)] = self._timed("F", mb, c, lambda: self.chunks[c](x, **side))
             return
@@ -247,9 +266,6 @@ class PipelineEngine:
                 st.out_grads[(mb, c - 1)] = x.grad
             else:
                 st.in_grads[(mb, c)] = x.grad
-
-    def _loss_dtype(self):
-        return next(self.chunks[0].parameters()).dtype
 
     def _recv_buffer(self, ins, st: "_StepState") -> Optional[torch.Tensor]:
         """The buffer a receive lands in, or None while its shape is unknown (activation: no header yet

@@ -71,14 +71,19 @@ class GPTStage(nn.Module):
     """One pipeline stage of the reference GPT: embeddings on stage 0, blocks ``layer_range``, final
     LayerNorm + LM head + loss on the last stage. ``forward(x, targets=None)``: token ids (first stage)
     or hidden states in; hidden states out, or on the last stage the logits shard (no targets) or the
-    mean loss. Built by :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
+    loss as ``(sum, count)`` over the targets that are not -100 (see ``pipeline.token_loss``). Built by :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
     ``checkpoint``: see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; in
     training mode only (eval keeps nothing for backward anyway)."""
 
     # The pieces are GPT's own, so a stage computes exactly what the full model does.
     embed = GPT.embed
     head = GPT.head
-    loss = GPT.loss
+
+    def loss(self, logits_shard: torch.Tensor, targets: torch.Tensor):
+        """``(sum of the token cross entropies, count)`` over the targets that are not -100, in fp32 (a sum of
+        thousands of bf16 terms would keep 3 significant digits)."""
+        logits_shard = logits_shard.to(torch.promote_types(logits_shard.dtype, torch.float32))
+        return GPT.loss(self, logits_shard, targets, reduction="sum"), (targets != -100).sum()
 
     def __init__(self, config: GPTConfig, stage_index: int, num_stages: int, layer_range: Tuple[int, int],
                  tp: _Parallel, modules: dict, *, checkpoint: Union[bool, int] = False, tied_group=None):
