@@ -12,7 +12,7 @@ CSRC          := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' 
 PYTEST_ARGS   ?= --durations=25
 BENCH_ARGS    ?=
 
-.PHONY: setup lint test test-fast bench bench-quick demo gpu-check clean
+.PHONY: setup lint test test-fast bench bench-quick demo gpu-check gpu-check-dry device-env device-test clean
 
 $(PY):
 	$(PYTHON_SYS) -m venv $(VENV)
@@ -50,10 +50,41 @@ bench-quick: setup
 demo: setup
 	$(PY) -m parallel_layers demo
 
-# On a one-GPU machine: build, CUDA tests with compiled Triton, training parity, NCCL and gloo-on-CUDA
-# probes, GPU kernel benchmarks; logs, junit XML, CSV rows and summary.md in gpu_check_out/ (< 9 min).
-gpu-check: setup
-	$(PY) -m parallel_layers gpu-check --out gpu_check_out
+# On a one-GPU machine, with its own python3 (no venv, no network; README "GPU"): build in place, CUDA tests,
+# training parity, NCCL probes, GPU benchmarks; logs, junit XML, CSV rows and summary.md in gpu_check_out/.
+GPU_PYTHON    ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m parallel_layers gpu-check --out gpu_check_out
+
+# The GPU machine's versions on this CPU machine (requirements-device.txt): Python 3.12, torch 2.11.0+cu130,
+# triton 3.6.0, transformers 5.17.0, and the whole extension, CUDA part included, built in place for sm_90.
+DEVICE_VENV   ?= .venv-device
+DEVICE_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+DEVICE_PY     := $(DEVICE_VENV)/bin/python
+DEVICE_DEPS   := $(DEVICE_VENV)/.deps-stamp
+DEVICE_EXT    := $(DEVICE_VENV)/.ext-built
+DEVICE_ARCH   ?= 9.0
+$(DEVICE_PY):
+	@test -n "$(DEVICE_PYTHON)" || { echo "device-env needs Python 3.12 (set DEVICE_PYTHON=...)"; exit 1; }
+	$(DEVICE_PYTHON) -m venv $(DEVICE_VENV)
+
+$(DEVICE_DEPS): $(DEVICE_PY) requirements-device.txt
+	$(DEVICE_PY) -m pip install -q --upgrade pip
+	$(DEVICE_PY) -m pip install -q -r requirements-device.txt
+	touch $@
+
+# As gpu-check builds on the GPU machine: setup.py build_ext --inplace (parallel_layers/_C.cpython-312-*.so)
+$(DEVICE_EXT): $(DEVICE_DEPS) $(CSRC)
+	TORCH_CUDA_ARCH_LIST=$(DEVICE_ARCH) MAX_JOBS=$${MAX_JOBS:-$$(nproc)} $(DEVICE_PY) setup.py -q build_ext --inplace
+	touch $@
+
+device-env: $(DEVICE_EXT)
+
+# The gpu-check dry run and the CPU suite's fast subset (every Triton kernel in the interpreter) under the
+# device's versions; required before a commit that touches a kernel, a collective or a version pin.
+device-test: device-env
+	PIP_NO_INDEX=1 $(DEVICE_PY) -m parallel_layers gpu-check --dry-run --out $(DEVICE_VENV)/gpu_check_dry
+	$(DEVICE_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf build *.egg-info parallel_layers/*.so $(EXT_STAMP)

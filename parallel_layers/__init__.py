@@ -3,7 +3,7 @@
 Importing never fails because a kernel could not be built: ops fall back to their torch reference
 with one warning that says why.
 """
-from . import ops, pipeline
+from . import _checkout, ops, pipeline  # noqa: F401  (_checkout: parallel_layers.triton_kernels in place)
 from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
 from .cpu_affinity import bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory

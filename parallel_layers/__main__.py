@@ -7,7 +7,7 @@ USAGE = ("usage: python -m parallel_layers demo [--model gpt|llama --dp 2 --tp 2
          "--steps N ...]\n"
          "       python -m parallel_layers bench [--only kernels|tp|dp|zero|pipeline|demo|scaling] "
          "[--quick|--smoke] [--readme]\n"
-         "       python -m parallel_layers gpu-check [--out DIR] [--dry-run]\n"
+         "       python3 -m parallel_layers gpu-check [--out DIR] [--dry-run] [--budget S] [--only STEP]\n"
          "       python -m parallel_layers demo --help | bench --help | gpu-check --help   (all flags)")
 
 
