@@ -89,7 +89,14 @@ from .pipeline.timeline import draw
 from .replicas import replica_mode
 
 
-def _check_modes(zero: int, dtype: torch.dtype, loss_scaler, skip_nonfinite: bool) -> None:
+def _check_modes(zero: int, dtype: torch.dtype, loss_scaler, skip_nonfinite: bool, autocast) -> None:
+    if autocast is not None and autocast != torch.bfloat16:
+        raise ValueError(f"Parallel3D: autocast={autocast} is not supported; autocast=torch.bfloat16 runs an fp32 "
+                         f"model's forward in bf16 (fp16 needs loss scaling: train an fp16 model instead, "
+                         f"dtype=torch.float16 with zero=1 or 2)")
+    if autocast is not None and dtype != torch.float32:
+        raise ValueError(f"Parallel3D: autocast is for fp32 weights (the model is {dtype}); keep the model in fp32 "
+                         f"or drop autocast")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"Parallel3D: zero={zero!r} must be 0 (plain data parallel), 1, 2 or 3")
     if zero == 3 and dtype != torch.float32:
@@ -179,7 +186,9 @@ class Parallel3D:
     (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``: None disables clipping.
     ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16).
     ``optimizer_options``: more keyword arguments for the ZeRO optimizers. ``ignore_index``: labels that do
-    not count in the loss (None: every label counts).
+    not count in the loss (None: every label counts). ``autocast=torch.bfloat16``: an fp32 model's
+    forward under ``torch.autocast`` (fp32 weights and optimizer, bf16 matmuls), at every layout and ZeRO
+    stage.
 
     Defaults that differ from ``torch.optim.AdamW``'s: ``betas=(0.9, 0.95)`` (GPT-3's, Megatron-LM's and
     Llama's, against torch's ``(0.9, 0.999)``) and ``max_grad_norm=1.0`` (the global gradient norm is
@@ -195,13 +204,14 @@ class Parallel3D:
                  checkpoint: Union[bool, int] = False, skip_nonfinite: bool = False,
                  loss_fn: Optional[Callable] = None, recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
                  boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
-                 optimizer_options: Optional[dict] = None, ignore_index: Optional[int] = IGNORE_INDEX):
+                 optimizer_options: Optional[dict] = None, ignore_index: Optional[int] = IGNORE_INDEX,
+                 autocast: Optional[torch.dtype] = None):
         is_gpt = isinstance(model, GPTConfig)
         if not is_gpt and not isinstance(model, nn.Module):
             raise TypeError(f"Parallel3D: model must be a GPTConfig or an nn.Module, not {type(model).__name__}")
         if dtype is None:
             dtype = torch.float32 if is_gpt else next(model.parameters()).dtype
-        _check_modes(zero, dtype, loss_scaler, skip_nonfinite)
+        _check_modes(zero, dtype, loss_scaler, skip_nonfinite, autocast)
         if dtype == torch.float16 and loss_scaler is None:
             loss_scaler = DynamicLossScaler(device=device)
         if num_chunks is None:
@@ -248,7 +258,7 @@ class Parallel3D:
                          for c in self.chunks]
         self.engine = PipelineEngine(engine_chunks, mesh.pp_group, schedule=schedule,
                                      num_microbatches=num_microbatches, device=device,
-                                     ignore_index=-100 if is_gpt else ignore_index)
+                                     ignore_index=-100 if is_gpt else ignore_index, autocast=autocast)
 
     # ------------------------------------------------------------------ one step
     def local_batch(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -32,6 +32,9 @@ for the receiver's "ready" and is then written by the sender's gloo thread, whic
 wakes up milliseconds late (measured: the first activation of every step arrived 4-5 ms after it
 was sent, against about 0.2 ms for a message whose receive was waiting).
 
+``autocast=torch.bfloat16``: every forward runs under ``torch.autocast`` (fp32 weights, bf16 matmuls;
+activations travel between stages in the dtype the stage produced; backward follows autograd's casts).
+
 Chunks with a ``finish_grads()`` method (``GPTStage``: tied embeddings, sequence-parallel grads) have it
 called once after the schedule.
 """
@@ -92,7 +95,8 @@ class _StepState:
 class PipelineEngine:
     def __init__(self, chunks: Sequence[nn.Module], pp_group, *, schedule: str = "1f1b", num_microbatches: int,
                  tensor_shape: Optional[Sequence[int]] = None, broadcast_loss: bool = True,
-                 device: Optional[torch.device] = None, ignore_index: Optional[int] = IGNORE_INDEX):
+                 device: Optional[torch.device] = None, ignore_index: Optional[int] = IGNORE_INDEX,
+                 autocast: Optional[torch.dtype] = None):
         self.chunks = list(chunks)
         if not self.chunks:
             raise ValueError("PipelineEngine: no chunks given")
@@ -106,6 +110,7 @@ class PipelineEngine:
         self.tensor_shape = None if tensor_shape is None else tuple(int(x) for x in tensor_shape)
         self.broadcast_loss = broadcast_loss
         self.ignore_index = ignore_index       # labels equal to it do not count in the loss (None: all count)
+        self.autocast = autocast               # every forward under torch.autocast(dtype=autocast) when set
         # the device communication buffers live on: the chunks' (NCCL moves only device tensors)
         self.device = device if device is not None else next(
             (p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
@@ -140,7 +145,11 @@ class PipelineEngine:
 
     def _timed(self, op, mb, chunk, fn):
         t0 = time.perf_counter()
-        out = fn()
+        if op == "F" and self.autocast is not None:
+            with torch.autocast(self.device.type, dtype=self.autocast):
+                out = fn()
+        else:
+            out = fn()
         self.timeline.record(op, mb, chunk, t0, time.perf_counter())
         return out
 
