@@ -37,12 +37,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _import_root(module_name: str, module_file: str) -> str:
+    """The folder ``module_name`` is imported from: ``module_file``'s folder, one level up per dot
+    (``benchmarks.pipeline`` in ``repo/benchmarks/pipeline.py`` -> ``repo``)."""
+    root = os.path.dirname(os.path.abspath(module_file))
+    for _ in range(module_name.count(".")):
+        root = os.path.dirname(root)
+    return root
+
+
 def _resolve(module_name: str, module_file: str, qualname: str) -> Callable:
     module = sys.modules.get(module_name)
     if module is None:
-        directory = os.path.dirname(module_file)
-        if directory not in sys.path:
-            sys.path.insert(0, directory)
+        # Appended, never put first: a package's own folder at the front of sys.path would let its
+        # modules shadow installed packages of the same name (benchmarks/kernels.py hid the `kernels`
+        # package that transformers probes for).
+        root = _import_root(module_name, module_file)
+        if root not in sys.path:
+            sys.path.append(root)
         try:
             module = importlib.import_module(module_name)
         except ImportError:
