@@ -2,6 +2,7 @@
 engine that executes them, point-to-point transfers, activation checkpointing and a recorded timeline."""
 from .any_model import ModelStage, balanced_boundaries, split_model
 from .engine import PipelineEngine
+from .infer_recipe import InferenceError, infer_recipe
 from .recipes import BERT, GPT2, LLAMA, RECIPES, Recipe, recipe_for
 from .schedules import (
            SCHEDULES,
@@ -22,4 +23,4 @@ __all__ = ["PipelineEngine", "SCHEDULES", "Instr", "Forward", "Backward", "Sched
            "build_all", "format_schedule", "simulate", "simulate_timing", "GPTStage", "build_gpt_stages",
            "checkpointed", "partition_layers", "stage_ids", "tied_embedding_group", "Timeline", "bubble_fraction",
            "bubble_breakdown", "draw", "split_model", "recipe_for", "Recipe", "ModelStage", "balanced_boundaries",
-           "RECIPES", "LLAMA", "GPT2", "BERT"]
+           "RECIPES", "LLAMA", "GPT2", "BERT", "infer_recipe", "InferenceError"]

@@ -176,8 +176,9 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     ``checkpoint``: activation checkpointing (see :class:`ModelStage`); ``sum_tied_grads_in_stage``:
     False when the caller sums the tied gradients itself (``Parallel3D``)."""
     blocks = _get(model, recipe.blocks)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"split_model: {type(model).__name__} has no nn.ModuleList at {recipe.blocks!r}")
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        raise ValueError(f"split_model: {type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks at "
+                         f"{recipe.blocks!r} (found {type(blocks).__name__}); name the container of its blocks")
     for name in list(recipe.first) + list(recipe.last):
         if _get(model, name) is None:
             raise ValueError(f"split_model: {type(model).__name__} has no module {name!r} (named by the recipe's "

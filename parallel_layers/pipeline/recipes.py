@@ -16,10 +16,14 @@ block. A :class:`Recipe` names those parts of one model family and says how each
   (optional: without it, tensor parallelism needs a plan from the caller).
 
 Shipped: Llama-style decoders (``LlamaForCausalLM`` and the families built like it: Mistral, Qwen2),
-GPT-2 (``GPT2LMHeadModel``) and BERT (``BertForMaskedLM``). A model of your own whose blocks map a
-tensor to a tensor needs only :meth:`Recipe.sequential`::
+GPT-2 (``GPT2LMHeadModel``) and BERT (``BertForMaskedLM``). Any other class gets a recipe inferred from
+its structure (:mod:`~.infer_recipe`: Hugging Face decoders such as Phi-3, GPT-NeoX or Gemma, and models
+of your own whose children run in order), or an error naming the part it could not place. A model of your
+own whose blocks map a tensor to a tensor can also name its parts with :meth:`Recipe.sequential`::
 
     recipe = Recipe.sequential(blocks="layers", first=["embed"], last=["norm", "head"])
+
+A complete hand-written recipe, with the contract of ``context``, is in docs/custom_recipe.md.
 """
 from __future__ import annotations
 
@@ -187,12 +191,13 @@ RECIPES: Dict[str, object] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": L
 
 
 def recipe_for(model: nn.Module) -> Recipe:
-    """The shipped recipe for ``model``'s class, or a clear error saying how to write one."""
+    """The shipped recipe for ``model``'s class, else one inferred from its structure
+    (:func:`~.infer_recipe.infer_recipe`), else an error naming the part that could not be placed and the
+    ``Recipe`` to write (docs/custom_recipe.md)."""
     name = type(model).__name__
     if name not in RECIPES:
-        raise ValueError(f"split_model: no recipe for {name} (recipes: {', '.join(sorted(RECIPES))}); write a "
-                         f"parallel_layers.pipeline.Recipe naming its blocks, embedding and head, e.g. "
-                         f"Recipe.sequential(blocks='layers', first=['embed'], last=['norm', 'head'])")
+        from .infer_recipe import infer_recipe
+        return infer_recipe(model)
     recipe = RECIPES[name]
     return recipe if isinstance(recipe, Recipe) else recipe(model)
 

@@ -242,8 +242,16 @@ class RowParallelLinear(nn.Module):
         if x.shape[-1] != expected:
             what = (f"in_features/tp = {self.in_features}/{self.tp_size}" if self.input_is_parallel
                     else f"in_features={self.in_features}")
+            hint = ""
+            if self.input_is_parallel and x.shape[-1] == self.in_features:
+                hint = ("; it got the dense width: the code before it (attention that reads head counts from its "
+                        "config, an MLP that splits a fused output) works in dense sizes on the local shard: "
+                        "give that module local sizes in the plan, {'style': 'divide', 'attrs': [...], "
+                        "'config_attrs': ['num_attention_heads', 'num_key_value_heads']} (see "
+                        "tensor_parallel.parallelize; Parallel3D takes it as tp_plan=), and sections for a "
+                        "fused projection")
             raise ValueError(f"{name}: input has last dimension {x.shape[-1]}, expected {expected} ({what}; "
-                             f"input_is_parallel={self.input_is_parallel}, input shape {tuple(x.shape)})")
+                             f"input_is_parallel={self.input_is_parallel}, input shape {tuple(x.shape)}){hint}")
         if self.sequence_parallel:
             check_sequence_input(name, x, self.tp_size, "dim 1 of the input, reduce-scattered over the TP group")
         if not self.input_is_parallel:

@@ -33,7 +33,15 @@ layer's ``from_dense`` (``sequence_parallel``, ``activation``, ``input_is_parall
   gives rank r ``[q_r | k_r | v_r]`` (``dense_layouts``);
 - ``attrs`` (style ``"divide"``): the attributes of the matched modules that count heads or features
   and must become local, e.g. GPT-2's attention splits its fused output by ``split_size``:
-  ``{"style": "divide", "attrs": ["split_size", "num_heads", "embed_dim"]}``.
+  ``{"style": "divide", "attrs": ["split_size", "num_heads", "embed_dim"]}``;
+- ``config_attrs`` (style ``"divide"``): the matched modules get a *local config*, a copy of their
+  ``config`` with these attributes divided by tp (its ``head_dim`` kept), for attention that reads
+  head counts from its config in forward (Phi-3's ``qkv_proj`` split at
+  ``config.num_attention_heads * head_dim``):
+  ``{"style": "divide", "attrs": ["num_key_value_heads"],
+  "config_attrs": ["num_attention_heads", "num_key_value_heads"]}``.
+  Through ``Parallel3D``, pass such a plan as ``tp_plan=`` (or let the inferred recipe of a Hugging Face
+  decoder write it: :func:`~parallel_layers.pipeline.infer_recipe.infer_tp_plan`).
 
 Hugging Face's ``Conv1D`` (GPT-2's linears, weight stored ``[in, out]``) is taken wherever ``nn.Linear``
 is. :func:`gpt2_plan` is the whole plan for ``GPT2LMHeadModel`` (attention, MLP, tied head).
@@ -46,7 +54,19 @@ or splits them along different dimensions, is refused with the names and the fix
 The plan only moves weights and inserts the communication; code *between* the layers must work on the
 local shard. A column-parallel q/k/v projection hands attention ``n_heads / tp`` heads: attention that
 infers the head count from the tensor (``view(b, s, -1, head_dim)``, as Hugging Face Llama does) just
-works; attention that reads ``config.num_heads`` needs a local config with ``num_heads / tp``.
+works; attention that reads ``config.num_attention_heads`` needs a local config (``config_attrs`` above).
+
+Checked before anything is replaced, each error naming the numbers and the fix:
+
+- a plan that splits attention (a module under one named ``*attn*``/``*attention*``) of a model whose
+  ``config`` counts heads needs tp to divide ``num_attention_heads`` and ``num_key_value_heads``: each rank
+  holds whole heads (KV heads are not replicated over ranks, as Megatron-LM does when tp exceeds them);
+- a column-wise split of a fused projection (a name holding ``qkv`` or ``gate_up``, or GPT-2's
+  ``c_attn``) needs ``sections`` (or ``"sections": None`` where contiguous slices are whole heads, e.g. a
+  per-head interleaved ``[q|k|v]`` per head): without them a rank would get a slice of q and none of v,
+  and train silently wrong;
+- ``"vocab"`` on an ``nn.Embedding`` subclass with its own forward: one with ``embed_scale`` (Gemma's
+  scaled embedding) keeps the scale on the parallel layer; any other is refused.
 Unlike ``torch.distributed.tensor.parallel.parallelize_module`` the result holds plain tensors, not
 DTensors.
 
@@ -55,6 +75,7 @@ gathered from the shards, keyed like the original model.
 """
 from __future__ import annotations
 
+import copy
 import difflib
 from fnmatch import fnmatchcase
 from typing import Dict, List, Mapping, Tuple, Union
@@ -140,6 +161,109 @@ def _divide(name: str, module: nn.Module, attrs, tp: int) -> None:
         setattr(module, attr, getattr(module, attr) // tp)
 
 
+def _local_config(name: str, module: nn.Module, attrs, tp: int, made: dict) -> None:
+    """Give ``module`` a copy of its ``config`` with ``attrs`` divided by tp (one copy per config)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        raise TypeError(f"parallelize: module {name!r} ({type(module).__name__}) has no config for config_attrs="
+                        f"{list(attrs)}; divide its own attributes with 'attrs' instead")
+    for attr in attrs:
+        value = getattr(config, attr, None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"parallelize: module {name!r}: its config has no integer attribute {attr!r} to "
+                            f"divide (got {value!r})")
+        if value % tp:
+            raise ValueError(f"parallelize: module {name!r}: config.{attr}={value} does not divide by the "
+                             f"tensor-parallel size {tp}")
+    key = (id(config), tuple(attrs))
+    if key not in made:
+        local = copy.copy(config)
+        heads = getattr(config, "num_attention_heads", None)
+        if getattr(config, "head_dim", None) is None and heads and getattr(config, "hidden_size", None):
+            local.head_dim = config.hidden_size // heads         # what the dense config derives, kept
+        for attr in attrs:
+            setattr(local, attr, getattr(config, attr) // tp)
+        made[key] = (config, local)
+    module.config = made[key][1]
+
+
+_FUSED_NAMES = ("qkv", "gate_up")
+
+
+def _looks_fused(name: str) -> bool:
+    last = name.rpartition(".")[2].lower()
+    return last == "c_attn" or any(part in last for part in _FUSED_NAMES)
+
+
+def _fused_hint(name: str, model: nn.Module, n_out: int) -> str:
+    last = name.rpartition(".")[2].lower()
+    if "gate_up" in last:
+        return f"'sections': [{n_out // 2}, {n_out // 2}] (gate, up)"
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads and kv:
+        head_dim = getattr(config, "head_dim", None) or n_out // (heads + 2 * kv)
+        if (heads + 2 * kv) * head_dim == n_out:
+            return (f"'sections': [{heads * head_dim}, {kv * head_dim}, {kv * head_dim}] (q, k, v: "
+                    f"num_attention_heads={heads} x head_dim={head_dim}, then num_key_value_heads={kv} x "
+                    f"head_dim twice)")
+    return f"'sections': [{n_out // 3}, {n_out // 3}, {n_out // 3}] (q, k, v), or the sizes of its parts"
+
+
+def _check_fused(name: str, module: nn.Module, style: str, options: dict, model: nn.Module) -> None:
+    if not style.startswith("colwise") or "sections" in options or not _looks_fused(name):
+        return
+    n_out = dense_layouts.linear_sizes(module)[1]
+    raise ValueError(f"parallelize: module {name!r} looks like a fused projection ({n_out} output features of "
+                     f"several parts side by side), split {style!r} without sections: a contiguous split would "
+                     f"give rank 0 the start of the first part and nothing of the last, and train silently "
+                     f"wrong; give {{'style': {style!r}, {_fused_hint(name, model, n_out)}}}, or "
+                     f"'sections': None if its contiguous slices are whole heads (a per-head interleaved "
+                     f"[q|k|v] such as GPT-NeoX's query_key_value)")
+
+
+def _heads(config):
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv
+
+
+def _check_heads(model: nn.Module, chosen: dict, tp: int) -> None:
+    """Attention split over tp: every rank must hold whole query and key/value heads."""
+    heads, kv = _heads(getattr(model, "config", None))
+    if tp == 1 or not isinstance(heads, int) or not isinstance(kv, int):
+        return
+    attention = [n for n, ((style, _), _, _) in chosen.items() if style not in _KEPT
+                 and any("attn" in part.lower() or "attention" in part.lower() for part in n.split("."))]
+    if not attention or (heads % tp == 0 and kv % tp == 0):
+        return
+    fits = [t for t in range(1, min(heads, kv) + 1) if heads % t == 0 and kv % t == 0]
+    raise ValueError(f"parallelize: tensor-parallel size {tp} splits the attention of {type(model).__name__} "
+                     f"({attention[0]!r}, ...), but each rank must hold whole heads: tp must divide both "
+                     f"config.num_attention_heads={heads} and config.num_key_value_heads={kv}; use tp in {fits} "
+                     f"(key/value heads are not replicated over ranks), or leave attention out of the plan")
+
+
+def _scaled_embedding(name: str, module: nn.Module, layer: nn.Module) -> nn.Module:
+    """An ``nn.Embedding`` subclass with its own forward: keep Hugging Face's ``embed_scale`` (Gemma
+    multiplies the looked-up rows by sqrt(hidden)); refuse any other."""
+    if type(module).forward is nn.Embedding.forward:
+        return layer
+    scale = getattr(module, "embed_scale", None)
+    if not torch.is_tensor(scale):
+        raise ValueError(f"parallelize: module {name!r} is a {type(module).__name__}, an nn.Embedding with its own "
+                         f"forward; 'vocab' would replace it by a plain vocabulary-parallel lookup and lose what "
+                         f"that forward adds; leave it out of the plan or split a plain nn.Embedding")
+    layer.register_buffer("embed_scale", scale.detach().clone(), persistent=False)
+    layer.register_forward_hook(_apply_embed_scale)
+    return layer
+
+
+def _apply_embed_scale(layer, inputs, out):
+    return out * layer.embed_scale.to(layer.weight.dtype)
+
+
 def _build(name: str, module: nn.Module, style: str, cls, options: dict, group, tp: int) -> nn.Module:
     options = dict(options)
     sections = options.pop("sections", None)
@@ -147,7 +271,7 @@ def _build(name: str, module: nn.Module, style: str, cls, options: dict, group, 
         raise ValueError(f"parallelize: module {name!r}: sections= splits fused output features, so it needs a "
                          f"column-wise style, not {style!r}")
     if cls is VocabParallelEmbedding:
-        return cls.from_dense(module, tp_group=group, **options)
+        return _scaled_embedding(name, module, cls.from_dense(module, tp_group=group, **options))
     dense = module if isinstance(module, nn.Linear) and not sections else \
         dense_layouts.as_linear(name, module, sections, tp)
     return dense_layouts.mark(cls.from_dense(dense, tp_group=group, **options), module, sections)
@@ -239,12 +363,17 @@ def parallelize(model: nn.Module, mesh: Union[ParallelMesh, "dist.ProcessGroup"]
                 raise ValueError(f"parallelize: module {name!r} is matched by patterns {chosen[name][1]!r} and "
                                  f"{pattern!r} with different styles")
             _check_sizes(name, module, style, tp)
+            _check_fused(name, module, style, options, model)
             chosen[name] = ((style, options), pattern, cls)
+    _check_heads(model, chosen, tp)
     ties = _tied_groups(model)
     _check_ties(ties, chosen)
+    configs: dict = {}
     for name, ((style, options), _, cls) in chosen.items():
         if style == "divide":
             _divide(name, modules[name], options.get("attrs", ()), tp)
+            if options.get("config_attrs"):
+                _local_config(name, modules[name], options["config_attrs"], tp, configs)
         if style in _KEPT:
             continue
         parent_name, _, attr = name.rpartition(".")
