@@ -11,8 +11,10 @@ Modules:
   unscale_norm.py  unscale + inf/nan check + deterministic global L2 norm
   optimizer.py     flat-buffer AdamW and SGD steps
 
-On CPU tensors these run only under ``TRITON_INTERPRET=1`` (set before this package is imported).
+On CPU tensors these run only under ``TRITON_INTERPRET=1`` (set before this package is imported);
+``_interpreter_compat`` keeps triton 3.6's interpreter working with numpy >= 2.4.
 """
+from . import _interpreter_compat  # noqa: F401  (first: it patches triton 3.6's interpreter on import)
 from .bucket import pack_bucket, unpack_bucket
 from .cast import multi_tensor_cast
 from .optimizer import adamw_step, sgd_step

@@ -30,6 +30,10 @@ for it (M >= 256), and, with an activation, the tiles holding 128 accumulator re
 (they spill: ``python -m benchmarks.linear_registers`` compiles every config offline and reports it). The tuning
 key buckets M to the next
 power of two, so a training run with varying token counts does not re-tune for every batch.
+``PARALLEL_LAYERS_LINEAR_TUNING=one`` (read per call; default ``full``) skips the autotuner: each call runs the
+first config the pruner keeps for its element size, M bucket and epilogue, so a test run compiles one kernel per
+dtype and shape class instead of every config (the CUDA tests compiled ~290 kernels otherwise); ``gpu-check``
+sets it for everything but its benchmarks.
 Under ``TRITON_INTERPRET=1`` (CPU tests) autotuning is skipped and one fixed small config runs; there,
 bf16 tiles are widened to float32 before ``tl.dot`` (UPCAST_DOT), because triton 3.9's interpreter
 multiplies bf16 tiles as their raw uint16 storage. Exact either way: a product of two bf16 values is exact
@@ -37,6 +41,7 @@ in float32, and the tensor cores accumulate in float32 too.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Optional
@@ -204,6 +209,25 @@ else:
     )(_even_k)
 
 
+TUNING_ENV = "PARALLEL_LAYERS_LINEAR_TUNING"
+
+
+def tuning() -> str:
+    """``full`` (the autotuner) or ``one`` (one config per dtype and shape class), from ``TUNING_ENV``."""
+    value = os.environ.get(TUNING_ENV, "full").strip().lower() or "full"
+    if value not in ("full", "one"):
+        raise ValueError(f"{TUNING_ENV}={value!r}: expected 'full' or 'one'")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def one_config(element_size: int, m_bucket: int, activation: int):
+    """The config ``PARALLEL_LAYERS_LINEAR_TUNING=one`` runs: the first that ``_prune_configs`` keeps for this
+    element size, M bucket (next power of two of M) and activation."""
+    x = torch.empty(0, dtype={1: torch.int8, 2: torch.bfloat16, 4: torch.float32}[element_size], device="meta")
+    return _prune_configs(CONFIGS, {"x_ptr": x, "M": m_bucket}, ACTIVATION=activation)[0]
+
+
 def _input_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
@@ -235,9 +259,16 @@ def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         cfg = INTERPRET_CONFIG
         _linear_epilogue_kernel[grid(cfg)](*args, **flags, EVEN_K=K % cfg["BLOCK_K"] == 0,
                                            UPCAST_DOT=x.dtype == torch.bfloat16, **cfg)
-    elif x.device.index is None or x.device.index == torch.cuda.current_device():
-        _tuned_kernel[grid](*args, **flags, UPCAST_DOT=False)
+        return y
+    if tuning() == "one":
+        c = one_config(x.element_size(), triton.next_power_of_2(M), flags["ACTIVATION"])
+        kernel = _even_k[grid(c.kwargs)]
+        flags.update(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+    else:
+        kernel = _tuned_kernel[grid]
+    if x.device.index is None or x.device.index == torch.cuda.current_device():
+        kernel(*args, **flags, UPCAST_DOT=False)
     else:  # Triton launches on the current device (the guard costs host time, so only when needed)
         with torch.cuda.device(x.device):
-            _tuned_kernel[grid](*args, **flags, UPCAST_DOT=False)
+            kernel(*args, **flags, UPCAST_DOT=False)
     return y

@@ -79,7 +79,7 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_step(step: Step, argv: List[str], env: dict, log: str, limit_s: float) -> str:
+def run_step(step: Step, argv: List[str], env: dict, log: str, limit_s: float, on_start=None) -> str:
     """Run one step in its own process group; 'ok', 'FAILED (rc)' or 'TIMEOUT after N s'."""
     with open(log, "w") as fh:
         fh.write("$ " + " ".join(argv) + "\n")
@@ -87,6 +87,8 @@ def run_step(step: Step, argv: List[str], env: dict, log: str, limit_s: float) -
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         _running.append(proc)
+        if on_start is not None:
+            on_start(proc)
         try:
             try:
                 rc = proc.wait(timeout=max(1.0, limit_s - GRACE_S))
@@ -119,7 +121,7 @@ def _on_term(results: Results, current: List[str]):
 
 
 def run_steps(steps: List[Step], out: str, header: List[str], gpu: bool, budget_s: float,
-              only: Optional[List[str]] = None) -> int:
+              only: Optional[List[str]] = None, min_start_s: float = MIN_START_S) -> int:
     os.makedirs(out, exist_ok=True)
     names = [s.name for s in steps]
     results = Results(out, header, names, budget_s, keep=bool(only))
@@ -132,7 +134,7 @@ def run_steps(steps: List[Step], out: str, header: List[str], gpu: bool, budget_
     for step in selected:
         argv = step.argv if gpu or not step.needs_gpu else step.dry_argv
         left = budget_s - (time.monotonic() - results.start)
-        if left < min(step.timeout_s, MIN_START_S):
+        if left < min(step.timeout_s, min_start_s):
             results.set(step.name, "not run: no time left", None, f"{left:.0f} s of budget left")
             print(f"gpu-check {step.name}: not run: no time left ({left:.0f} s)", flush=True)
             continue
@@ -144,7 +146,11 @@ def run_steps(steps: List[Step], out: str, header: List[str], gpu: bool, budget_
         current[:] = [step.name]
         results.set(step.name, f"running (limit {limit:.0f} s)", None, step.note)
         t0 = time.monotonic()
-        result = run_step(step, argv, env, os.path.join(out, f"{step.name}.log"), limit)
+
+        def started(proc, name=step.name, limit=limit, note=step.note):   # the pid, for whoever finds it hung
+            results.set(name, f"running (limit {limit:.0f} s, process group {proc.pid})", None, note)
+
+        result = run_step(step, argv, env, os.path.join(out, f"{step.name}.log"), limit, started)
         current.clear()
         took = time.monotonic() - t0
         kind = "ran" if argv is step.argv else "dry run"
