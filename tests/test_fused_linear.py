@@ -327,3 +327,38 @@ def test_no_config_the_autotuner_tries_spills_registers():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "128x128x64 g8 s4 w8" in out.stdout and "128x256x64" not in out.stdout
+
+
+def test_one_config_tuning_switch(monkeypatch):
+    """PARALLEL_LAYERS_LINEAR_TUNING=one (gpu-check's tests): one config per dtype and shape class, the first
+    the autotuner's pruner keeps, so a CUDA test run compiles one kernel where the autotuner compiled up to 11."""
+    import triton
+
+    from parallel_layers.triton_kernels import matmul
+    monkeypatch.delenv(matmul.TUNING_ENV, raising=False)
+    assert matmul.tuning() == "full"
+    monkeypatch.setenv(matmul.TUNING_ENV, "one")
+    assert matmul.tuning() == "one"
+    monkeypatch.setenv(matmul.TUNING_ENV, "some")
+    with pytest.raises(ValueError, match="expected 'full' or 'one'"):
+        matmul.tuning()
+    for dtype in (torch.bfloat16, torch.float32):
+        for m in (1, 33, 300, 4096):
+            for act in (0, 1):
+                x = torch.empty(m, 8, dtype=dtype, device="meta")
+                kept = matmul._prune_configs(matmul.CONFIGS, {"x_ptr": x, "M": m}, ACTIVATION=act)
+                one = matmul.one_config(x.element_size(), triton.next_power_of_2(m), act)
+                assert (one.kwargs, one.num_warps, one.num_stages) == (kept[0].kwargs, kept[0].num_warps,
+                                                                       kept[0].num_stages)
+
+
+def test_interpreter_loops_with_runtime_bounds_under_this_numpy():
+    """triton 3.6's interpreter took a runtime loop bound's index with int() on a 1-element array, an error
+    since numpy 2.4 (the GPU image has triton 3.6 with numpy 2.5); triton_kernels backports triton 3.9's fix."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    from parallel_layers.triton_kernels import _interpreter_compat as compat
+    fixed = getattr(interpreter._patch_lang_tensor, "_parallel_layers_patched", False)
+    assert fixed or compat.OLD_INDEX not in inspect.getsource(interpreter._patch_lang_tensor)
