@@ -105,6 +105,8 @@ def _stage_times(size, batch, reps):
 
             def step(stage):
                 o = stage(x, y) if rank == 1 else stage(x)
+                if isinstance(o, tuple):                       # GPTStage's loss: (sum, count)
+                    o = o[0] / o[1]
                 (o if o.dim() == 0 else o.square().mean()).backward()
             times = {"generic": [], "specific": []}
             for i in range(reps + max(4, reps // 10)):         # the first tenth warms up
