@@ -187,3 +187,16 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group):
     except RuntimeError as exc:
         raise _failure(f"broadcast from group rank {src_group_rank}", group, exc) from exc
     return tensor
+
+
+def all_to_all_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Split ``tensor`` (contiguous) into ``world_size(group)`` equal parts along dim 0, send part ``j`` to
+    group rank ``j``, and return the parts received, in rank order, concatenated along dim 0."""
+    if world_size(group) == 1:
+        return tensor
+    out = torch.empty_like(tensor)
+    try:
+        dist.all_to_all_single(out, tensor.contiguous(), group=group)
+    except RuntimeError as exc:
+        raise _failure("all_to_all", group, exc) from exc
+    return out

@@ -524,6 +524,11 @@ class NcclRulesGroup(dist.ProcessGroup):
 
     reduce_scatter_single = _reduce_scatter_base
 
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._collective("all_to_all_single", [input, output], 0,
+                                lambda: self._inner.alltoall_base(output, input, output_split_sizes,
+                                                                  input_split_sizes, opts or dist.AllToAllOptions()))
+
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
         return self._collective("gather", input_tensors, opts.rootRank,
