@@ -46,6 +46,8 @@ def build_step(python: str, arch: Optional[str], toolkit: str, prebuilt: Optiona
     env = {"MAX_JOBS": str(os.cpu_count() or 1),
            "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST") or arch or "8.0;9.0"}
     note = f"built in place for {env['TORCH_CUDA_ARCH_LIST']} with {env['MAX_JOBS']} jobs"
+    if toolkit == "cpu-torch":
+        note = f"built in place (torch is a CPU build: the CPU part only) with {env['MAX_JOBS']} jobs"
     if toolkit in ("missing", "mismatch"):
         env["PARALLEL_LAYERS_CPU_ONLY"] = "1"
         note = f"toolkit {toolkit}: built the CPU part only"
