@@ -167,3 +167,16 @@ def test_tp_errors_name_the_numbers_and_the_fix(dist_pools):
         local = msgs["local_config"]
         assert local and "RowParallelLinear: input has last dimension" in local, local
         assert "'config_attrs': ['num_attention_heads', 'num_key_value_heads']" in local and "tp_plan=" in local, local
+
+
+def test_the_custom_recipe_example_in_the_docs_runs():
+    """docs/custom_recipe.md's complete Recipe (Phi-3 by hand, its context contract) computes the model's logits."""
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "custom_recipe.md")
+    with open(path) as fh:
+        text = fh.read()
+    block = re.search(r"<!-- checked: tests/test_infer_recipe.py -->\n```python\n(.*?)^```", text, re.M | re.S)
+    assert block, "docs/custom_recipe.md lost its checked example"
+    exec(compile(block.group(1), path, "exec"), {"__name__": "custom_recipe_example"})
