@@ -11,7 +11,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "gemma", "gpt2", "o
 
 def _common(layers):
     return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                vocab_size=VOCAB, max_position_embeddings=64)
+                vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=None, eos_token_id=None)
 
 
 def family_model(kind: str, layers: int = 4, tie: bool = None, dtype=torch.float32, kv_heads: int = 2,
@@ -44,7 +44,8 @@ def family_model(kind: str, layers: int = 4, tie: bool = None, dtype=torch.float
                                                  initializer_range=init_std, **tied))
     elif kind == "gpt2":
         model = t.GPT2LMHeadModel(t.GPT2Config(n_embd=32, n_layer=layers, n_head=4, vocab_size=VOCAB, n_positions=64,
-                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                               bos_token_id=None, eos_token_id=None, resid_pdrop=0.0,
+                                               embd_pdrop=0.0, attn_pdrop=0.0,
                                                initializer_range=init_std, **tied))
     else:
         raise ValueError(kind)
