@@ -1,8 +1,11 @@
-"""``ParallelMesh``: the process groups of 3D parallelism, handed out explicitly (no globals).
+"""``ParallelMesh``: the process groups of 4D parallelism, handed out explicitly (no globals).
 
-Ranks are laid out as a (pp, dp, tp) grid with tp fastest, as Megatron-LM does: the ranks of one
-tensor-parallel group are adjacent (same node, fastest links), data-parallel replicas next, pipeline
-stages outermost. Exposed as a ``torch.distributed.device_mesh.DeviceMesh`` (``mesh.device_mesh``) after
+Ranks are laid out as a (pp, dp, cp, tp) grid with tp fastest, as Megatron-core does: the ranks of one
+tensor-parallel group are adjacent (same node, fastest links), the context-parallel ranks of a replica
+next (they exchange keys and values every attention call), data-parallel replicas next, pipeline stages
+outermost. Context parallelism sits inside data parallelism: the ``dp x cp`` ranks of a (pp, tp)
+coordinate hold the same parameters and reduce their gradients together (``dp_cp_group``), each over its
+own tokens. Exposed as a ``torch.distributed.device_mesh.DeviceMesh`` (``mesh.device_mesh``) after
 ``init_process_group``. Two meshes in one process are fine: every layer takes the group it was given.
 
 Timeouts: every group of the mesh waits at most ``timeout`` for a peer (default: the world group's, the
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-DIMS = ("pp", "dp", "tp")
+DIMS = ("pp", "dp", "cp", "tp")
 
 
 Timeout = Union[datetime.timedelta, float, int]
@@ -55,9 +58,14 @@ def _as_timeout(timeout: Optional[Timeout]) -> datetime.timedelta:
     return timeout
 
 
-def _dim_ranks(pp: int, dp: int, tp: int, dim: str) -> List[List[int]]:
-    """Every group of mesh dimension ``dim``, as lists of global ranks (grid (pp, dp, tp), tp fastest)."""
-    grid = torch.arange(pp * dp * tp).reshape(pp, dp, tp).movedim(DIMS.index(dim), -1)
+def _dim_ranks(pp: int, dp: int, cp: int, tp: int, dim: str) -> List[List[int]]:
+    """Every group of mesh dimension ``dim`` (or ``"dp_cp"``: dp and cp together), as lists of global ranks
+    (grid (pp, dp, cp, tp), tp fastest)."""
+    grid = torch.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)
+    if dim == "dp_cp":
+        grid = grid.movedim(3, 1).reshape(pp, tp, dp * cp)
+    else:
+        grid = grid.movedim(DIMS.index(dim), -1)
     return grid.reshape(-1, grid.shape[-1]).tolist()
 
 
@@ -77,50 +85,67 @@ def _new_dim_group(ranks_of_dim: List[List[int]], dim: str, timeout: datetime.ti
 
 
 class ParallelMesh:
-    """Process groups for ``dp`` x ``tp`` x ``pp`` ranks.
+    """Process groups for ``dp`` x ``cp`` x ``tp`` x ``pp`` ranks.
 
-    ``dp_group``, ``tp_group``, ``pp_group``: this rank's groups. ``dp_rank``/``tp_rank``/``pp_rank``:
-    its coordinates. ``device_type`` defaults to ``"cuda"`` when the default backend is NCCL, else
-    ``"cpu"`` (gloo). ``timeout`` (a ``datetime.timedelta`` or seconds; default: the world group's): how
+    ``dp_group``, ``cp_group``, ``tp_group``, ``pp_group``: this rank's groups; ``dp_cp_group``: the ranks
+    that hold the same parameters (dp and cp together: the gradient reduction's and ZeRO's group; the dp
+    group itself when ``cp == 1``; ``cp_group`` is None then). ``dp_rank``/``cp_rank``/``tp_rank``/``pp_rank``:
+    its coordinates. ``device_type`` defaults to ``"cuda"`` when the default backend is NCCL, else ``"cpu"``
+    (gloo). ``timeout`` (a ``datetime.timedelta`` or seconds; default: the world group's): how
     long an operation on any of the mesh's groups waits for a peer before it raises, so a rank that stops
     answering (hung, stopped, dead) fails the others within it.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, device_type: Optional[str] = None,
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, *, device_type: Optional[str] = None,
                  timeout: Optional[Timeout] = None):
-        for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+        for name, size in (("dp", dp), ("cp", cp), ("tp", tp), ("pp", pp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"ParallelMesh: {name}={size!r} must be a positive integer")
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh: call torch.distributed.init_process_group first "
                                "(torchrun sets up the environment it needs)")
         world = dist.get_world_size()
-        if dp * tp * pp != world:
-            raise ValueError(f"ParallelMesh: dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world "
-                             f"size is {world}; choose sizes whose product is {world}")
+        if dp * cp * tp * pp != world:
+            cp_text = f"cp={cp} x " if cp > 1 else ""
+            raise ValueError(f"ParallelMesh: dp={dp} x {cp_text}tp={tp} x pp={pp} = {dp * cp * tp * pp} ranks, but "
+                             f"the world size is {world}; choose sizes whose product is {world}")
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self.dp, self.tp, self.pp = dp, tp, pp
+        self.dp, self.cp, self.tp, self.pp = dp, cp, tp, pp
         self.device_type = device_type
         self.timeout = _as_timeout(timeout)
-        groups = {dim: _new_dim_group(_dim_ranks(pp, dp, tp, dim), dim, self.timeout) for dim in DIMS}
+        # without cp the mesh keeps its three dimensions (and its groups: the cp group would be one rank)
+        dims = DIMS if cp > 1 else tuple(d for d in DIMS if d != "cp")
+        groups = {dim: _new_dim_group(_dim_ranks(pp, dp, cp, tp, dim), dim, self.timeout) for dim in dims}
         self.pp_group, self.dp_group, self.tp_group = groups["pp"], groups["dp"], groups["tp"]
-        self.device_mesh = DeviceMesh.from_group([groups[d] for d in DIMS], device_type,
-                                                 mesh=torch.arange(world).reshape(pp, dp, tp), mesh_dim_names=DIMS)
+        self.cp_group = groups.get("cp")
+        self.dp_cp_group = (_new_dim_group(_dim_ranks(pp, dp, cp, tp, "dp_cp"), "dp_cp", self.timeout) if cp > 1
+                            else self.dp_group)
+        shape = tuple({"pp": pp, "dp": dp, "cp": cp, "tp": tp}[d] for d in dims)
+        self.device_mesh = DeviceMesh.from_group([groups[d] for d in dims], device_type,
+                                                 mesh=torch.arange(world).reshape(shape), mesh_dim_names=dims)
         self.rank = dist.get_rank()
-        # Row-major (pp, dp, tp) with tp fastest: rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
+        # Row-major (pp, dp, cp, tp) with tp fastest: rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
         self.tp_rank = self.rank % tp
-        self.dp_rank = (self.rank // tp) % dp
-        self.pp_rank = self.rank // (tp * dp)
-        assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from (pp, dp, tp)"
+        self.cp_rank = (self.rank // tp) % cp
+        self.dp_rank = (self.rank // (tp * cp)) % dp
+        self.pp_rank = self.rank // (tp * cp * dp)
+        assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from (pp, dp, cp, tp)"
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold the same parameters: ``dp x cp``."""
+        return self.dp * self.cp
 
     def __getitem__(self, dim: str):
         """The sub-``DeviceMesh`` of one dimension (for DTensor interop), e.g. ``mesh["tp"]``."""
         return self.device_mesh[dim]
 
     def __repr__(self) -> str:
-        return (f"ParallelMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}; rank {self.rank} at "
-                f"pp={self.pp_rank}, dp={self.dp_rank}, tp={self.tp_rank})")
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        at = f", cp={self.cp_rank}" if self.cp > 1 else ""
+        return (f"ParallelMesh(dp={self.dp}{cp}, tp={self.tp}, pp={self.pp}; rank {self.rank} at "
+                f"pp={self.pp_rank}, dp={self.dp_rank}{at}, tp={self.tp_rank})")
 
 
 def check_group(layer: str, group, mesh: Optional[ParallelMesh] = None, dim: str = "tp") -> int:

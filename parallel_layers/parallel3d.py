@@ -84,8 +84,8 @@ from .models.gpt import GPTConfig
 from .pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
 from .pipeline.any_model import split_model
 from .pipeline.recipes import Recipe, recipe_for
-from .pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
 from .pipeline.timeline import draw
+from .pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
 from .replicas import replica_mode
 
 
@@ -188,7 +188,8 @@ class Parallel3D:
     ``optimizer_options``: more keyword arguments for the ZeRO optimizers. ``ignore_index``: labels that do
     not count in the loss (None: every label counts). ``autocast=torch.bfloat16``: an fp32 model's
     forward under ``torch.autocast`` (fp32 weights and optimizer, bf16 matmuls), at every layout and ZeRO
-    stage.
+    stage. ``cp_method``: ``"ring"`` or ``"ulysses"``, the attention of a mesh with ``cp > 1`` (each rank
+    holds a zigzag shard of every sequence: :mod:`parallel_layers.context_parallel`).
 
     Defaults that differ from ``torch.optim.AdamW``'s: ``betas=(0.9, 0.95)`` (GPT-3's, Megatron-LM's and
     Llama's, against torch's ``(0.9, 0.999)``) and ``max_grad_norm=1.0`` (the global gradient norm is
@@ -205,7 +206,7 @@ class Parallel3D:
                  loss_fn: Optional[Callable] = None, recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
                  boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
                  optimizer_options: Optional[dict] = None, ignore_index: Optional[int] = IGNORE_INDEX,
-                 autocast: Optional[torch.dtype] = None):
+                 autocast: Optional[torch.dtype] = None, cp_method: str = "ring"):
         is_gpt = isinstance(model, GPTConfig)
         if not is_gpt and not isinstance(model, nn.Module):
             raise TypeError(f"Parallel3D: model must be a GPTConfig or an nn.Module, not {type(model).__name__}")
@@ -223,6 +224,20 @@ class Parallel3D:
         self.max_grad_norm, self.skip_nonfinite, self.skipped_steps = max_grad_norm, skip_nonfinite, 0
         self.num_microbatches = num_microbatches
         self.ignore_index = ignore_index
+        # context parallelism: the dp x cp ranks of a (pp, tp) coordinate hold the same parameters, each
+        # computes the loss sums of its own tokens, and they reduce their gradients together
+        self.cp = getattr(mesh, "cp", 1) if mesh is not None else 1
+        self.replica_group = mesh.dp_cp_group if self.cp > 1 else (mesh.dp_group if mesh is not None else None)
+        self.replicas = mesh.dp * self.cp if mesh is not None else 1
+        if self.cp > 1:
+            if is_gpt:
+                raise ValueError(f"Parallel3D: context parallelism (cp={self.cp}) runs through a model's attention "
+                                 f"function; pass an nn.Module (a Hugging Face model: Llama, Mistral, Qwen2, GPT-2, "
+                                 f"...) rather than a GPTConfig")
+            from .context_parallel.hf import enable_context_parallel, with_context_parallel
+            enable_context_parallel(model)
+            recipe = with_context_parallel(recipe if recipe is not None else recipe_for(model), mesh.cp_group,
+                                           cp_method)
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
         if is_gpt:
             self.config = model
@@ -248,7 +263,7 @@ class Parallel3D:
         self.chunks: List[nn.Module] = chunks
         self.model = nn.ModuleList(self.chunks)
         self.duplicate_ids = frozenset(duplicates)
-        self.mode = replica_mode(zero, self.model, mesh.dp_group, tied, duplicates, self.tied_group, lr=lr,
+        self.mode = replica_mode(zero, self.model, self.replica_group, tied, duplicates, self.tied_group, lr=lr,
                                  betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay,
                                  bucket_cap_mb=bucket_cap_mb, optimizer_options=optimizer_options)
         self.optimizer = self.mode.optimizer
@@ -270,18 +285,27 @@ class Parallel3D:
             below, above = t.shape[0] // (dp * m) * dp * m, -(-t.shape[0] // (dp * m)) * dp * m
             raise ValueError(f"Parallel3D: a global batch of {t.shape[0]} rows does not split into dp={dp} replicas "
                              f"x num_microbatches={m} equal micro-batches; the global batch must be a multiple of "
-                             f"dp x num_microbatches = {dp * m} (e.g. {below or above} or {above}), or change "
-                             f"num_microbatches")
+                             f"dp x num_microbatches = {dp * m} (e.g. "
+                             f"{f'{below} or {above}' if below else above}), or change num_microbatches")
         per = t.shape[0] // dp
         return t[self.mesh.dp_rank * per:(self.mesh.dp_rank + 1) * per]
 
+    def _this_ranks_batch(self, inputs, targets, side):
+        """This replica's rows of the global batch and, with cp > 1, this cp rank's tokens of them."""
+        x, y = self.local_batch(inputs), self.local_batch(targets)
+        side = {k: self.local_batch(v) for k, v in side.items()}
+        if self.cp > 1:
+            from .context_parallel.batch import shard_batch
+            x, y, side = shard_batch(x, y, side, self.cp, self.mesh.cp_rank)
+        return x, y, side
+
     def _loss_denominator(self, targets: torch.Tensor) -> tuple:
-        """``(N, N / dp)``: the counted labels of the global batch, and what each replica divides its loss
-        sums by (the replicas' gradients are averaged over dp, so ``N / dp`` makes the average the
-        gradient of the global mean)."""
+        """``(N, N / (dp x cp))``: the counted labels of the global batch, and what each rank divides its loss
+        sums by (the gradients are averaged over the dp x cp ranks that hold the same parameters, so
+        ``N / (dp x cp)`` makes the average the gradient of the global mean)."""
         ignore = -100 if isinstance(self.config, GPTConfig) else self.ignore_index
         n = count_labels(targets, ignore)
-        return n, n / self.mesh.dp
+        return n, n / self.replicas
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, **side) -> dict:
         """One optimizer step on the GLOBAL batch ``inputs``/``targets`` and side inputs (every rank passes
@@ -289,8 +313,7 @@ class Parallel3D:
         global batch (torch's number: nan when none counts), "grad_norm": ...}`` on every rank, plus
         ``skipped`` (fp16, or ``skip_nonfinite``) and ``loss_scale`` (fp16)."""
         mode = self.mode
-        x, y = self.local_batch(inputs), self.local_batch(targets)
-        side = {k: self.local_batch(v) for k, v in side.items()}
+        x, y, side = self._this_ranks_batch(inputs, targets, side)
         counted, denominator = self._loss_denominator(targets)
         mode.begin_step()
         try:
@@ -335,20 +358,19 @@ class Parallel3D:
         ZeRO-3 the parameters are gathered once for it and resharded after. Gradients, optimizer state,
         the loss scale and the last training step's timeline are left as they were. The same float on
         every rank."""
-        x, y = self.local_batch(inputs), self.local_batch(targets)
-        side = {k: self.local_batch(v) for k, v in side.items()}
+        x, y, side = self._this_ranks_batch(inputs, targets, side)
         counted, denominator = self._loss_denominator(targets)
         with self.mode.forward_only():
             loss = self.engine.evaluate(x, y, loss_denominator=denominator, **side)
         return self._mean_over_dp(loss, counted)
 
     def _mean_over_dp(self, loss: torch.Tensor, counted: int) -> float:
-        """The replicas' losses (each its loss sums / (N / dp)) averaged over the dp group in float64: the
-        global batch's mean, on every rank (nan when no label counts, as torch gives)."""
+        """The ranks' losses (each its loss sums / (N / (dp x cp))) averaged over the dp x cp ranks in
+        float64: the global batch's mean, on every rank (nan when no label counts, as torch gives)."""
         loss = loss.detach().to(torch.float64).reshape(1)
-        if self.mesh.dp > 1:
-            C.all_reduce(loss, self.mesh.dp_group)
-            loss /= self.mesh.dp
+        if self.replicas > 1:
+            C.all_reduce(loss, self.replica_group)
+            loss /= self.replicas
         return loss.item() if counted else math.nan
 
     def _norm(self, found_inf: Optional[torch.Tensor] = None):
@@ -361,8 +383,8 @@ class Parallel3D:
         if self.scaler is not None:
             kw["inv_scale"] = self.scaler.inv_scale
         groups = [self.mesh.pp_group] if self.mesh.pp > 1 else []
-        if self.mode.shards_grads and self.mesh.dp > 1:
-            groups = [self.mesh.dp_group] + groups
+        if self.mode.shards_grads and self.replicas > 1:
+            groups = [self.replica_group] + groups
         return clip_grad_norm_(self.mode.norm_pieces(), max_norm, groups=groups, tp_group=self.tp_group,
                                apply=False, **kw)
 
@@ -410,8 +432,11 @@ class Parallel3D:
 
     def _checkpoint_layout(self) -> dict:
         m, e = self.mesh, self.engine
-        return {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "rank (dp, tp, pp)": [m.dp_rank, m.tp_rank, m.pp_rank],
-                "zero": self.zero, "schedule chunks": e.v, "dtype": str(self.dtype), "config": self.description}
+        layout = {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "rank (dp, tp, pp)": [m.dp_rank, m.tp_rank, m.pp_rank],
+                  "zero": self.zero, "schedule chunks": e.v, "dtype": str(self.dtype), "config": self.description}
+        if self.cp > 1:
+            layout["cp (size, rank)"] = [self.cp, m.cp_rank]
+        return layout
 
     # ------------------------------------------------------------------ inspection
     def dense_state_dict(self) -> dict:

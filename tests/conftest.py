@@ -79,6 +79,8 @@ UNDER_NCCL_RULES = {
     "test_parameter_server.py": {"test_sync_matches_single_process": ("2",)},
     "test_token_loss.py": {"test_gpt_loss_is_the_global_token_mean": ("microbatch",)},
     "test_context_parallel_attention.py": {"test_context_parallel_attention_matches_single_process": ("masked",)},
+    "test_context_parallel_3d.py": {"test_context_parallel_in_4d_matches_single_process": ("qwen2",),
+                                    "test_hf_model_with_context_parallel_matches_single_process": ("ulysses",)},
     "test_precision_3d.py": {"test_low_precision_model_through_the_pipeline": ("dp2-pp2-zero1",)},
 }
 
@@ -113,6 +115,7 @@ SLOW = {
                              "test_3d_with_optimizer_state_on_disk_is_bit_identical"),
     "test_precision_3d.py": ("test_bf16_at_dp2_tp2_pp2", "test_bf16_autocast_over_fp32_weights"),
     "test_token_loss.py": ("test_gpt_loss_is_the_global_token_mean_at_dp2_tp2_pp2_zero3",),
+    "test_context_parallel_3d.py": ("test_context_parallel_in_4d_matches_single_process", "test_mesh_places_cp_inside_dp"),
     "test_3d_inferred.py": "*",
     "test_universal_checkpoint.py": ("test_universal_checkpoint_resumes_on_another_mesh",
                                      "test_universal_checkpoint_fp16_carries_master_weights_and_scaler",

@@ -7,8 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel_layers.context_parallel import (context_parallel_attention, dense_attention, segments, shard,
-                                              visible, zigzag_index)
+from parallel_layers.context_parallel import (
+    context_parallel_attention,
+    dense_attention,
+    segments,
+    shard,
+    visible,
+    zigzag_index,
+)
 from parallel_layers.context_parallel.blocks import block_attention, block_attention_backward, merge
 
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8

@@ -212,11 +212,11 @@ class WorkerPool:
 _MESHES: dict = {}
 
 
-def cached_mesh(dp: int = 1, tp: int = 1, pp: int = 1):
+def cached_mesh(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
     """Inside a worker: one ``ParallelMesh`` per shape, reused across test bodies (creating process
     groups is a collective and costs time on every call)."""
-    key = (dp, tp, pp)
+    key = (dp, tp, pp, cp)
     if key not in _MESHES:
         from ..mesh import ParallelMesh
-        _MESHES[key] = ParallelMesh(dp=dp, tp=tp, pp=pp)
+        _MESHES[key] = ParallelMesh(dp=dp, tp=tp, pp=pp, cp=cp)
     return _MESHES[key]
