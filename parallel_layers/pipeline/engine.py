@@ -49,8 +49,8 @@ import torch.nn as nn
 from ..distributed import collectives as C
 from .p2p import HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header, header_buffer, peer_failure
 from .schedules import Instr, build_schedule, check_schedule_args
-from .token_loss import IGNORE_INDEX, TokenLoss, count_labels_each
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
+from .token_loss import IGNORE_INDEX, TokenLoss, count_labels_each
 
 
 class _Program:

@@ -71,7 +71,8 @@ class GPTStage(nn.Module):
     """One pipeline stage of the reference GPT: embeddings on stage 0, blocks ``layer_range``, final
     LayerNorm + LM head + loss on the last stage. ``forward(x, targets=None)``: token ids (first stage)
     or hidden states in; hidden states out, or on the last stage the logits shard (no targets) or the
-    loss as ``(sum, count)`` over the targets that are not -100 (see ``pipeline.token_loss``). Built by :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
+    loss as ``(sum, count)`` over the targets that are not -100 (see ``pipeline.token_loss``). Built by
+    :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
     ``checkpoint``: see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; in
     training mode only (eval keeps nothing for backward anyway)."""
 
