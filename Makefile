@@ -89,4 +89,4 @@ device-test: device-env
 	$(DEVICE_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
 clean:
-	rm -rf build *.egg-info parallel_layers/*.so $(EXT_STAMP)
+	rm -rf build *.egg-info parallel_layers/*.so $(EXT_STAMP) $(DEVICE_EXT)
