@@ -279,7 +279,7 @@ def save_universal(model, directory: str, iteration: Optional[int] = None) -> No
     files = [f"stage{k}-of-{m.pp}.{save_id}.pt" for k in range(m.pp)]
     header = {"save": save_id, "stage": m.pp_rank, "pp": m.pp, "iteration": iteration, "step": step}
     mine = None
-    if m.dp_rank == 0 and m.tp_rank == 0:                      # one writer per pipeline rank
+    if m.dp_rank == 0 and m.tp_rank == 0 and getattr(m, "cp_rank", 0) == 0:   # one writer per pipeline rank
         mine = _attempt(lambda: _write_stage(directory, files[m.pp_rank], header, states))
     written = _gathered(mine)
     _raise_failures(written, "writing the stage files", directory)

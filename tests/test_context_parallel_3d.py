@@ -141,3 +141,71 @@ def test_hf_model_with_context_parallel_matches_single_process(dist_pools, kind,
 def test_context_parallel_in_4d_matches_single_process(dist_pools, kind, dims, zero, case):
     pytest.importorskip("transformers")
     _check(dist_pools(8).run(body_cp_train, kind, dims, zero, "ring", case))
+
+
+# ---------------------------------------------------------------------- composition
+def body_cp_checkpoint_then_resume(rank, world, path):
+    """Train 2 steps at dp2 x cp2 (ring, ZeRO-1, activation checkpointing), save a universal checkpoint, load
+    it into dp2 x pp2 without cp and train the third step: every step equals one process's."""
+    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.universal_checkpoint import dense_states, load_universal, save_universal
+
+    dense = _model("llama")
+    ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
+    kw = dict(num_microbatches=2, lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP)
+    first = Parallel3D(copy.deepcopy(dense), cached_mesh(dp=2, cp=2), zero=1, checkpoint=True, **kw)
+    batches, steps = _batches("padding"), []
+    for i, (x, y, side) in enumerate(batches):
+        if i == 2:
+            save_universal(first, path, iteration=2)
+            model = Parallel3D(copy.deepcopy(_model("llama")), cached_mesh(dp=2, pp=2), zero=3, **kw)
+            load_universal(model, path)
+        out = (first if i < 2 else model).train_step(x, y, **side)
+        ref = _reference_loss(dense, x, y, side)
+        ref.backward()
+        norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        steps.append((out["loss"], out["grad_norm"], ref.item(), norm))
+    got = {n: st["param"] for n, st in dense_states(model)[0].items()}
+    want = dict(dense.named_parameters())
+    errs = {n: ((t.double() - want[n].double()).norm() / want[n].double().norm()).item()
+            for n, t in got.items() if n in want}
+    return {"steps": steps, "weights": errs}
+
+
+def test_cp_run_with_checkpointing_resumes_without_cp_from_its_universal_checkpoint(dist_pools, tmp_path):
+    pytest.importorskip("transformers")
+    _check(dist_pools(4).run(body_cp_checkpoint_then_resume, str(tmp_path / "ckpt")))
+
+
+def body_cp_bf16(rank, world):
+    from parallel_layers.parallel3d import Parallel3D
+    from test_precision_3d import _MasterWeightsReference
+
+    dense = _model("llama")
+    ref = _MasterWeightsReference(copy.deepcopy(dense), torch.bfloat16, None)
+    model = Parallel3D(copy.deepcopy(dense).to(torch.bfloat16), cached_mesh(dp=2, cp=2), zero=1, num_microbatches=2,
+                       lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, loss_fn=_reference_loss_fn)
+    steps = []
+    for x, y, side in _batches("padding"):
+        out = model.train_step(x, y, **side)
+        ref_loss = F.cross_entropy(ref.model(input_ids=x, use_cache=False, **side).logits.float().reshape(-1, VOCAB),
+                                   y.reshape(-1), ignore_index=-100)
+        ref.model.zero_grad()
+        steps.append((out["loss"], ref_loss.item()))
+        ref.step(x, y)
+    return steps
+
+
+def _reference_loss_fn(logits, targets):
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
+
+
+def test_bf16_model_with_context_parallel(dist_pools):
+    """bf16 weights and activations, the ring's blocks accumulated in fp32: losses within 5e-4 of one process
+    in bf16 with fp32 master weights (the precision suite's tolerance, tests/test_precision_3d.py)."""
+    pytest.importorskip("transformers")
+    for rank, steps in enumerate(dist_pools(4).run(body_cp_bf16)):
+        for step, (loss, ref) in enumerate(steps):
+            assert abs(loss - ref) <= 5e-4 * abs(ref), f"rank {rank} step {step}: {loss} vs {ref}"
