@@ -140,3 +140,50 @@ def test_zigzag_balances_causal_work():
     assert max(work) == min(work), work
     assert sorted(torch.cat([zigzag_index(64, cp, r) for r in range(cp)]).tolist()) == list(range(64))
     assert math.isclose(1.0, min(work) / max(work))
+
+
+def body_count_messages(rank, world, method):
+    """Every message one attention forward + backward sends from this rank: ``(count, bytes)``."""
+    import torch.distributed as dist
+
+    from parallel_layers.testing import cached_mesh
+
+    group = cached_mesh(dp=world).dp_group
+    sent = {"p2p": [], "all_to_all": []}
+    real_batch, real_a2a = dist.batch_isend_irecv, dist.all_to_all_single
+
+    def batch(ops):
+        sent["p2p"] += [op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend]
+        return real_batch(ops)
+
+    def a2a(out, inp, *args, **kwargs):
+        sent["all_to_all"].append(inp.numel() * inp.element_size() * (world - 1) // world)   # what leaves the rank
+        return real_a2a(out, inp, *args, **kwargs)
+
+    dist.batch_isend_irecv, dist.all_to_all_single = batch, a2a
+    try:
+        q, k, v, dout = _inputs(hkv=4 if method == "ulysses" else HKV)
+        mine = [shard(t, world, rank, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attention(*mine, group=group, segments=segments(B, S), method=method)
+        out.backward(shard(dout, world, rank, dim=2))
+    finally:
+        dist.batch_isend_irecv, dist.all_to_all_single = real_batch, real_a2a
+    return {k: (len(v), sum(v)) for k, v in sent.items()}
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_messages_per_call_are_what_the_docstrings_predict(dist_pools, method):
+    cp, n = 4, S // 4
+    for out in dist_pools(4).run(body_count_messages, method):
+        if method == "ring":
+            kv = 2 * B * HKV * n * D * 4                       # K and V of one block (fp32 here)
+            # forward: cp - 1 blocks passed on; backward: cp - 1 blocks with their fp32 accumulators, and
+            # the accumulators' last hop home
+            assert out["p2p"] == (3 * (cp - 1) + 1, (cp - 1) * kv + (cp - 1) * 2 * kv + kv), out
+            assert out["all_to_all"] == (0, 0)
+        else:
+            hq = hkv = 4
+            per_head = B * n * D * 4 * (cp - 1) // cp          # of one head's shard, what leaves the rank
+            # forward: q, k, v, out; backward: the four again
+            assert out["all_to_all"] == (8, 2 * (2 * hq + 2 * hkv) * per_head), out
+            assert out["p2p"] == (0, 0)

@@ -12,9 +12,11 @@ the block's ``dQ`` to its own and the block's ``dK``/``dV`` to accumulators that
 after the last step the accumulators go one hop further, back to the block's owner. No score matrix is
 kept between forward and backward: only ``out`` and ``lse`` (flash attention's rule).
 
-Communication per attention call, ``cp`` ranks, a shard of ``n = S / cp`` tokens: forward ``cp - 1``
-messages of ``2 x b x hkv x n x d`` elements (K and V) per rank; backward ``cp - 1`` of those plus ``cp``
-of ``2 x b x hkv x n x d`` fp32 gradient accumulators. No collective: every message is between neighbours.
+Communication per attention call, ``cp`` ranks, a shard of ``n = S / cp`` tokens, sent by each rank:
+forward ``cp - 1`` messages of K and V (``2 b hkv n d`` elements in the model's dtype); backward ``cp - 1``
+of K and V again plus ``cp`` of their fp32 gradient accumulators (``2 b hkv n d`` fp32 each). No
+collective: every message goes to the next rank of the ring (counted in
+``tests/test_context_parallel_attention.py``).
 """
 from __future__ import annotations
 

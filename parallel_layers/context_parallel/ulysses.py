@@ -3,15 +3,19 @@ queries, keys and values into head-sharded ones over the whole sequence, each ra
 attention for its heads, and a second all-to-all turns the output back into sequence shards.
 
 Needs ``cp`` to divide the key/value heads (and so the query heads): each rank takes ``hkv / cp`` key heads
-and their query groups. Per attention call and rank: forward three all-to-alls of ``b x h x (S/cp) x d``
-(q: ``hq``, k and v: ``hkv`` heads) and one of the output (``hq``); backward the same four in reverse.
+and their query groups. Per attention call and rank, with ``n = S / cp`` tokens a shard: forward four
+all-to-alls (q, k, v, the output), of which ``(2 hq + 2 hkv) b n d (cp - 1) / cp`` elements leave the
+rank; backward the same four in reverse, as many again (counted in
+``tests/test_context_parallel_attention.py``).
 
-When each wins: Ulysses moves ``(2 hq + 2 hkv) b S d / cp`` elements per rank as all-to-alls, whatever
-``cp``; the ring moves ``2 hkv b S d (cp - 1) / cp`` forward over neighbour links and overlaps them with
-compute, but runs ``cp`` smaller blocks. With grouped-query attention (``hkv`` much smaller than ``hq``) the
-ring sends less; Ulysses needs ``hkv >= cp`` and its attention is one dense call (the fastest kernel for
-its heads), the ring needs only ``S`` divisible by ``2 cp``. Inside a node with fast all-to-all and
-enough heads, Ulysses; across nodes, with few KV heads or very long sequences, the ring.
+When each wins: forward, the ring sends ``2 hkv b n d (cp - 1)`` elements per rank (K and V, to the
+next rank, overlapped with the block's compute), Ulysses ``(2 hq + 2 hkv) b n d (cp - 1) / cp`` as
+all-to-alls that nothing overlaps; the ring sends less when ``2 hkv cp < 2 hq + 2 hkv`` (grouped-query
+attention with few KV heads, small cp) and its backward adds fp32 gradient accumulators. Ulysses needs
+``hkv >= cp`` and runs one dense attention over the whole sequence for its heads (the fastest kernel), the
+ring needs only ``S`` divisible by ``2 cp`` and never holds more than one remote block. Inside a node with
+a fast all-to-all and enough heads, Ulysses; across nodes, with few KV heads or very long sequences, the
+ring.
 """
 from __future__ import annotations
 
