@@ -93,6 +93,11 @@ def test_a_model_with_an_nn_sequential_of_blocks_splits_by_parameters():
     chunk0, chunk1 = stages[0]
     assert [len(chunk0.blocks), len(chunk1.blocks)] == [2, 2]     # the tied embedding weighs on both ends
     torch.testing.assert_close(chunk1(chunk0(ids)), model(ids), rtol=0, atol=0)
+    # a model that is itself an nn.Sequential, its blocks nested in one
+    seq = nn.Sequential(model.embed, model.blocks, model.norm, model.head)
+    chunk0, chunk1 = split_model(copy.deepcopy(seq), recipe_for(seq), 0, 1, num_chunks=2)
+    assert (chunk0.recipe.first, chunk0.recipe.blocks, chunk0.recipe.last) == (("0",), "1", ("2", "3"))
+    torch.testing.assert_close(chunk1(chunk0(ids)), seq(ids), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------- tp=2: the inferred plans

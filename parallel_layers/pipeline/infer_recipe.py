@@ -122,15 +122,16 @@ def _mask_kinds(model: nn.Module, base: nn.Module, blocks: nn.Module) -> List[st
     return ["full_attention"]
 
 
-def _place_base_children(model: nn.Module, base_name: str, base: nn.Module, blocks_name: str, tok_name: str):
-    """(positions, dropouts, norm, rotary) names among the base model's children."""
+def _place_base_children(model: nn.Module, base_name: str, base: nn.Module, placed):
+    """(positions, dropouts, norm, rotary) names among the base model's children (``placed``: the
+    blocks', token embedding's and head's names, already placed)."""
     config = model.config
     max_pos = getattr(config, "max_position_embeddings", None)
-    positions = dropouts = norm = rotary = None
+    positions = norm = rotary = None
     dropouts = []
     for name, child in base.named_children():
         full = _child(base_name, name)
-        if full in (blocks_name, tok_name):
+        if full in placed:
             continue
         kind = type(child).__name__
         if isinstance(child, nn.Embedding) and child.num_embeddings == max_pos and positions is None:
@@ -170,10 +171,13 @@ def infer_hf_decoder(model: nn.Module) -> Recipe:
     if head_name is None or "." in head_name:
         _fail(model, "it has no LM head (get_output_embeddings()) beside the base model: a *ForCausalLM is "
                      "expected")
-    for name, child in model.named_children():
-        if name not in (base_name, head_name) and (_params(child) or not isinstance(child, nn.Dropout)):
-            _fail(model, f"it cannot place {name!r} ({type(child).__name__}) beside the base model and the head")
-    positions, dropouts, norm, rotary = _place_base_children(model, base_name, base, blocks_name, tok_name)
+    if base_name:
+        for name, child in model.named_children():
+            if name not in (base_name, head_name):
+                _fail(model, f"it cannot place {name!r} ({type(child).__name__}) beside the base model "
+                             f"{base_name!r} and the head {head_name!r}")
+    positions, dropouts, norm, rotary = _place_base_children(model, base_name, base,
+                                                             (blocks_name, tok_name, head_name))
     kinds = _mask_kinds(model, base, blocks)
     accepted: Dict[type, Tuple[str, ...]] = {}
 
