@@ -35,7 +35,9 @@ SECTIONS = [("kernels.csv", "Fused kernels", f"{BENCH} --only kernels"),
             ("freeze_training.csv", "Freeze training (PipeTransformer): time to the same loss", f"{BENCH} --only demo"),
             ("torch_native_3d.csv", "Llama dp2 x tp2 x pp2 against FSDP2 + DTensor + torch pipelining",
              f"{BENCH} --only demo"),
-            ("matmul.csv", "Fused matmul epilogue (GPU)", f"{BENCH} --only kernels")]
+            ("matmul.csv", "Fused matmul epilogue (GPU)", f"{BENCH} --only kernels"),
+            ("context_parallel.csv", "Context parallelism: activation memory and step time against cp 1 (Llama)",
+             f"{BENCH} --only cp")]
 SCALING = ("scaling.csv", "Scaling curves", f"{BENCH} --only scaling")
 PLOTS = [("ratios.png", "every case against its baseline"),
          ("speedup.png", "kernel speedup per backend"),

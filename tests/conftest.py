@@ -123,6 +123,7 @@ SLOW = {
                                      "test_demo_saves_and_resumes_on_another_layout"),
     "test_bench_dp_zero.py": "*",
     "test_bench_scaling.py": "*",
+    "test_bench_context_parallel.py": "*",
     "test_bench_kernels_tp.py": ("test_tp_smoke_rows", "test_cross_entropy_smoke_rows_and_environment_restored"),
     "test_benchmarks_smoke.py": ("test_kernels_smoke_prints_a_row_per_case",
                                  "test_bench_cli_rejects_unknown_group_and_lists_groups",
