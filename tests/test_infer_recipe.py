@@ -76,6 +76,12 @@ def test_models_the_inference_cannot_place_get_the_recipe_to_write():
     odd.model.extra = nn.Linear(32, 32)               # a part the decoder layout does not have
     with pytest.raises(InferenceError, match="cannot place 'model.extra' \\(Linear\\) of the base model"):
         recipe_for(odd)
+    from transformers import BloomConfig, BloomForCausalLM
+
+    bloom = BloomForCausalLM(                                         # an embedding norm, ALiBi
+        BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB))
+    with pytest.raises(InferenceError, match="cannot place 'transformer.word_embeddings_layernorm' \\(LayerNorm\\)"):
+        recipe_for(bloom)
     capped = family_model("phi3", layers=2)
     capped.config.final_logit_softcapping = 30.0
     with pytest.raises(InferenceError, match="config.final_logit_softcapping=30.0"):

@@ -129,8 +129,10 @@ def _place_base_children(model: nn.Module, base_name: str, base: nn.Module, plac
     max_pos = getattr(config, "max_position_embeddings", None)
     positions = norm = rotary = None
     dropouts = []
+    after_blocks = False
     for name, child in base.named_children():
         full = _child(base_name, name)
+        after_blocks = after_blocks or full == placed[0]
         if full in placed:
             continue
         kind = type(child).__name__
@@ -140,7 +142,7 @@ def _place_base_children(model: nn.Module, base_name: str, base: nn.Module, plac
             dropouts.append(full)
         elif "Rotary" in kind and _params(child) == 0 and rotary is None:
             rotary = full
-        elif ("Norm" in kind or isinstance(child, nn.LayerNorm)) and norm is None:
+        elif ("Norm" in kind or isinstance(child, nn.LayerNorm)) and norm is None and after_blocks:
             norm = full
         else:
             _fail(model, f"it cannot place {full!r} ({kind}) of the base model: not the token embedding, a "
@@ -179,6 +181,12 @@ def infer_hf_decoder(model: nn.Module) -> Recipe:
     positions, dropouts, norm, rotary = _place_base_children(model, base_name, base,
                                                              (blocks_name, tok_name, head_name))
     kinds = _mask_kinds(model, base, blocks)
+    params = list(inspect.signature(type(blocks[0]).forward).parameters.values())[2:]   # after self, hidden
+    needed = [p.name for p in params if p.default is inspect.Parameter.empty
+              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in SIDE_FOR_BLOCKS]
+    if needed:
+        _fail(model, f"its blocks ({type(blocks[0]).__name__}) need {needed}, which the inferred context does not "
+                     f"build (it gives {list(SIDE_FOR_BLOCKS)})")
     accepted: Dict[type, Tuple[str, ...]] = {}
 
     def embed(model, ids, attention_mask=None, position_ids=None):
