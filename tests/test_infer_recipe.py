@@ -56,6 +56,16 @@ def test_inferred_stages_give_the_models_own_logits(kind):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def test_mistral_gets_its_sliding_window_mask():
+    """Before, Mistral was split with Llama's recipe, whose full causal mask gave logits 0.14 off once the
+    sequence (12) outgrew config.sliding_window (8)."""
+    model = family_model("mistral", dtype=torch.float64)
+    ids, mask = _batch("mistral")
+    assert model.config.sliding_window < ids.shape[1]
+    torch.testing.assert_close(_chained(copy.deepcopy(model), ids, mask), logits_of(model, ids, mask), rtol=0,
+                               atol=1e-12)
+
+
 def test_models_the_inference_cannot_place_get_the_recipe_to_write():
     from parallel_layers.pipeline import InferenceError, recipe_for
 

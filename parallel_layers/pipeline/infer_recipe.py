@@ -14,7 +14,8 @@ structure and the config:
   ``get_output_embeddings()``; every stage: the rotary embedding (``shared``);
 - context: position ids (``arange`` unless given), the causal mask of ``transformers.masking_utils`` (a
   sliding-window mask where the model uses one; one per ``config.layer_types`` kind, each block taking
-  its ``attention_type``'s) and the rotary ``(cos, sin)``; each block gets the ones its forward names;
+  its ``attention_type``'s) and the rotary ``(cos, sin)``; each block gets the ones its forward names
+  (and any key a wrapper adds to the context, as context parallelism does);
 - the tensor-parallel plan: :func:`~.infer_plan.infer_tp_plan` (fused sections, local head counts).
 
 **Your own model**: a module whose blocks sit in one ``nn.ModuleList`` or ``nn.Sequential`` attribute
@@ -203,19 +204,21 @@ def infer_hf_decoder(model: nn.Module) -> Recipe:
         masks = {kind: getattr(masking_utils, MASK_KINDS[kind])(
             config=model.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
             position_ids=position_ids) for kind in kinds}
-        ctx = {"masks": masks, "position_ids": position_ids}
+        ctx = {"attention_mask": masks if len(kinds) > 1 else masks[kinds[0]], "position_ids": position_ids}
         if rotary is not None:
             ctx["position_embeddings"] = get_module(model, rotary)(hidden, position_ids)
         return ctx
 
     def block(block, h, ctx):
+        # the side inputs its forward names; keys a wrapper added to the context (context parallelism's
+        # cp_context) go through as they are
         cls = type(block)
         if cls not in accepted:
             params = inspect.signature(cls.forward).parameters
             accepted[cls] = tuple(k for k in SIDE_FOR_BLOCKS if k in params)
-        kwargs = {k: ctx[k] for k in accepted[cls] if k in ctx}
-        if "attention_mask" in accepted[cls]:
-            kwargs["attention_mask"] = ctx["masks"][getattr(block, "attention_type", kinds[0])]
+        kwargs = {k: v for k, v in ctx.items() if k in accepted[cls] or k not in SIDE_FOR_BLOCKS}
+        if isinstance(kwargs.get("attention_mask"), dict):          # one mask per attention kind
+            kwargs["attention_mask"] = kwargs["attention_mask"][getattr(block, "attention_type", kinds[0])]
         return _first_output(block(h, **kwargs))
 
     first = (tok_name,) + ((positions,) if positions else ()) + tuple(dropouts)

@@ -15,7 +15,8 @@ block. A :class:`Recipe` names those parts of one model family and says how each
 - ``tp_plan(model)``: the :func:`~parallel_layers.tensor_parallel.parallelize` plan of the family
   (optional: without it, tensor parallelism needs a plan from the caller).
 
-Shipped: Llama-style decoders (``LlamaForCausalLM`` and the families built like it: Mistral, Qwen2),
+Shipped: Llama-style decoders (``LlamaForCausalLM`` and the families built like it: Qwen2; Mistral's is
+the inferred one, for its sliding-window mask),
 GPT-2 (``GPT2LMHeadModel``) and BERT (``BertForMaskedLM``). Any other class gets a recipe inferred from
 its structure (:mod:`~.infer_recipe`: Hugging Face decoders such as Phi-3, GPT-NeoX or Gemma, and models
 of your own whose children run in order), or an error naming the part it could not place. A model of your
@@ -185,8 +186,15 @@ def gpt_recipe(model: nn.Module) -> Recipe:
                   tp_plan=lambda m: {})
 
 
+def _inferred(model: nn.Module) -> Recipe:
+    """Mistral: the inferred recipe, whose context builds the sliding-window mask Mistral's attention
+    uses (``LLAMA``'s full causal mask differs once a sequence is longer than ``config.sliding_window``)."""
+    from .infer_recipe import infer_hf_decoder
+    return infer_hf_decoder(model)
+
+
 # a Recipe, or a function of the model returning one
-RECIPES: Dict[str, object] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": LLAMA, "Qwen2ForCausalLM": LLAMA,
+RECIPES: Dict[str, object] = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": _inferred, "Qwen2ForCausalLM": LLAMA,
                               "GPT2LMHeadModel": GPT2, "BertForMaskedLM": BERT, "GPT": gpt_recipe}
 
 
