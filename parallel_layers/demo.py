@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--cp", type=int, default=1, help="context parallel: every sequence sharded over N ranks through "
+                   "attention (needs --model llama; --seq-len a multiple of 2 x N)")
+    p.add_argument("--cp-method", default="ring", choices=("ring", "ulysses"),
+                   help="with --cp: ring attention or Ulysses (all-to-all over heads)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
     p.add_argument("--microbatches", type=int, default=4)
@@ -192,8 +196,12 @@ def checkpoint_setting(args):
     return True if args.checkpoint == -1 else args.checkpoint
 
 
+def world_size(args) -> int:
+    return args.dp * args.cp * args.tp * args.pp
+
+
 def check_args(args) -> None:
-    world = args.dp * args.tp * args.pp
+    world = world_size(args)
     chunks = 2 if args.schedule == "interleaved" else 1
     errs = []
     if args.batch_size % (args.dp * args.microbatches):
@@ -210,6 +218,14 @@ def check_args(args) -> None:
     if args.precision in ("bf16", "fp16") and args.zero == 3:
         errs.append(f"--precision {args.precision} with --zero 3 is not supported (ZeRO-3 in the pipeline is "
                     f"fp32 only): use --zero 1 or --zero 2, or --precision fp32")
+    if args.cp > 1 and args.model != "llama":
+        errs.append(f"--cp {args.cp} needs --model llama (context parallelism swaps a Hugging Face model's attention; "
+                    f"the reference GPT's attention is not context-parallel)")
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        errs.append(f"--seq-len {args.seq_len} must be a multiple of 2 x --cp = {2 * args.cp} (the load-balanced "
+                    f"split cuts every sequence into 2 x cp chunks)")
+    if args.cp > 1 and args.freeze != "off":
+        errs.append("--freeze with --cp is not supported: use --cp 1")
     if args.offload != "none" and args.zero == 0:
         errs.append(f"--offload {args.offload} moves ZeRO's optimizer shard: use --zero 1, 2 or 3")
     if args.offload == "disk" and not args.offload_dir:
@@ -290,7 +306,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     from .parallel3d import Parallel3D
     from .universal_checkpoint import load_universal, resolve_checkpoint, save_iteration
     rank = dist.get_rank()
-    mesh = ParallelMesh(args.dp, args.tp, args.pp)
+    mesh = ParallelMesh(args.dp, args.tp, args.pp, cp=args.cp)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
     what, extra = parallel_model(args)
     if args.freeze != "off":                     # the whole model, re-laid out as its bottom blocks freeze
@@ -301,7 +317,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
         model = Parallel3D(what, mesh, zero=args.zero, schedule=args.schedule,
                            num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
                            weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
-                           device=device, checkpoint=checkpoint_setting(args), **extra,
+                           device=device, checkpoint=checkpoint_setting(args), cp_method=args.cp_method, **extra,
                            optimizer_options=None if args.offload == "none" else
                            {"offload": args.offload, "offload_dir": args.offload_dir})
     start, saved, load_s = 0, [], None
@@ -494,7 +510,8 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
     if start:
         print(f"\nresumed from {args.load} at step {start} (a universal checkpoint: any layout loads it; "
               f"{par['load_seconds']:.2f} s on rank 0)")
-    print(f"\n3D run ({args.model}): dp={args.dp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
+    cp = f" cp={args.cp} ({args.cp_method})" if args.cp > 1 else ""
+    print(f"\n3D run ({args.model}): dp={args.dp}{cp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
           f"{args.microbatches} microbatches, {args.precision}{_checkpoint_text(args)}: "
           f"{par['tokens_per_s']:,.0f} tokens/s, "
           f"loss {par['losses'][0]:.4f} -> {par['losses'][-1]:.4f}"
@@ -565,8 +582,8 @@ def _run_torchrun(args) -> int:
     if not use_cuda and not args.no_bind_cores:
         bind_rank_to_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     world = dist.get_world_size()
-    if world != args.dp * args.tp * args.pp:
-        raise SystemExit(f"demo: WORLD_SIZE={world} but dp x tp x pp = {args.dp * args.tp * args.pp}")
+    if world != world_size(args):
+        raise SystemExit(f"demo: WORLD_SIZE={world} but dp x cp x tp x pp = {world_size(args)}")
     try:
         corpus, val = load_splits(args.corpus_bytes, args.seq_len)
         par = train_parallel(args, corpus, device, val)
@@ -589,10 +606,11 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_torchrun(args)
     import torch.multiprocessing as mp
-    world = args.dp * args.tp * args.pp
+    world = world_size(args)
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"demo: spawning {world} processes (dp={args.dp} x tp={args.tp} x pp={args.pp}) over gloo on CPU, "
+    cp = f" x cp={args.cp}" if args.cp > 1 else ""
+    print(f"demo: spawning {world} processes (dp={args.dp}{cp} x tp={args.tp} x pp={args.pp}) over gloo on CPU, "
           f"one thread each", flush=True)
     t0 = time.perf_counter()
     mp.spawn(_worker, args=(world, args, free_port()), nprocs=world, join=True)

@@ -116,7 +116,7 @@ SLOW = {
     "test_precision_3d.py": ("test_bf16_at_dp2_tp2_pp2", "test_bf16_autocast_over_fp32_weights"),
     "test_token_loss.py": ("test_gpt_loss_is_the_global_token_mean_at_dp2_tp2_pp2_zero3",),
     "test_context_parallel_3d.py": ("test_context_parallel_in_4d_matches_single_process",
-                                    "test_mesh_places_cp_inside_dp"),
+                                    "test_mesh_places_cp_inside_dp", "test_demo_with_context_parallel"),
     "test_3d_inferred.py": "*",
     "test_universal_checkpoint.py": ("test_universal_checkpoint_resumes_on_another_mesh",
                                      "test_universal_checkpoint_fp16_carries_master_weights_and_scaler",

@@ -209,3 +209,21 @@ def test_bf16_model_with_context_parallel(dist_pools):
     for rank, steps in enumerate(dist_pools(4).run(body_cp_bf16)):
         for step, (loss, ref) in enumerate(steps):
             assert abs(loss - ref) <= 5e-4 * abs(ref), f"rank {rank} step {step}: {loss} vs {ref}"
+
+
+def test_demo_with_context_parallel(tmp_path):
+    """``demo --cp 2``: Llama at cp2 x pp2 (Ulysses), 4 processes, agrees with the single process."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-m", "parallel_layers", "demo", "--model", "llama", "--dp", "1", "--cp",
+                          "2", "--cp-method", "ulysses", "--tp", "1", "--pp", "2", "--zero", "1", "--steps", "3",
+                          "--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-interval", "0",
+                          "--corpus-bytes", "200000", "--no-progress", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "dp=1 cp=2 (ulysses) tp=1 pp=2" in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["agree"] is True
