@@ -180,8 +180,9 @@ def test_cp_run_with_checkpointing_resumes_without_cp_from_its_universal_checkpo
 
 
 def body_cp_bf16(rank, world):
-    from parallel_layers.parallel3d import Parallel3D
     from test_precision_3d import _MasterWeightsReference
+
+    from parallel_layers.parallel3d import Parallel3D
 
     dense = _model("llama")
     ref = _MasterWeightsReference(copy.deepcopy(dense), torch.bfloat16, None)
