@@ -45,6 +45,11 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:
         raise ValueError(f"{name}: attention dropout {dropout} is not supported under context parallelism; set the "
                          f"config's attention dropout to 0")
+    window = kwargs.get("sliding_window")
+    if window is not None and cp_context.segments.shape[1] > window:
+        raise ValueError(f"{name}: sliding-window attention (window {window}) over sequences of "
+                         f"{cp_context.segments.shape[1]} tokens is not supported under context parallelism; use "
+                         f"sequences of at most {window} tokens or cp=1")
     out = context_parallel_attention(query, key, value, group=cp_context.group, segments=cp_context.segments,
                                      causal=bool(getattr(module, "is_causal", True)), scale=scaling,
                                      method=cp_context.method)
