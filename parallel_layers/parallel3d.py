@@ -142,7 +142,8 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
         plan = tp_plan if tp_plan is not None else (recipe.tp_plan(model) if recipe.tp_plan else None)
         if plan is None:
             raise ValueError(f"Parallel3D: tp={mesh.tp} needs a tensor-parallel plan for {type(model).__name__}; "
-                             f"pass tp_plan={{module pattern: style}} (see parallelize) or give its recipe one")
+                             f"pass tp_plan={{module pattern: style}} (see tensor_parallel.parallelize) or give its "
+                             f"recipe a tp_plan (docs/custom_recipe.md)")
         parallelize(model, tp_group, plan)
     tied_group = tied_embedding_group(mesh.pp_group) if mesh.pp > 1 else None
     chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
