@@ -164,12 +164,14 @@ def infer_hf_decoder(model: nn.Module) -> Recipe:
     base_name = blocks_name.rpartition(".")[0]
     base = get_module(model, base_name) if base_name else model
     names = _names(model)
-    tok = model.get_input_embeddings()
+    try:
+        tok, head = model.get_input_embeddings(), model.get_output_embeddings()
+    except (NotImplementedError, AttributeError) as exc:
+        _fail(model, f"get_input_embeddings()/get_output_embeddings() failed ({exc})")
     tok_name = names.get(id(tok)) if tok is not None else None
     if tok_name is None or tok_name.rpartition(".")[0] != base_name:
         _fail(model, f"its token embedding (get_input_embeddings()) is not a child of {base_name or 'the model'!r}, "
                      f"beside the blocks {blocks_name!r}")
-    head = model.get_output_embeddings()
     head_name = names.get(id(head)) if head is not None else None
     if head_name is None or "." in head_name:
         _fail(model, "it has no LM head (get_output_embeddings()) beside the base model: a *ForCausalLM is "
