@@ -84,9 +84,10 @@ device-env: $(DEVICE_EXT)
 # clean clone of the committed tree, offline, with the prebuilt module carried over), then the suite's fast
 # subset (every Triton kernel in triton 3.6's interpreter). Required before a commit that touches a kernel, a
 # collective or a version pin (README "GPU").
+# PYTHONPATH: the checkout is used in place, not installed (as gpu-check runs its steps on the GPU machine).
 device-test: device-env
-	$(DEVICE_PY) -m pytest -q $(PYTEST_ARGS) tests/test_device_env.py
-	$(DEVICE_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	PYTHONPATH=$(CURDIR) $(DEVICE_PY) -m pytest -q $(PYTEST_ARGS) tests/test_device_env.py
+	PYTHONPATH=$(CURDIR) $(DEVICE_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf build *.egg-info parallel_layers/*.so $(EXT_STAMP) $(DEVICE_EXT)
