@@ -115,13 +115,13 @@ def _check_modes(zero: int, dtype: torch.dtype, loss_scaler, skip_nonfinite: boo
 
 
 def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, num_chunks, schedule,
-                checkpoint, dtype, device, seed):
+                checkpoint, dtype, device, seed, cp_method):
     torch.manual_seed(seed)
     # build_gpt_stages draws fp16/bf16 weights in fp32 and rounds them (models/gpt.py: draw_dtype), so
     # every dtype starts from the fp32 model's weights.
     chunks = build_gpt_stages(config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=tp_group,
                               require_divisible=schedule == "interleaved", checkpoint=checkpoint, dtype=dtype,
-                              device=device)
+                              device=device, cp_group=getattr(mesh, "cp_group", None), cp_method=cp_method)
     tied, duplicates = [], set()
     for chunk in chunks:                  # the copies: first stage (counted in the norm), last stage (duplicate)
         if tied_group is not None and hasattr(chunk, "wte"):
@@ -230,11 +230,7 @@ class Parallel3D:
         self.cp = getattr(mesh, "cp", 1) if mesh is not None else 1
         self.replica_group = mesh.dp_cp_group if self.cp > 1 else (mesh.dp_group if mesh is not None else None)
         self.replicas = mesh.dp * self.cp if mesh is not None else 1
-        if self.cp > 1:
-            if is_gpt:
-                raise ValueError(f"Parallel3D: context parallelism (cp={self.cp}) runs through a model's attention "
-                                 f"function; pass an nn.Module (a Hugging Face model: Llama, Mistral, Qwen2, GPT-2, "
-                                 f"...) rather than a GPTConfig")
+        if self.cp > 1 and not is_gpt:         # the reference GPT's attention takes the cp group itself
             from .context_parallel.hf import enable_context_parallel, with_context_parallel
             enable_context_parallel(model)
             recipe = with_context_parallel(recipe if recipe is not None else recipe_for(model), mesh.cp_group,
@@ -247,7 +243,7 @@ class Parallel3D:
             self.tied_group = tied_embedding_group(mesh.pp_group) if (model.tie_embeddings and mesh.pp > 1) else None
             chunks, tied, duplicates = _gpt_stages(model, mesh, self.tp_group, self.tied_group, num_chunks=num_chunks,
                                                    schedule=schedule, checkpoint=checkpoint, dtype=dtype,
-                                                   device=device, seed=seed)
+                                                   device=device, seed=seed, cp_method=cp_method)
         else:
             self.config = getattr(model, "config", None)
             if device is not None or next(model.parameters()).dtype != dtype:
@@ -295,7 +291,11 @@ class Parallel3D:
         """This replica's rows of the global batch and, with cp > 1, this cp rank's tokens of them."""
         x, y = self.local_batch(inputs), self.local_batch(targets)
         side = {k: self.local_batch(v) for k, v in side.items()}
-        if self.cp > 1:
+        if self.cp > 1 and isinstance(self.config, GPTConfig):     # its stages take token shards alone
+            from .context_parallel.layout import check_divisible, shard
+            check_divisible(x.shape[1], self.cp, f"context parallelism (cp={self.cp})")
+            x, y = shard(x, self.cp, self.mesh.cp_rank), shard(y, self.cp, self.mesh.cp_rank)
+        elif self.cp > 1:
             from .context_parallel.batch import shard_batch
             x, y, side = shard_batch(x, y, side, self.cp, self.mesh.cp_rank)
         return x, y, side

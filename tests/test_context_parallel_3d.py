@@ -228,3 +228,42 @@ def test_demo_with_context_parallel(tmp_path):
     assert "dp=1 cp=2 (ulysses) tp=1 pp=2" in out.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["agree"] is True
+
+
+# ---------------------------------------------------------------------- the reference GPT
+def body_gpt_cp(rank, world, dims, zero, method, sp):
+    from parallel_layers.models.gpt import GPT, GPTConfig
+    from parallel_layers.parallel3d import Parallel3D
+
+    dp, cp, tp, pp = dims
+    cfg = dict(vocab_size=64, n_layer=4, n_head=4, d_model=32, max_seq_len=16, bias=False, dropout=0.0,
+               sequence_parallel=sp)
+    torch.manual_seed(0)
+    dense = GPT(GPTConfig(**dict(cfg, sequence_parallel=False)))
+    ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
+    model = Parallel3D(GPTConfig(**cfg), cached_mesh(dp=dp, tp=tp, pp=pp, cp=cp), zero=zero, num_microbatches=2,
+                       lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, seed=0, cp_method=method)
+    gen = torch.Generator().manual_seed(5)
+    steps = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (BATCH, SEQ + 1), generator=gen)
+        x, y = ids[:, :-1].contiguous(), ids[:, 1:].clone()
+        y[0, :6] = -100
+        out = model.train_step(x, y)
+        _, ref = dense(x, y)
+        ref.backward()
+        norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP).item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        steps.append((out["loss"], out["grad_norm"], ref.item(), norm))
+    want = dense.state_dict()
+    errs = {n: ((t.double() - want[n].double()).norm() / want[n].double().norm()).item()
+            for n, t in model.dense_state_dict().items()}
+    return {"steps": steps, "weights": errs}
+
+
+@pytest.mark.parametrize("dims,zero,method,sp", [((2, 2, 1, 1), 1, "ring", False), ((1, 2, 1, 2), 3, "ulysses", False),
+                                                 ((1, 2, 2, 1), 1, "ring", True)],
+                         ids=["dp2-cp2-zero1-ring", "cp2-pp2-zero3-ulysses", "cp2-tp2-sp-zero1-ring"])
+def test_reference_gpt_with_context_parallel_matches_single_process(dist_pools, dims, zero, method, sp):
+    _check(dist_pools(4).run(body_gpt_cp, dims, zero, method, sp))

@@ -137,6 +137,22 @@ class _Parallel:
         if group is not None:
             from ..tensor_parallel.random import tensor_parallel_rng_tracker
             self.rng = tensor_parallel_rng_tracker(config.seed, group)  # does not touch the default generator
+        self.cp_group, self.cp_size, self.cp_rank, self.cp_method = None, 1, 0, "ring"
+
+    def context_parallel(self, group, method: str, dropout: float) -> None:
+        """Shard every sequence over ``group`` through attention (``parallel_layers.context_parallel``)."""
+        if group is None or C.world_size(group) == 1:
+            return
+        if dropout:
+            raise ValueError(f"GPT: context parallelism needs dropout=0 in attention (config.dropout={dropout})")
+        self.cp_group, self.cp_size, self.cp_rank, self.cp_method = group, C.world_size(group), C.rank(group), method
+
+    def positions(self, s: int, device) -> torch.Tensor:
+        """The positions in the whole sequence of this rank's ``s`` tokens (cp: its zigzag shard)."""
+        if self.cp_group is None:
+            return torch.arange(s, device=device)
+        from ..context_parallel.layout import zigzag_index
+        return zigzag_index(s * self.cp_size, self.cp_size, self.cp_rank, device)
 
     def column(self, n_in, n_out, bias, activation=None):
         if self.group is None:
@@ -183,6 +199,12 @@ class Attention(nn.Module):
         # parallelize() or DTensor's parallelize_module() split qkv under it.
         q, k, v = qkv.view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         p = self.dropout if self.training else 0.0
+        if self._tp.cp_group is not None:                # the sequence sharded over cp: ring or Ulysses
+            from ..context_parallel import context_parallel_attention
+            tp = self._tp
+            seg = torch.zeros(b, s * tp.cp_size, dtype=torch.int64, device=q.device)   # one sequence per row
+            y = context_parallel_attention(q, k, v, group=tp.cp_group, segments=seg, causal=True, method=tp.cp_method)
+            return self.proj(y.transpose(1, 2).reshape(b, s, -1))
         with self._tp.fork(sharded=p > 0):               # local heads: a different mask on every rank
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
@@ -265,11 +287,12 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, *, tp_group=None, dtype=None, device=None,
-                 checkpoint: Union[bool, int] = False):
+                 checkpoint: Union[bool, int] = False, cp_group=None, cp_method: str = "ring"):
         super().__init__()
         self.checkpoint_blocks = checkpointed_block_count(checkpoint, config.n_layer, "GPT")
         group = _resolve_group(tp_group)
         tp = _Parallel(group, config, draw_dtype(dtype), device)
+        tp.context_parallel(cp_group, cp_method, config.dropout)
         for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
             if size % tp.size:
                 raise ValueError(f"GPT: {name}={size} does not divide by the tensor-parallel size {tp.size}; "
@@ -302,8 +325,9 @@ class GPT(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"GPT: idx must be [batch, seq] token ids, got shape {tuple(idx.shape)}")
         s = idx.shape[1]
-        if s > self.config.max_seq_len:
-            raise ValueError(f"GPT: sequence length {s} exceeds max_seq_len={self.config.max_seq_len}")
+        if s * self._tp.cp_size > self.config.max_seq_len:
+            raise ValueError(f"GPT: sequence length {s * self._tp.cp_size} exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
         if self._tp.sp and s % self.tp_size:
             raise ValueError(f"GPT: sequence length {s} does not divide by the tensor-parallel size "
                              f"{self.tp_size} (sequence_parallel=True); pad the sequence to a multiple of it")
@@ -311,7 +335,7 @@ class GPT(nn.Module):
             x = embedding_grad_into_buffer(idx, self.wte.weight)   # gradient rows land in the DP buffer
         else:
             x = self.wte(idx)                                       # the module (and its hooks) as is
-        pos = torch.arange(s, device=idx.device)
+        pos = self._tp.positions(s, idx.device)          # cp: this rank's shard's positions in the sequence
         if self._tp.sp:
             pos = pos.chunk(self.tp_size)[self.tp_rank]   # this rank's positions
         x = x + self.wpe(pos)

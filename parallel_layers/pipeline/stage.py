@@ -186,13 +186,14 @@ def tied_embedding_group(pp_group, timeout=None):
 def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
                      boundaries: Optional[Sequence[int]] = None, require_divisible: bool = False,
                      tp_group=None, tied_group=None, checkpoint: Union[bool, int] = False, dtype=None,
-                     device=None) -> List[GPTStage]:
+                     device=None, cp_group=None, cp_method: str = "ring") -> List[GPTStage]:
     """The stages (one per chunk) that pipeline rank ``pp_rank`` of ``pp_size`` owns, with the weights
     of ``GPT(config)`` built from the same seed (see the module docstring). ``boundaries``: explicit
     layer split points across all ``pp_size * num_chunks`` stages; ``tied_group``: from
     :func:`tied_embedding_group` when ``config.tie_embeddings`` and ``pp_size > 1``; ``checkpoint``:
     activation checkpointing of every block (True) or of the first ``n`` blocks of each stage (an int),
-    see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`."""
+    see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; ``cp_group``: context
+    parallelism (every sequence's zigzag shard on this rank, ``cp_method`` ring or Ulysses)."""
     checkpointed_block_count(checkpoint, 0, "build_gpt_stages")   # a bad value fails before anything is built
     S = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size:
@@ -209,6 +210,7 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     has_first, has_last = 0 in mine, S - 1 in mine
     group = _resolve_group(tp_group)
     tp = _Parallel(group, config, draw_dtype(dtype), device)
+    tp.context_parallel(cp_group, cp_method, config.dropout)
     for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
         if size % tp.size:
             raise ValueError(f"build_gpt_stages: {name}={size} does not divide by the tensor-parallel size {tp.size}")
