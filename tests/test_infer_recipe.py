@@ -119,7 +119,7 @@ def test_a_model_with_an_nn_sequential_of_blocks_splits_by_parameters():
 # ---------------------------------------------------------------------- tp=2: the inferred plans
 def body_tp_families(rank, world, kinds):
     from parallel_layers.pipeline.infer_recipe import infer_recipe
-    from parallel_layers.tensor_parallel.parallelize import gather_dense_state_dict, parallelize
+    from parallel_layers.tensor_parallel.parallelize import gather_dense_state_dict, parallelize, tp_partitions
 
     mesh = cached_mesh(tp=world)
     out = {}
@@ -133,7 +133,8 @@ def body_tp_families(rank, world, kinds):
         grads = gather_dense_state_dict(model, grads=True)
         grad_err = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)).item()
                        for n, p in dense.named_parameters())
-        out[kind] = ((got - ref).abs().max().item() / ref.abs().max().item(), grad_err)
+        split = {n.split(".")[-2] for n in tp_partitions(model)}        # the layers' names, split over tp
+        out[kind] = ((got - ref).abs().max().item() / ref.abs().max().item(), grad_err, split)
     return out
 
 
@@ -142,9 +143,16 @@ def test_inferred_tp_plans_match_the_dense_models(dist_pools):
     head counts from it), GPT-NeoX's per-head query_key_value split plainly, Gemma's scaled embedding kept
     over the vocabulary split, GPT-2's Conv1D c_attn split by sections with local split_size and heads."""
     kinds = [k for k in FAMILIES if k not in ("mistral", "qwen2")]     # built as Llama (tested in 3D)
+    want = {"llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+                      "lm_head"},
+            "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head"},
+            "gpt_neox": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "embed_in", "lm_head"},
+            "gemma": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"},
+            "gpt2": {"c_attn", "c_proj", "c_fc", "wte"}, "own": {"fc1", "fc2", "embed"}}
     for rank, out in enumerate(dist_pools(2).run(body_tp_families, kinds)):
-        for kind, (logits_err, grad_err) in out.items():
+        for kind, (logits_err, grad_err, split) in out.items():
             assert logits_err < 1e-10 and grad_err < 1e-10, (rank, kind, logits_err, grad_err)
+            assert want[kind] <= split, (kind, want[kind] - split)     # every block layer split, and the embeddings
 
 
 def body_tp_errors(rank, world):
