@@ -2,10 +2,13 @@
 
 Each of the ``cp`` ranks holds its zigzag shard of the sequence (:mod:`.layout`). Forward, in ``cp``
 steps: a rank computes its queries against the key/value block it holds (its own first), merges the
-block's ``(out, lse)`` into its running result (:func:`.blocks.merge`), and meanwhile passes the block to
+block's ``(out, lse)`` into its running result (:func:`.blocks.merge`'s rule), and meanwhile passes the block to
 the next rank and receives the previous rank's (one ``batch_isend_irecv`` of a send and a receive per
 step: the pair progresses together under NCCL's rules, and the transfer overlaps the block's compute).
-A block none of whose keys a query may see (causal: a block entirely in the query's future) is skipped.
+The per-block work is the fused op ``parallel_layers.ops.block_attention`` (Triton on CUDA: flash-attention
+tiles, the merge fused in, the mask evaluated per tile from positions and segments, no score matrix or mask
+in memory; on CPU the torch reference; :mod:`.blocks` is the oracle both are tested against). Key tiles
+none of whose keys a query may see (all padding, another segment, causal: in the query's future) are skipped.
 
 Backward runs the same ring again: each step's block meets the rank's queries once more, the rank adds
 the block's ``dQ`` to its own and the block's ``dK``/``dV`` to accumulators that travel with the block;
@@ -26,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives as C
-from . import blocks
-from .layout import visible, zigzag_index
+from ..ops.block_attention import block_attention_backward, block_attention_forward
+from .layout import zigzag_index
 
 
 def _exchange(sends, group, rank: int, cp: int):
@@ -64,10 +67,9 @@ class _RingAttention(torch.autograd.Function):
             owner = (rank - step) % cp
             pending = _exchange([kv], group, rank, cp) if step < cp - 1 else None
             k_pos = zigzag_index(seq_len, cp, owner, q.device)
-            vis = visible(q_pos, k_pos, q_seg, seg[:, k_pos], causal)
-            if bool(vis.any()):
-                out_b, lse_b = blocks.block_attention(q, kv[0], kv[1], vis, scale)
-                out, lse = blocks.merge(out, lse, out_b, lse_b)
+            # The block's attention, merged into (out, lse) in place; the mask is evaluated from positions
+            # and segments inside the op (key tiles no query sees are skipped there).
+            block_attention_forward(q, kv[0], kv[1], q_pos, k_pos, q_seg, seg[:, k_pos], causal, scale, out, lse)
             if pending is not None:
                 (kv,), works = pending
                 _wait(works, f"forward step {step}", group)
@@ -90,12 +92,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             owner = (rank - step) % cp
             k_pos = zigzag_index(seq_len, cp, owner, q.device)
-            vis = visible(q_pos, k_pos, q_seg, seg[:, k_pos], causal)
-            if bool(vis.any()):
-                dq_b, dk_b, dv_b = blocks.block_attention_backward(q, kv[0], kv[1], vis, scale, out, lse, dout, delta)
-                dq += dq_b
-                dkv[0] += dk_b
-                dkv[1] += dv_b
+            # Adds the block's dQ to dq and its dK/dV to the accumulators travelling with it.
+            block_attention_backward(q, kv[0], kv[1], q_pos, k_pos, q_seg, seg[:, k_pos], causal, scale, lse, dout,
+                                     delta, dq, dkv[0], dkv[1])
             if step < cp - 1:          # the block moves on with its gradient accumulators
                 (kv, dkv), works = _exchange([kv, dkv], group, rank, cp)
                 _wait(works, f"backward step {step}", group)
@@ -112,7 +111,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     [b, S]``: the whole sequence's segment ids (:func:`.layout.segments`; every rank passes the same).
     Returns ``[b, hq, S/cp, d]`` in ``q``'s dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, segments, group, bool(causal), scale)
+    return _RingAttention.apply(q, k, v, segments.to(torch.int64), group, bool(causal), scale)
 
 
 __all__ = ["ring_attention"]

@@ -2,6 +2,7 @@
 reference (``reference_*``) beside it as the oracle."""
 from ._backend import BACKENDS, ENV_VAR
 from ._backend import resolve as resolve_backend
+from .block_attention import block_attention_backward, block_attention_forward
 from .bucket import pack_bucket, unpack_bucket
 from .cast import multi_tensor_cast
 from .linear import fused_linear, fused_linear_backend
@@ -9,4 +10,5 @@ from .optimizer_step import adamw_step, sgd_step
 from .unscale_norm import unscale_and_norm
 
 __all__ = ["BACKENDS", "ENV_VAR", "resolve_backend", "adamw_step", "sgd_step", "unscale_and_norm",
-           "multi_tensor_cast", "pack_bucket", "unpack_bucket", "fused_linear", "fused_linear_backend"]
+           "multi_tensor_cast", "pack_bucket", "unpack_bucket", "fused_linear", "fused_linear_backend",
+           "block_attention_forward", "block_attention_backward"]
