@@ -231,7 +231,7 @@ def test_demo_with_context_parallel(tmp_path):
 
 
 # ---------------------------------------------------------------------- the reference GPT
-def body_gpt_cp(rank, world, dims, zero, method, sp):
+def body_gpt_cp(rank, world, dims, zero, method, sp, schedule):
     from parallel_layers.models.gpt import GPT, GPTConfig
     from parallel_layers.parallel3d import Parallel3D
 
@@ -242,7 +242,8 @@ def body_gpt_cp(rank, world, dims, zero, method, sp):
     dense = GPT(GPTConfig(**dict(cfg, sequence_parallel=False)))
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
     model = Parallel3D(GPTConfig(**cfg), cached_mesh(dp=dp, tp=tp, pp=pp, cp=cp), zero=zero, num_microbatches=2,
-                       lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, seed=0, cp_method=method)
+                       lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, seed=0, cp_method=method,
+                       schedule=schedule)
     gen = torch.Generator().manual_seed(5)
     steps = []
     for _ in range(STEPS):
@@ -262,8 +263,9 @@ def body_gpt_cp(rank, world, dims, zero, method, sp):
     return {"steps": steps, "weights": errs}
 
 
-@pytest.mark.parametrize("dims,zero,method,sp", [((2, 2, 1, 1), 1, "ring", False), ((1, 2, 1, 2), 3, "ulysses", False),
-                                                 ((1, 2, 2, 1), 1, "ring", True)],
-                         ids=["dp2-cp2-zero1-ring", "cp2-pp2-zero3-ulysses", "cp2-tp2-sp-zero1-ring"])
-def test_reference_gpt_with_context_parallel_matches_single_process(dist_pools, dims, zero, method, sp):
-    _check(dist_pools(4).run(body_gpt_cp, dims, zero, method, sp))
+@pytest.mark.parametrize("dims,zero,method,sp,schedule", [
+    ((2, 2, 1, 1), 1, "ring", False, "1f1b"), ((1, 2, 1, 2), 3, "ulysses", False, "gpipe"),
+    ((1, 2, 1, 2), 1, "ring", False, "interleaved"), ((1, 2, 2, 1), 1, "ring", True, "1f1b")],
+    ids=["dp2-cp2-zero1-ring", "cp2-pp2-zero3-ulysses-gpipe", "cp2-pp2-zero1-ring-interleaved", "cp2-tp2-sp-zero1-ring"])
+def test_reference_gpt_with_context_parallel_matches_single_process(dist_pools, dims, zero, method, sp, schedule):
+    _check(dist_pools(4).run(body_gpt_cp, dims, zero, method, sp, schedule))
