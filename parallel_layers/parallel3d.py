@@ -6,10 +6,11 @@ Two ways in, one training path:
 * ``Parallel3D(config, mesh, ...)`` with a :class:`~parallel_layers.models.gpt.GPTConfig`: the reference
   GPT, every rank building only its own stages (:func:`~parallel_layers.pipeline.build_gpt_stages`) from
   the same seed as ``GPT(config)``;
-* ``Parallel3D(model, mesh, loss_fn=..., ...)`` with an ``nn.Module`` you built (Hugging Face
-  ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ``BertForMaskedLM`` or your own), unmodified: its recipe
-  (:mod:`~parallel_layers.pipeline.recipes`: shipped for those families, ``Recipe.sequential`` for a
-  plain stack of blocks) says where the blocks are; the recipe's tensor-parallel plan (or ``tp_plan=``)
+* ``Parallel3D(model, mesh, ...)`` with an ``nn.Module`` you built (a Hugging Face ``*ForCausalLM``,
+  ``BertForMaskedLM`` or your own), unmodified: its recipe (:mod:`~parallel_layers.pipeline.recipes`:
+  shipped for some families, else inferred from the model's structure and config by
+  :mod:`~parallel_layers.pipeline.infer_recipe`; a hand-written ``Recipe`` for the rest, see
+  docs/custom_recipe.md) says where the blocks are; the recipe's tensor-parallel plan (or ``tp_plan=``)
   splits the layers over ``mesh.tp_group`` (:func:`~parallel_layers.tensor_parallel.parallelize`), and
   :func:`~parallel_layers.pipeline.split_model` keeps this rank's stages, balanced by block count,
   parameter count (``boundaries="parameters"``) or measured costs (``block_costs=``). Side inputs
