@@ -12,7 +12,8 @@ reported:
 
 Rows compare each cp with cp 1 at the same ``S`` (same global batch). Targets: saved activations per rank
 <= 0.55x (cp 2) and <= 0.3x (cp 4) of cp 1's. The longest-sequence row reads off the same grid: the
-per-rank peak memory cp 1 needs at its longest ``S``, and the longest ``S`` cp 4 trains within it.
+per-rank peak memory cp 1 needs at its longest ``S``, and the longest ``S`` cp 4 trains within it (cp 4
+also runs at the longer lengths of the profile for it).
 
 torch's own ``context_parallel`` (``torch.distributed.tensor.experimental``) is tried on this machine's
 CPU in the same processes; its row says what happened. On 2 cores, cp 4 runs 4 ranks on 2 cores: step
@@ -34,10 +35,10 @@ CSV_NAME = "context_parallel.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256)
-PROFILES = {
-    "full": dict(seqs=[4096, 8192, 16384], cps=[1, 2, 4], reps=3, model=MODEL),
-    "quick": dict(seqs=[2048, 4096], cps=[1, 2, 4], reps=2, model=MODEL),
-    "smoke": dict(seqs=[64], cps=[1, 2], reps=1, model=dict(MODEL, hidden_size=32, intermediate_size=64)),
+PROFILES = {   # seqs x cps, then ``longer``: cp 4 alone past cp 1's longest (the longest-sequence row)
+    "full": dict(seqs=[4096, 8192], cps=[1, 2, 4], longer=[16384, 32768], reps=3, model=MODEL),
+    "quick": dict(seqs=[2048, 4096], cps=[1, 2, 4], longer=[8192, 16384], reps=2, model=MODEL),
+    "smoke": dict(seqs=[64], cps=[1, 2], longer=[], reps=1, model=dict(MODEL, hidden_size=32, intermediate_size=64)),
 }
 
 
@@ -98,16 +99,22 @@ def collect(profile: str, device: Optional[torch.device] = None,
     p = PROFILES[profile]
     common = harness.common_fields(profile, torch.device("cpu"), torch.get_num_threads())
     res = {}
-    for seq in p["seqs"]:
-        for cp in p["cps"]:
-            if progress is not None:
-                progress(f"S={seq} cp={cp}")
-            outs = harness.run_ranks(_rank, cp, (seq, p["model"], p["reps"], cp == 2 and seq == p["seqs"][0]))
-            res[(seq, cp)] = {"saved_mb": max(o["saved_mb"] for o in outs), "peak_mb": max(o["peak_mb"] for o in outs),
-                              "ms": outs[0]["ms"], "torch": outs[0].get("torch")}
+    grid = [(seq, cp) for seq in p["seqs"] for cp in p["cps"]] + [(seq, max(p["cps"])) for seq in p["longer"]]
+    for seq, cp in grid:
+        if progress is not None:
+            progress(f"S={seq} cp={cp}")
+        outs = harness.run_ranks(_rank, cp, (seq, p["model"], p["reps"], cp == 2 and seq == p["seqs"][0]))
+        res[(seq, cp)] = {"saved_mb": max(o["saved_mb"] for o in outs), "peak_mb": max(o["peak_mb"] for o in outs),
+                          "ms": outs[0]["ms"], "torch": outs[0].get("torch")}
     rows = []
     for (seq, cp), r in res.items():
-        base = res[(seq, 1)]
+        base = res.get((seq, 1))
+        if base is None:          # past cp 1's longest: read by the longest-sequence row
+            rows.append(dict(common, case=f"llama S={seq} cp={cp}", sizes=f"S={seq}", ours_median_ms=min(r["ms"]),
+                             saved_mb=round(r["saved_mb"], 1), peak_rss_mb=round(r["peak_mb"], 1),
+                             baseline=f"saved activations {r['saved_mb']:.1f} MB, peak RSS {r['peak_mb']:.0f} MB "
+                                      f"per rank (cp=1 not run at this length)"))
+            continue
         target = {2: 0.55, 4: 0.3}.get(cp)
         ratio = r["saved_mb"] / base["saved_mb"]
         row = harness.comparison_row(
