@@ -72,7 +72,7 @@ def _visible(q_pos, q_seg, k_pos, k_seg, CAUSAL: tl.constexpr):
     return vis
 
 
-@triton.jit(do_not_specialize=["sq", "sk"])  # one compile for every sequence length
+@triton.jit(do_not_specialize=["sq", "sk", "hq", "hkv", "group"])  # one compile for any lengths, heads
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, out_ptr, lse_ptr,
                      sq, sk, hq, group, head_dim, scale,
                      q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,
@@ -141,7 +141,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr
     tl.store(lse_ptr + row, new, mask=m_ok)
 
 
-@triton.jit(do_not_specialize=["sq", "sk"])  # one compile for every sequence length
+@triton.jit(do_not_specialize=["sq", "sk", "hq", "hkv", "group"])  # one compile for any lengths, heads
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, lse_ptr, delta_ptr, dq_ptr,
                sq, sk, hq, group, head_dim, scale,
                q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, do_sb, do_sh, do_ss,
@@ -195,7 +195,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_p
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=md_mask, other=0.0) + dq * scale, mask=md_mask)
 
 
-@triton.jit(do_not_specialize=["sq", "sk"])  # one compile for every sequence length
+@triton.jit(do_not_specialize=["sq", "sk", "hq", "hkv", "group"])  # one compile for any lengths, heads
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, qpos_ptr, kpos_ptr, qseg_ptr, kseg_ptr, lse_ptr, delta_ptr,
                  dk_ptr, dv_ptr, sq, sk, hkv, group, head_dim, scale,
                  q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, do_sb, do_sh, do_ss,
