@@ -60,3 +60,14 @@ def test_first_shot_dry_run_from_a_clean_clone_offline(tmp_path):
     assert "matches" in rows["build"]["note"] and "not rebuilt" in rows["build"]["note"], rows["build"]
     assert "CUDA part: True" in (out / "extension.log").read_text()     # the carried module has its CUDA part
     assert "training parity fp32 on cpu" in (out / "training-parity.log").read_text()
+
+
+@pytest.mark.slow
+def test_fused_linear_one_config_compiles_for_sm90_under_the_device_triton(tmp_path):
+    """tests/test_fused_linear.py's stand-in compile, under triton 3.6 (the GPU image's)."""
+    from test_fused_linear import STANDIN_RUN
+    env = dict(os.environ, TRITON_INTERPRET="0", PARALLEL_LAYERS_LINEAR_TUNING="one",
+               TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=ROOT)
+    out = subprocess.run([_device_python(), "-W", "ignore", "-c", STANDIN_RUN], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "reached 2 of 2" in out.stdout, out.stdout + out.stderr[-3000:]

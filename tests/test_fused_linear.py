@@ -362,3 +362,28 @@ def test_interpreter_loops_with_runtime_bounds_under_this_numpy():
     from parallel_layers.triton_kernels import _interpreter_compat as compat
     fixed = getattr(interpreter._patch_lang_tensor, "_parallel_layers_patched", False)
     assert fixed or compat.OLD_INDEX not in inspect.getsource(interpreter._patch_lang_tensor)
+
+
+STANDIN_RUN = """
+import torch
+from parallel_layers.gpu_check import standin
+standin.install()
+cases = [(33, 29, 47, torch.bfloat16, "gelu", True), (512, 512, 768, torch.float32, None, False)]
+print("reached", standin.compile_fused_linear_launches(cases), "of", len(cases))
+"""
+
+
+@pytest.mark.slow
+def test_one_config_launch_compiles_for_sm90_through_the_launch_path(tmp_path):
+    """What gpu-check's CUDA tests run (PARALLEL_LAYERS_LINEAR_TUNING=one), up to the launch: the launcher's host
+    code and Triton's specialisation and compile for sm_90, with a stand-in driver (no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="0", PARALLEL_LAYERS_LINEAR_TUNING="one",
+               TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", STANDIN_RUN], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "reached 2 of 2" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert len(list((tmp_path / "triton").glob("*/*.cubin"))) == 2
