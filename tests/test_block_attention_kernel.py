@@ -287,3 +287,44 @@ def test_backend_choice_and_errors():
     with pytest.raises(ValueError, match="dout has shape"):
         BA.block_attention_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, True, 0.3, lse, torch.zeros(1, 4, 3, 4),
                                     torch.zeros(lse.shape), *grads)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", ["plain", "padding", "packed"])
+def test_cpu_flash_kernels_equal_the_reference(causal, case):
+    """The CPU path of the op (ATen's flash kernels, fed the mask as a bias) against the torch reference:
+    a block merged into a running result, and its backward from the final out/lse."""
+    from parallel_layers.ops import block_attention_cpu
+    from parallel_layers.ops.block_attention import (
+        reference_block_attention_backward,
+        reference_block_attention_forward,
+    )
+
+    torch.manual_seed(0)
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 24, 20, 8
+    q, k, v = torch.randn(b, hq, sq, d), torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
+    q_pos, k_pos = torch.arange(10, 10 + sq), torch.arange(sk)
+    q_seg, k_seg = torch.zeros(b, sq, dtype=torch.int64), torch.zeros(b, sk, dtype=torch.int64)
+    if case == "padding":
+        k_seg[0, :12] = -1
+        q_seg[1, :3] = -1
+    elif case == "packed":
+        q_seg[:, 8:] = 1
+        k_seg[:, 15:] = 1
+    start_out, start_lse = torch.randn(b, hq, sq, d), torch.randn(b, hq, sq)
+    start_lse[0, :, :2] = float("-inf")
+    start_out[0, :, :2] = 0
+    got = (start_out.clone(), start_lse.clone())
+    want = (start_out.clone(), start_lse.clone())
+    block_attention_cpu.forward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, 0.3, *got)
+    reference_block_attention_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, 0.3, *want)
+    assert torch.allclose(got[0], want[0], atol=1e-5) and torch.equal(torch.isinf(got[1]), torch.isinf(want[1]))
+    assert torch.allclose(got[1][torch.isfinite(want[1])], want[1][torch.isfinite(want[1])], atol=1e-5)
+    out, lse = want
+    dout = torch.randn(b, hq, sq, d)
+    delta = (dout * out).sum(-1)
+    grads = [[torch.zeros(b, hq, sq, d), torch.zeros(b, hkv, sk, d), torch.zeros(b, hkv, sk, d)] for _ in range(2)]
+    block_attention_cpu.backward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, 0.3, lse, dout, out, *grads[0])
+    reference_block_attention_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, 0.3, lse, dout, delta, *grads[1])
+    for a, r in zip(*grads):
+        assert torch.isfinite(a).all() and torch.allclose(a, r, atol=1e-5)

@@ -266,6 +266,7 @@ def body_gpt_cp(rank, world, dims, zero, method, sp, schedule):
 @pytest.mark.parametrize("dims,zero,method,sp,schedule", [
     ((2, 2, 1, 1), 1, "ring", False, "1f1b"), ((1, 2, 1, 2), 3, "ulysses", False, "gpipe"),
     ((1, 2, 1, 2), 1, "ring", False, "interleaved"), ((1, 2, 2, 1), 1, "ring", True, "1f1b")],
-    ids=["dp2-cp2-zero1-ring", "cp2-pp2-zero3-ulysses-gpipe", "cp2-pp2-zero1-ring-interleaved", "cp2-tp2-sp-zero1-ring"])
+    ids=["dp2-cp2-zero1-ring", "cp2-pp2-zero3-ulysses-gpipe", "cp2-pp2-zero1-ring-interleaved",
+         "cp2-tp2-sp-zero1-ring"])
 def test_reference_gpt_with_context_parallel_matches_single_process(dist_pools, dims, zero, method, sp, schedule):
     _check(dist_pools(4).run(body_gpt_cp, dims, zero, method, sp, schedule))

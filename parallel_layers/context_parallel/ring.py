@@ -7,8 +7,9 @@ the next rank and receives the previous rank's (one ``batch_isend_irecv`` of a s
 step: the pair progresses together under NCCL's rules, and the transfer overlaps the block's compute).
 The per-block work is the fused op ``parallel_layers.ops.block_attention`` (Triton on CUDA: flash-attention
 tiles, the merge fused in, the mask evaluated per tile from positions and segments, no score matrix or mask
-in memory; on CPU the torch reference; :mod:`.blocks` is the oracle both are tested against). Key tiles
-none of whose keys a query may see (all padding, another segment, causal: in the query's future) are skipped.
+in memory; on CPU ATen's flash kernels, ``ops/block_attention_cpu.py``; :mod:`.blocks` is the oracle all are
+tested against). Key tiles none of whose keys a query may see (all padding, another segment, causal: in the
+query's future) are skipped.
 
 Backward runs the same ring again: each step's block meets the rank's queries once more, the rank adds
 the block's ``dQ`` to its own and the block's ``dK``/``dV`` to accumulators that travel with the block;
@@ -94,7 +95,7 @@ class _RingAttention(torch.autograd.Function):
             k_pos = zigzag_index(seq_len, cp, owner, q.device)
             # Adds the block's dQ to dq and its dK/dV to the accumulators travelling with it.
             block_attention_backward(q, kv[0], kv[1], q_pos, k_pos, q_seg, seg[:, k_pos], causal, scale, lse, dout,
-                                     delta, dq, dkv[0], dkv[1])
+                                     delta, dq, dkv[0], dkv[1], out=out)
             if step < cp - 1:          # the block moves on with its gradient accumulators
                 (kv, dkv), works = _exchange([kv, dkv], group, rank, cp)
                 _wait(works, f"backward step {step}", group)

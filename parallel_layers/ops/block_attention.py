@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from . import _backend, _checks
+from . import _backend, _checks, block_attention_cpu
 
 BACKENDS = ("triton",)  # besides the torch reference
 CHUNK_BYTES = 8 << 20   # float32 scores per query chunk of the torch reference
@@ -157,6 +157,9 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     b, hq, sq, d = q.shape
     args = _check(_FWD, q, k, v, q_pos, k_pos, q_seg, k_seg, (("out", out, (b, hq, sq, d)),
                                                              ("lse", lse, (b, hq, sq))))
+    if _cpu_kernel(q, backend):
+        block_attention_cpu.forward(*args, bool(causal), float(scale), out, lse)
+        return out, lse
     impl = _impl(_FWD, q.device, backend, reference_block_attention_forward)
     impl(*args, bool(causal), float(scale), out, lse)
     return out, lse
@@ -165,9 +168,11 @@ def block_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                              k_pos: torch.Tensor, q_seg: torch.Tensor, k_seg: torch.Tensor, causal: bool,
                              scale: float, lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
-                             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, backend: Optional[str] = None):
+                             dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, backend: Optional[str] = None,
+                             out: Optional[torch.Tensor] = None):
     """Add this block's share of the gradients to ``dq``, ``dk``, ``dv`` (see the kernel contract).
-    Returns ``(dq, dk, dv)``."""
+    ``out``: the queries' final output, where the caller has it (the CPU kernel takes it instead of
+    ``delta``). Returns ``(dq, dk, dv)``."""
     b, hq, sq, d = q.shape
     kv_shape = tuple(k.shape)
     args = _check(_BWD, q, k, v, q_pos, k_pos, q_seg, k_seg,
@@ -178,9 +183,19 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"{_BWD}: dout has shape {tuple(dout.shape)}, expected q's {tuple(q.shape)}")
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    if _cpu_kernel(q, backend) and out is not None:
+        block_attention_cpu.backward(*args, bool(causal), float(scale), lse, dout, out, dq, dk, dv)
+        return dq, dk, dv
     impl = _impl(_BWD, q.device, backend, reference_block_attention_backward)
     impl(*args, bool(causal), float(scale), lse, dout, delta, dq, dk, dv)
     return dq, dk, dv
+
+
+def _cpu_kernel(q: torch.Tensor, backend: Optional[str]) -> bool:
+    """CPU tensors with no backend asked for (argument or environment): ATen's CPU flash kernels
+    (:mod:`.block_attention_cpu`), where this torch has them, rather than the chunked torch reference."""
+    return (q.device.type == "cpu" and _backend.requested_backend(backend) == "auto"
+            and block_attention_cpu.available(q))
 
 
 def _impl(op: str, device: torch.device, backend: Optional[str], reference):
