@@ -2,6 +2,7 @@
 reference (``reference_*``) beside it as the oracle."""
 from ._backend import BACKENDS, ENV_VAR
 from ._backend import resolve as resolve_backend
+from .batch_stats import batch_stats
 from .block_attention import block_attention_backward, block_attention_forward
 from .bucket import pack_bucket, unpack_bucket
 from .cast import multi_tensor_cast
@@ -11,4 +12,4 @@ from .unscale_norm import unscale_and_norm
 
 __all__ = ["BACKENDS", "ENV_VAR", "resolve_backend", "adamw_step", "sgd_step", "unscale_and_norm",
            "multi_tensor_cast", "pack_bucket", "unpack_bucket", "fused_linear", "fused_linear_backend",
-           "block_attention_forward", "block_attention_backward"]
+           "block_attention_forward", "block_attention_backward", "batch_stats"]
