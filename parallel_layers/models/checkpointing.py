@@ -12,16 +12,25 @@ of the group in the same order, as Megatron-LM's full recomputation does. Under 
 parameters are gathered again for it (``ZeroStage3``'s pre-backward hook; in the pipeline they are kept
 gathered for the whole step).
 
-Used by :class:`~parallel_layers.models.gpt.GPT` (``checkpoint=``) and the pipeline's ``GPTStage``.
+Where to checkpoint (every block, the first n, Chen et al.'s sqrt(n) segments, the least recomputation
+within a memory budget) is :mod:`~parallel_layers.models.checkpoint_policy`'s; :class:`Placement` applies a
+policy to one model or stage, and :func:`run_blocks` runs the blocks by its plan: a segment of several
+blocks is one checkpoint (its input kept, the whole run recomputed in backward, its dropout masks
+replayed like a single block's).
+
+Used by :class:`~parallel_layers.models.gpt.GPT` (``checkpoint=``), the pipeline's ``GPTStage`` and
+``split_model``'s ``ModelStage``.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from .checkpoint_policy import CheckpointPlan, Policy, measure_blocks, resolve_policy
 
 
 def _rng_context_fn(tracker):
@@ -55,25 +64,87 @@ def checkpointed(block: nn.Module, x: torch.Tensor, tracker=None) -> torch.Tenso
     return _torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
-def checkpointed_block_count(checkpoint: Union[bool, int], num_blocks: int, where: str = "checkpoint") -> int:
+def checkpointed_block_count(checkpoint: Union[bool, int, str, Policy], num_blocks: int,
+                             where: str = "checkpoint") -> Optional[int]:
     """How many of ``num_blocks`` blocks (the first ones) run under activation checkpointing:
     ``checkpoint=True`` every block, ``False`` none, an int ``n`` the first ``n`` (Megatron-LM's
     ``--recompute-method block --recompute-num-layers n``: recomputing only some blocks saves less
     memory for less recomputation; counted per model, or per stage in a pipeline, so each chunk of the
-    interleaved schedule recomputes its own first ``n``)."""
-    if isinstance(checkpoint, bool):
-        return num_blocks if checkpoint else 0
-    if not isinstance(checkpoint, int) or checkpoint < 0:
-        raise ValueError(f"{where}: checkpoint={checkpoint!r} must be True (every block), False (none) or a "
-                         f"number of blocks >= 0 to recompute")
-    return min(checkpoint, num_blocks)
+    interleaved schedule recomputes its own first ``n``). A placement policy (``"sqrt"``, ``SqrtPolicy()``,
+    ``MemoryBudget(...)``): the blocks it recomputes, None where that is only known once measured."""
+    return Placement(checkpoint, num_blocks, where).static_count
 
 
-def run_blocks(blocks: Iterable[nn.Module], h: torch.Tensor, recompute: int, tracker=None) -> torch.Tensor:
-    """``h`` through ``blocks`` in order, the first ``recompute`` of them checkpointed."""
-    for i, block in enumerate(blocks):
-        h = checkpointed(block, h, tracker) if i < recompute else block(h)
+class Placement:
+    """``checkpoint=`` applied to ``num_blocks`` blocks: the policy (:func:`resolve_policy`, which checks
+    the value) and its plan, computed once, or once per input shape, dtype and device for a policy that
+    measures the blocks (``MemoryBudget`` without given sizes: :func:`measure_blocks` on the first training
+    forward of that shape; ``plans`` holds what it chose)."""
+
+    def __init__(self, checkpoint, num_blocks: int, where: str = "checkpoint"):
+        self.policy = resolve_policy(checkpoint, where)
+        self.num_blocks = num_blocks
+        self.plans: Dict[tuple, CheckpointPlan] = {}
+        self._static = None if self.policy.needs_profile else self.policy.plan(num_blocks)
+
+    @property
+    def static_count(self) -> Optional[int]:
+        return None if self._static is None else self._static.recomputed
+
+    def plan_for(self, fns: Sequence[Callable], h: torch.Tensor, tracker=None) -> CheckpointPlan:
+        if self._static is not None:
+            return self._static
+        key = (tuple(h.shape), h.dtype, h.device)
+        if key not in self.plans:
+            self.plans[key] = self.policy.plan(self.num_blocks, measure_blocks(fns, h, tracker))
+        return self.plans[key]
+
+    def __repr__(self):
+        return f"Placement({self.policy!r}, {self.num_blocks} blocks)"
+
+
+def checkpoint_placement(checkpoint, num_blocks: int, where: str = "checkpoint") -> Placement:
+    """The :class:`Placement` of ``checkpoint=`` over ``num_blocks`` blocks (a bad value raises ``ValueError``)."""
+    return Placement(checkpoint, num_blocks, where)
+
+
+class _Segment:
+    """Blocks ``fns`` run in order, as one function: one checkpoint over the whole run."""
+
+    def __init__(self, fns: List[Callable]):
+        self.fns = fns
+
+    def __call__(self, h):
+        for fn in self.fns:
+            h = fn(h)
+        return h
+
+
+def run_blocks(blocks: Iterable[Callable], h: torch.Tensor, recompute: Union[int, Placement, CheckpointPlan],
+               tracker=None) -> torch.Tensor:
+    """``h`` through ``blocks`` (modules or one-argument callables) in order; ``recompute``: an int (the
+    first ``recompute`` blocks checkpointed, each alone), a :class:`Placement` or a ``CheckpointPlan``
+    (its segments checkpointed, each as one)."""
+    fns = list(blocks)
+    if isinstance(recompute, Placement):
+        plan = recompute.plan_for(fns, h, tracker)
+    elif isinstance(recompute, CheckpointPlan):
+        plan = recompute
+    else:
+        plan = CheckpointPlan.first(len(fns), recompute)
+    if plan.num_blocks != len(fns):
+        raise ValueError(f"run_blocks: a plan for {plan.num_blocks} blocks given {len(fns)} blocks")
+    starts = {s: e for s, e in plan.segments}
+    i = 0
+    while i < len(fns):
+        e = starts.get(i)
+        if e is None:
+            h = fns[i](h)
+            i += 1
+        else:
+            h = checkpointed(fns[i] if e == i + 1 else _Segment(fns[i:e]), h, tracker)
+            i = e
     return h
 
 
-__all__ = ["checkpointed", "checkpointed_block_count", "run_blocks"]
+__all__ = ["checkpointed", "checkpointed_block_count", "checkpoint_placement", "Placement", "run_blocks"]

@@ -61,7 +61,7 @@ from ..tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
 )
-from .checkpointing import checkpointed_block_count, run_blocks
+from .checkpointing import checkpoint_placement, run_blocks
 
 
 @dataclass
@@ -282,14 +282,17 @@ class GPT(nn.Module):
     vocabulary shards, logits never gathered) when targets are given, else ``None``.
 
     ``checkpoint``: activation checkpointing in training mode, True for every block, an int ``n`` for the
-    first ``n`` (:mod:`parallel_layers.models.checkpointing`: dropout masks replay exactly, TP stream
-    included; works under ZeRO-3, which gathers a block's parameters again for its recomputation).
+    first ``n``, ``"sqrt"`` or a placement policy such as ``MemoryBudget(bytes)``
+    (:mod:`~parallel_layers.models.checkpoint_policy`; :mod:`parallel_layers.models.checkpointing`: dropout
+    masks replay exactly, TP stream included; works under ZeRO-3, which gathers a block's parameters again
+    for its recomputation).
     """
 
     def __init__(self, config: GPTConfig, *, tp_group=None, dtype=None, device=None,
-                 checkpoint: Union[bool, int] = False, cp_group=None, cp_method: str = "ring"):
+                 checkpoint: Union[bool, int, str, object] = False, cp_group=None, cp_method: str = "ring"):
         super().__init__()
-        self.checkpoint_blocks = checkpointed_block_count(checkpoint, config.n_layer, "GPT")
+        self.checkpointing = checkpoint_placement(checkpoint, config.n_layer, "GPT")
+        self.checkpoint_blocks = self.checkpointing.static_count
         group = _resolve_group(tp_group)
         tp = _Parallel(group, config, draw_dtype(dtype), device)
         tp.context_parallel(cp_group, cp_method, config.dropout)
@@ -380,7 +383,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 return_logits: Optional[bool] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         h = self.embed(idx)
-        h = run_blocks(self.blocks, h, self.checkpoint_blocks if self.training else 0, self._tp.rng)
+        h = run_blocks(self.blocks, h, self.checkpointing if self.training else 0, self._tp.rng)
         shard = self.head(h)
         want_logits = targets is None or bool(return_logits)
         # In-place backward overwrites the logits' saved softmax; only safe when nobody else reads them.

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..models.checkpointing import checkpointed, checkpointed_block_count
+from ..models.checkpointing import checkpoint_placement, run_blocks
 from ..tensor_parallel.dense_layouts import from_dense, to_dense
 from .recipes import RECIPES, Recipe, get_module, recipe_for
 from .stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
@@ -37,7 +37,8 @@ def _set(model: nn.Module, dotted: str, value) -> None:
 class ModelStage(nn.Module):
     """One pipeline stage of a model cut by :func:`split_model`: ``stage(x, targets=None, **side)``.
 
-    ``checkpoint``: activation checkpointing of every block (True) or of the first ``n`` (an int), in
+    ``checkpoint``: activation checkpointing of every block (True), of the first ``n`` (an int) or by a
+    placement policy (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.models.checkpoint_policy`), in
     training mode; the recomputation replays the forward's dropout masks (default generator restored).
     ``dense_name(name)``: a parameter's name here -> its name in the whole model."""
 
@@ -54,7 +55,8 @@ class ModelStage(nn.Module):
         self.tied_group = tied_group
         self.tied: List[nn.Parameter] = []
         self.sums_tied_grads = sums_tied_grads
-        self.checkpoint_blocks = checkpointed_block_count(checkpoint, len(blocks), "split_model")
+        self.checkpointing = checkpoint_placement(checkpoint, len(blocks), "split_model")
+        self.checkpoint_blocks = self.checkpointing.static_count
         ids = dense_names or {}
         self._dense = {n: ids[id(p)] for n, p in self.named_parameters(remove_duplicate=False) if id(p) in ids}
 
@@ -67,12 +69,8 @@ class ModelStage(nn.Module):
             raise TypeError(f"ModelStage: the recipe of {type(model).__name__} does not take the side inputs "
                             f"{sorted(side)} ({exc}); pass only what its embed/context functions accept, or "
                             f"write a Recipe whose context carries them to the blocks") from exc
-        recompute = self.checkpoint_blocks if self.training else 0
-        for i, block in enumerate(self.blocks):
-            if i < recompute:
-                h = checkpointed(lambda t, block=block: self.recipe.block(block, t, ctx), h)
-            else:
-                h = self.recipe.block(block, h, ctx)
+        fns = [lambda t, block=block: self.recipe.block(block, t, ctx) for block in self.blocks]
+        h = run_blocks(fns, h, self.checkpointing if self.training else 0)
         if not self.is_last:
             return h
         logits = self.recipe.head(model, h)

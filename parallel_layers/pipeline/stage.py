@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed import collectives as C
-from ..models.checkpointing import checkpointed, checkpointed_block_count, run_blocks
+from ..models.checkpointing import checkpoint_placement, checkpointed, run_blocks
 from ..models.gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group, draw_dtype, round_to, untied_head
 
 
@@ -103,11 +103,12 @@ class GPTStage(nn.Module):
             self.ln_f = modules["ln_f"]
             self.lm_head = modules["lm_head"]
         self.checkpoint = checkpoint
-        self.checkpoint_blocks = checkpointed_block_count(checkpoint, len(self.blocks), "GPTStage")
+        self.checkpointing = checkpoint_placement(checkpoint, len(self.blocks), "GPTStage")
+        self.checkpoint_blocks = self.checkpointing.static_count
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.embed(x) if self.is_first else x
-        h = run_blocks(self.blocks, h, self.checkpoint_blocks if self.training else 0, self._tp.rng)
+        h = run_blocks(self.blocks, h, self.checkpointing if self.training else 0, self._tp.rng)
         if not self.is_last:
             return h
         shard = self.head(h)
@@ -191,10 +192,11 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     of ``GPT(config)`` built from the same seed (see the module docstring). ``boundaries``: explicit
     layer split points across all ``pp_size * num_chunks`` stages; ``tied_group``: from
     :func:`tied_embedding_group` when ``config.tie_embeddings`` and ``pp_size > 1``; ``checkpoint``:
-    activation checkpointing of every block (True) or of the first ``n`` blocks of each stage (an int),
+    activation checkpointing of every block (True), of the first ``n`` blocks of each stage (an int), or a
+    placement policy per stage (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.models.checkpoint_policy`),
     see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; ``cp_group``: context
     parallelism (every sequence's zigzag shard on this rank, ``cp_method`` ring or Ulysses)."""
-    checkpointed_block_count(checkpoint, 0, "build_gpt_stages")   # a bad value fails before anything is built
+    checkpoint_placement(checkpoint, 0, "build_gpt_stages")   # a bad value fails before anything is built
     S = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"build_gpt_stages: pp_rank={pp_rank} outside 0..{pp_size - 1}")
