@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from .checkpoint_policy import CheckpointPlan, Policy, measure_blocks, resolve_policy
+from .checkpoint_policy import BlockProfile, CheckpointPlan, Policy, measure_blocks, resolve_policy
 
 
 def _rng_context_fn(tracker):
@@ -79,12 +79,13 @@ class Placement:
     """``checkpoint=`` applied to ``num_blocks`` blocks: the policy (:func:`resolve_policy`, which checks
     the value) and its plan, computed once, or once per input shape, dtype and device for a policy that
     measures the blocks (``MemoryBudget`` without given sizes: :func:`measure_blocks` on the first training
-    forward of that shape; ``plans`` holds what it chose)."""
+    forward of that shape; ``plans`` holds what it chose, ``profiles`` what it measured)."""
 
     def __init__(self, checkpoint, num_blocks: int, where: str = "checkpoint"):
         self.policy = resolve_policy(checkpoint, where)
         self.num_blocks = num_blocks
         self.plans: Dict[tuple, CheckpointPlan] = {}
+        self.profiles: Dict[tuple, BlockProfile] = {}
         self._static = None if self.policy.needs_profile else self.policy.plan(num_blocks)
 
     @property
@@ -96,7 +97,8 @@ class Placement:
             return self._static
         key = (tuple(h.shape), h.dtype, h.device)
         if key not in self.plans:
-            self.plans[key] = self.policy.plan(self.num_blocks, measure_blocks(fns, h, tracker))
+            self.profiles[key] = measure_blocks(fns, h, tracker)
+            self.plans[key] = self.policy.plan(self.num_blocks, self.profiles[key])
         return self.plans[key]
 
     def __repr__(self):
