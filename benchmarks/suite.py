@@ -31,7 +31,7 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("tp", ("tp", "cross_entropy")),
     ("dp", ("dp", "parameter_server")),
     ("zero", ("zero", "zero3", "zero_offload", "cpu_adam")),
-    ("pipeline", ("pipeline",)),
+    ("pipeline", ("pipeline", "checkpoint_policy")),
     ("demo", ("demo_layouts", "generic_3d", "torch_native_3d", "freeze_training")),
     ("scaling", ("scaling",)),
     ("cp", ("context_parallel",)),
