@@ -53,7 +53,9 @@ whose global gradient norm is inf or NaN is skipped on every rank, with everythi
 ``skipped_steps`` counts them and :meth:`train_step` reports ``skipped``.
 
 ``checkpoint``: activation checkpointing, True for every block, an int ``n`` for the first ``n`` blocks
-of each stage, ``"sqrt"`` or a policy such as ``MemoryBudget(bytes)`` (:mod:`parallel_layers.models.checkpoint_policy`); backward recomputes them with the forward's RNG state, so dropout masks replay exactly.
+of each stage, ``"sqrt"`` or a policy such as ``MemoryBudget(bytes)``
+(:mod:`parallel_layers.models.checkpoint_policy`); backward recomputes them with the forward's RNG state, so
+dropout masks replay exactly.
 ``no_decay(name, p)``: parameters without weight decay (biases and norms: ``lambda n, p: p.ndim < 2``);
 ``optimizer`` is a ``torch.optim.Optimizer`` whose groups torch LR schedulers drive.
 
