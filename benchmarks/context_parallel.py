@@ -36,8 +36,8 @@ CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256)
 PROFILES = {   # seqs x cps, then ``longer``: cp 4 alone past cp 1's longest (the longest-sequence row)
-    "full": dict(seqs=[4096, 8192], cps=[1, 2, 4], longer=[16384, 32768], reps=3, model=MODEL),
-    "quick": dict(seqs=[2048, 4096], cps=[1, 2, 4], longer=[8192, 16384], reps=2, model=MODEL),
+    "full": dict(seqs=[4096, 8192], cps=[1, 2, 4], longer=[16384, 28672, 32768], reps=3, model=MODEL),
+    "quick": dict(seqs=[2048, 4096], cps=[1, 2, 4], longer=[8192, 14336, 16384], reps=2, model=MODEL),
     "smoke": dict(seqs=[64], cps=[1, 2], longer=[], reps=1, model=dict(MODEL, hidden_size=32, intermediate_size=64)),
 }
 

@@ -328,3 +328,37 @@ def test_cpu_flash_kernels_equal_the_reference(causal, case):
     reference_block_attention_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, 0.3, lse, dout, delta, *grads[1])
     for a, r in zip(*grads):
         assert torch.isfinite(a).all() and torch.allclose(a, r, atol=1e-5)
+
+
+@pytest.mark.parametrize("owner", [0, 1, 2, 3])
+def test_cpu_flash_kernels_on_zigzag_blocks_build_no_mask(owner):
+    """One segment, no padding: a zigzag block is cut into fully visible and plainly causal pieces (no mask
+    built) and still equals the reference, forward and backward."""
+    from parallel_layers.context_parallel.layout import zigzag_index
+    from parallel_layers.ops import block_attention_cpu
+    from parallel_layers.ops.block_attention import (
+        reference_block_attention_backward,
+        reference_block_attention_forward,
+    )
+
+    torch.manual_seed(1)
+    b, hq, hkv, d, seq, cp, rank = 2, 4, 2, 8, 64, 4, 1
+    q_pos, k_pos = zigzag_index(seq, cp, rank), zigzag_index(seq, cp, owner)
+    pieces = block_attention_cpu._pieces(q_pos, k_pos, torch.zeros(b, 16, dtype=torch.int64),
+                                         torch.zeros(b, 16, dtype=torch.int64), True)
+    assert pieces and all(isinstance(mode, str) for *_, mode in pieces), pieces
+    q, k, v = torch.randn(b, hq, 16, d), torch.randn(b, hkv, 16, d), torch.randn(b, hkv, 16, d)
+    seg = torch.zeros(b, 16, dtype=torch.int64)
+    got = (torch.zeros(b, hq, 16, d), torch.full((b, hq, 16), float("-inf")))
+    want = (torch.zeros(b, hq, 16, d), torch.full((b, hq, 16), float("-inf")))
+    block_attention_cpu.forward(q, k, v, q_pos, k_pos, seg, seg, True, 0.3, *got)
+    reference_block_attention_forward(q, k, v, q_pos, k_pos, seg, seg, True, 0.3, *want)
+    assert torch.allclose(got[0], want[0], atol=1e-5) and torch.equal(torch.isinf(got[1]), torch.isinf(want[1]))
+    out, lse = want
+    dout = torch.randn(b, hq, 16, d)
+    grads = [[torch.zeros(b, hq, 16, d), torch.zeros(b, hkv, 16, d), torch.zeros(b, hkv, 16, d)] for _ in range(2)]
+    block_attention_cpu.backward(q, k, v, q_pos, k_pos, seg, seg, True, 0.3, lse, dout, out, *grads[0])
+    reference_block_attention_backward(q, k, v, q_pos, k_pos, seg, seg, True, 0.3, lse, dout,
+                                       (dout * out).sum(-1), *grads[1])
+    for a, r in zip(*grads):
+        assert torch.allclose(a, r, atol=1e-5)
