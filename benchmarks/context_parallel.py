@@ -136,11 +136,12 @@ def collect(profile: str, device: Optional[torch.device] = None,
         budget = res[(s1, 1)]["peak_mb"]
         fits = [s for s, c in res if c == top and res[(s, c)]["peak_mb"] <= budget]
         longest = max(fits) if fits else None
-        rows.append(dict(common, case=f"longest S within cp=1's peak at S={s1} ({budget:.0f} MB/rank)",
+        rows.append(dict(common, case="longest S within cp=1's per-rank peak at its longest S",
                          sizes=f"cp={top}", target="cp4/cp1>=3.5",
                          met="" if longest is None else ("yes" if longest / s1 >= 3.5 else "no"),
                          baseline=f"cp={top}: {longest} tokens ({'-' if longest is None else f'{longest / s1:.1f}x'}"
-                                  f" cp=1's {s1}) on the measured grid {sorted({s for s, _ in res})}"))
+                                  f" cp=1's {s1}) within {budget:.0f} MB/rank, cp=1's peak at S={s1}, on the "
+                                  f"measured grid {sorted({s for s, _ in res})}"))
     return rows
 
 
