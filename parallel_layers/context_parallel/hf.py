@@ -76,14 +76,17 @@ def enable_context_parallel(model: nn.Module) -> None:
 def with_context_parallel(recipe, group, method: str):
     """``recipe`` whose context adds the :class:`CPContext` to what every block receives (the side input
     ``cp_segments``, the micro-batch's segment ids, becomes its ``segments``)."""
-    inner = recipe.context
+    inner, inner_embed = recipe.context, recipe.embed
 
     def context(model, hidden, cp_segments=None, **side):
         ctx = dict(inner(model, hidden, **side))
         ctx["attention_mask"] = None          # causality and segments are applied by the attention itself
         ctx["cp_context"] = CPContext(group, cp_segments, method)
         return ctx
-    return dataclasses.replace(recipe, context=context)
+
+    def embed(model, ids, cp_segments=None, **side):
+        return inner_embed(model, ids, **side)
+    return dataclasses.replace(recipe, context=context, embed=embed)
 
 
 __all__ = ["ATTENTION", "CPContext", "hf_attention", "enable_context_parallel", "with_context_parallel"]
