@@ -31,7 +31,9 @@ def test_mesh_places_cp_inside_dp(dist_pools):
 
 
 # ---------------------------------------------------------------------- training
-VOCAB, BATCH, SEQ, STEPS, LR, BETAS, WD, CLIP = 64, 4, 16, 5, 1e-4, (0.9, 0.95), 0.1, 1.0
+# 5 steps for the 4D matrix (what the proof asks for), 3 for the other cases (they run in every make test)
+VOCAB, BATCH, SEQ, STEPS, LR, BETAS, WD, CLIP = 64, 4, 16, 3, 1e-4, (0.9, 0.95), 0.1, 1.0
+STEPS_4D = 5
 
 
 def _gpt2():
@@ -60,12 +62,12 @@ def _model(kind):
                                         max_position_embeddings=64, tie_word_embeddings=False))
 
 
-def _batches(case):
+def _batches(case, steps=STEPS):
     """``(ids, labels, side)``: ``padding``: left padding (labels -100 there) and uneven ignored labels;
     ``packed``: rows of packed sequences (position ids restart), the first token of each ignored."""
     gen = torch.Generator().manual_seed(3)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
         x, y = ids[:, :-1].contiguous(), ids[:, 1:].clone()
         if case == "padding":
@@ -91,7 +93,7 @@ def _reference_loss(dense, x, y, side):
     return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100)
 
 
-def body_cp_train(rank, world, kind, dims, zero, method, case):
+def body_cp_train(rank, world, kind, dims, zero, method, case, n_steps=STEPS):
     from parallel_layers.parallel3d import Parallel3D
     from parallel_layers.universal_checkpoint import dense_states
 
@@ -102,7 +104,7 @@ def body_cp_train(rank, world, kind, dims, zero, method, case):
     model = Parallel3D(copy.deepcopy(dense), mesh, zero=zero, num_microbatches=2, lr=LR, betas=BETAS,
                        weight_decay=WD, max_grad_norm=CLIP, cp_method=method)
     steps = []
-    for x, y, side in _batches(case):
+    for x, y, side in _batches(case, n_steps):
         out = model.train_step(x, y, **side)
         ref = _reference_loss(dense, x, y, side)
         ref.backward()
@@ -121,7 +123,7 @@ def body_cp_train(rank, world, kind, dims, zero, method, case):
             d = t.numel() // 3
             keep = torch.cat([torch.arange(d), torch.arange(2 * d, 3 * d)])
             t, w = t[keep], w[keep]
-        scale = w.double().norm() + LR * STEPS * w.numel() ** 0.5
+        scale = w.double().norm() + LR * n_steps * w.numel() ** 0.5
         return ((t.double() - w.double()).norm() / scale).item()
     errs = {n: err(n, t, want[n]) for n, t in got.items() if n in want and not n.endswith("k_proj.bias")}
     return {"steps": steps, "weights": errs}
@@ -152,14 +154,11 @@ def test_hf_model_with_context_parallel_matches_single_process(dist_pools, kind,
     ("llama", (2, 2, 2, 1), 1, "padding"),
     ("qwen2", (2, 2, 2, 1), 3, "packed"),
     ("llama", (2, 2, 1, 2), 3, "packed"),
-    ("llama", (2, 2, 1, 2), 1, "padding"),
     ("qwen2", (2, 2, 1, 2), 1, "padding"),
-    ("llama", (2, 2, 2, 1), 3, "packed"),
-], ids=["llama-dp2-cp2-tp2-zero1", "qwen2-dp2-cp2-tp2-zero3", "llama-dp2-cp2-pp2-zero3", "llama-dp2-cp2-pp2-zero1",
-        "qwen2-dp2-cp2-pp2-zero1", "llama-dp2-cp2-tp2-zero3"])
+], ids=["llama-dp2-cp2-tp2-zero1", "qwen2-dp2-cp2-tp2-zero3", "llama-dp2-cp2-pp2-zero3", "qwen2-dp2-cp2-pp2-zero1"])
 def test_context_parallel_in_4d_matches_single_process(dist_pools, kind, dims, zero, case):
     pytest.importorskip("transformers")
-    _check(dist_pools(8).run(body_cp_train, kind, dims, zero, "ring", case))
+    _check(dist_pools(8).run(body_cp_train, kind, dims, zero, "ring", case, STEPS_4D))
 
 
 # ---------------------------------------------------------------------- composition
