@@ -1,6 +1,6 @@
 # Quick start:  make test   (sets everything up in .venv, builds the extension, runs the suite)
 #               make test-fast  (the same without the slow tests: the edit loop)
-#               make bench  (same set-up, runs the whole benchmark suite; make bench-quick: < 5 min)
+#               make bench  (same set-up, runs the whole benchmark suite; make bench-quick: small sizes)
 PYTHON_SYS    ?= python3
 VENV          ?= .venv
 TORCH_VERSION ?= 2.13.0

@@ -1,7 +1,7 @@
 """The whole benchmark suite: every group, one progress bar, one table, CSV rows, plots, benchmarks/README.md.
 
     python -m parallel_layers bench                       # everything, full sizes (make bench)
-    python -m parallel_layers bench --quick               # everything, small sizes (< 5 min on 2 cores)
+    python -m parallel_layers bench --quick               # everything, small sizes, few repetitions
     python -m parallel_layers bench --only kernels --only dp
     python -m parallel_layers bench --quick --readme      # then redraw the plots and benchmarks/README.md's tables
 
@@ -46,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parallel_layers bench",
                                  description="Run the parallel_layers benchmarks and print one table.")
     harness.add_profile_args(ap, smoke_help="tiny sizes: checks every benchmark runs (no CSV)",
-                             quick_help="small sizes, few repetitions (< 5 min on 2 cores)")
+                             quick_help="small sizes, few repetitions")
     ap.add_argument("--only", action="append", default=[], metavar="GROUP",
                     help=f"run only these groups (repeatable or comma-separated): {', '.join(GROUPS)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
