@@ -40,18 +40,12 @@ from typing import Optional
 import torch
 
 from . import _backend, _checks, block_attention_cpu
+from ._attention_rules import merge_into
+from ._attention_rules import visible as _visible
 
 BACKENDS = ("triton",)  # besides the torch reference
 CHUNK_BYTES = 8 << 20   # float32 scores per query chunk of the torch reference
 _FWD, _BWD = "block_attention_forward", "block_attention_backward"
-
-
-def _visible(q_pos, k_pos, q_seg, k_seg, causal):
-    """``[b, m, sk]``: the mask of these queries (the same rule as ``context_parallel.layout.visible``)."""
-    ok = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] >= 0)
-    if causal:
-        ok = ok & (k_pos[None, None, :] <= q_pos[None, :, None])
-    return ok
 
 
 def _chunks(b, hq, sq, sk, chunk_bytes):
@@ -87,15 +81,7 @@ def reference_block_attention_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, causa
         lse_b = torch.logsumexp(s, dim=-1)
         out_b = torch.matmul(torch.exp(s - _no_inf(lse_b)[..., None]), vf).reshape(b, hq, r1 - r0, d)
         lse_b = lse_b.reshape(b, hq, r1 - r0)
-        # The merge, as context_parallel.blocks.merge writes it.
-        lse_a = lse[:, :, r0:r1]
-        new = torch.logaddexp(lse_a, lse_b)
-        finite = torch.isfinite(new)
-        safe = torch.where(finite, new, torch.zeros_like(new))
-        wa = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(new))
-        wb = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(new))
-        out[:, :, r0:r1] = out[:, :, r0:r1] * wa[..., None] + out_b * wb[..., None]
-        lse[:, :, r0:r1] = new
+        merge_into(out, lse, slice(r0, r1), out_b, lse_b)
 
 
 def reference_block_attention_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, scale, lse, dout, delta,

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ._attention_rules import merge_into
+from ._attention_rules import visible as _visible
+
 _FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -23,13 +26,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def available(q: torch.Tensor) -> bool:
     return _FWD is not None and _BWD is not None and q.device.type == "cpu" and q.dtype in DTYPES
-
-
-def _visible(q_pos, k_pos, q_seg, k_seg, causal):
-    ok = (q_seg[:, :, None] == k_seg[:, None, :]) & (k_seg[:, None, :] >= 0)
-    if causal:
-        ok = ok & (k_pos[None, None, :] <= q_pos[None, :, None])
-    return ok
 
 
 def _bias(vis: torch.Tensor, dtype) -> torch.Tensor:
@@ -99,14 +95,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, scale, out, lse) -> Non
         lse_b = lse_b.float()
         if not isinstance(mode, str):                 # rows of the piece that see no key: lse -inf, not 0
             lse_b = lse_b.masked_fill(~mode.any(-1)[:, None, :], float("-inf"))
-        lse_a = lse[:, :, qa:qb]
-        new = torch.logaddexp(lse_a, lse_b)
-        finite = torch.isfinite(new)
-        safe = torch.where(finite, new, torch.zeros_like(new))
-        wa = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(new))
-        wb = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(new))
-        out[:, :, qa:qb] = out[:, :, qa:qb] * wa[..., None] + out_b.float() * wb[..., None]
-        lse[:, :, qa:qb] = new
+        merge_into(out, lse, slice(qa, qb), out_b, lse_b)
 
 
 def backward(q, k, v, q_pos, k_pos, q_seg, k_seg, causal, scale, lse, dout, out, dq, dk, dv) -> None:
