@@ -156,7 +156,9 @@ class DataParallel(nn.Module):
         self.grad_shard: Optional[torch.Tensor] = (
             torch.zeros(pos, dtype=self.grad_dtype, device=buf.device) if self.reduce_op == "reduce_scatter" else None)
         self._scale = torch.full((1,), 1.0 / self.dp_size, dtype=torch.float32, device=buf.device)
-        self._scale_value = float(self._scale.item())   # the same float32 value, as a GEMM's alpha
+        # the same float32 value, as a GEMM's alpha (rounded on the host: no device sync, and a meta-device
+        # model, as the layout planner builds, has no value to read)
+        self._scale_value = float(torch.tensor(1.0 / self.dp_size, dtype=torch.float32))
         self._one = torch.ones(1, dtype=torch.float32, device=buf.device)
 
     def bucket_grad_shard(self, b: Bucket) -> torch.Tensor:
