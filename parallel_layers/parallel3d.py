@@ -434,6 +434,23 @@ class Parallel3D:
         if tracker is not None:
             tracker.set_states(state["rng"]["tracker"])
 
+    def random_state(self) -> dict:
+        """Every random stream this rank's dropout draws from: the default CPU generator, the current CUDA
+        device's (where CUDA is initialised) and the TP tracker's streams (copies)."""
+        tracker = self._rng_tracker()
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return {"default": torch.get_rng_state(), "cuda": cuda,
+                "tracker": None if tracker is None else tracker.get_states()}
+
+    def load_random_state(self, state: dict) -> None:
+        """Restore what :meth:`random_state` returned on this rank of the same layout."""
+        torch.set_rng_state(state["default"])
+        if state.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+        tracker = self._rng_tracker()
+        if tracker is not None and state.get("tracker") is not None:
+            tracker.set_states(state["tracker"])
+
     def _checkpoint_layout(self) -> dict:
         m, e = self.mesh, self.engine
         layout = {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "rank (dp, tp, pp)": [m.dp_rank, m.tp_rank, m.pp_rank],
