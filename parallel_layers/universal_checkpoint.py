@@ -43,9 +43,15 @@ next step then computes what the single-process model would from the same weight
 ``model`` loads into ``GPT(config)`` (or, ``strict=False`` where weights are tied, into the dense model
 of your own) and :func:`load_dense_adamw` fills a ``torch.optim.AdamW`` over it.
 
-Not carried: the random streams (they are per layout: another mesh draws other dropout masks anyway),
-the position in the data (the caller's step counter; ``meta["step"]`` is the optimizer's), and the
-optimizer's hyperparameters (the resuming run's own ``lr`` etc. apply; the saved ones are in the meta).
+Not carried in the dense model: the random streams (they are per layout: another mesh draws other dropout
+masks anyway), the position in the data (the caller's step counter; ``meta["step"]`` is the optimizer's),
+and the optimizer's hyperparameters (the resuming run's own ``lr`` etc. apply; the saved ones are in the
+meta). :mod:`parallel_layers.resilience` adds ``meta["resume"]``: every rank's random streams with the
+layout they belong to (restored when the resuming layout is the same) and the caller's data position.
+
+A save is two halves: :func:`snapshot_universal` copies the state into host memory (collectives over
+the model's groups) and :func:`write_universal` writes it (collectives over a group of the caller's
+choice only), so an asynchronous save runs the second half in a background thread with the same code.
 """
 from __future__ import annotations
 
@@ -213,10 +219,10 @@ def _write_stage(directory: str, file: str, header: dict, states: Dict[str, Dict
     return manifest
 
 
-def _gathered(obj) -> list:
-    """``obj`` of every rank of the world (rank order)."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+def _gathered(obj, group=None) -> list:
+    """``obj`` of every rank of ``group`` (default: the world), in group rank order."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -244,14 +250,21 @@ def _check_count(name: str, value, where: str) -> None:
         raise CheckpointError(f"{where}: {name} {value!r} must be a non-negative integer")
 
 
-def _meta(model, step: int, iteration: int, save_id: str, files: List[str], manifests: List[dict]) -> dict:
+def _description(model) -> dict:
+    """What ``meta.json`` says of the model and its run, taken when the state is (the snapshot's time)."""
     group = model.optimizer.param_groups[0]
-    meta = {"format": FORMAT, "save": save_id, "step": step, "iteration": iteration,
-            "config": model.description, "files": files,
-            "tensors": {n: e for m in manifests for n, e in sorted(m.items())},
-            "saved from": _layout(model),
+    return {"config": model.description, "saved from": _layout(model),
             "optimizer": {k: group[k] for k in ("lr", "eps", "weight_decay")} | {"betas": list(group["betas"])},
             "scaler": None if model.scaler is None else model.scaler.state_dict()}
+
+
+def _meta(snap: "UniversalSnapshot", files: List[str], manifests: List[dict]) -> dict:
+    meta = {"format": FORMAT, "save": snap.save_id, "step": snap.step, "iteration": snap.iteration,
+            "config": snap.described["config"], "files": files,
+            "tensors": {n: e for m in manifests for n, e in sorted(m.items())},
+            **{k: v for k, v in snap.described.items() if k != "config"}}
+    if snap.resume is not None:
+        meta["resume"] = snap.resume
     meta["checksum"] = meta_checksum(meta)
     return meta
 
@@ -264,35 +277,86 @@ def _commit(directory: str, meta: dict) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(directory)))
 
 
+@dataclasses.dataclass
+class UniversalSnapshot:
+    """One save's state, taken from the model into host memory by :func:`snapshot_universal` (the only
+    part of a save that needs the model) and written by :func:`write_universal` (which needs only this).
+    ``states``: this rank's stages' dense fp32 tensors on the CPU, on the rank that writes them (dp 0,
+    tp 0, cp 0 of each pipeline rank; empty elsewhere). ``resume``: what a resumed run of the same layout
+    needs besides the dense model (:mod:`parallel_layers.resilience`), or None."""
+    states: Dict[str, Dict[str, torch.Tensor]]
+    step: int
+    iteration: int
+    save_id: str
+    stage: int
+    pp: int
+    writer: bool
+    described: dict
+    resume: Optional[dict] = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for st in self.states.values() for t in st.values())
+
+
+def snapshot_universal(model, iteration: Optional[int] = None, resume: Optional[dict] = None) -> UniversalSnapshot:
+    """This rank's part of a universal checkpoint of ``model``, copied to host memory: a collective over
+    the world (the ZeRO shards summed over dp, the TP shards gathered over tp, one save id agreed). Once it
+    returns, training may change the model: the snapshot holds copies."""
+    states, step = dense_states(model)
+    iteration = step if iteration is None else iteration
+    _check_count("iteration", iteration, "save_universal")
+    m = model.mesh
+    save_id = _gathered(secrets.token_hex(6))[0]              # rank 0's: one name for this save's files
+    writer = m.dp_rank == 0 and m.tp_rank == 0 and getattr(m, "cp_rank", 0) == 0   # one per pipeline rank
+    host = {n: {k: t.detach().to("cpu") for k, t in st.items()} for n, st in states.items()} if writer else {}
+    return UniversalSnapshot(host, step, iteration, save_id, m.pp_rank, m.pp, writer, _description(model), resume)
+
+
+def write_universal(snap: UniversalSnapshot, directory: str, group=None) -> None:
+    """Write a :func:`snapshot_universal` into ``directory``: the writers their stage file, then global
+    rank 0 ``meta.json`` (a collective over ``group``, default the world: every rank of it calls this; a
+    background writer passes a group of its own so its collectives never interleave with training's).
+    Every rank raises :class:`CheckpointError` if any rank's part failed; the checkpoint already in
+    ``directory`` is then left as it was, and nothing is published."""
+    files = [f"stage{k}-of-{snap.pp}.{snap.save_id}.pt" for k in range(snap.pp)]
+    header = {"save": snap.save_id, "stage": snap.stage, "pp": snap.pp, "iteration": snap.iteration,
+              "step": snap.step}
+    mine = None
+    if snap.writer:
+        mine = _attempt(lambda: _write_stage(directory, files[snap.stage], header, snap.states))
+    written = _gathered(mine, group)
+    _raise_failures(written, "writing the stage files", directory)
+    committed = None
+    if dist.get_rank() == 0:
+        meta = _meta(snap, files, [w["ok"] for w in written if w is not None])
+        committed = _attempt(lambda: _commit(directory, meta))
+    _raise_failures(_gathered(committed, group), "writing meta.json", directory)
+
+
 def save_universal(model, directory: str, iteration: Optional[int] = None) -> None:
     """Save ``model`` (a ``Parallel3D``) as a universal checkpoint in ``directory``: a collective over
     the world (every rank calls it). See the module docstring for what is saved and how a crash is
     survived. ``iteration``: the caller's position in its data, kept as ``meta["iteration"]`` (default:
     the optimizer's step count, which does not count the steps an fp16 run skipped). Every rank raises
     :class:`CheckpointError` if any rank's part failed; the checkpoint already in ``directory`` is then
-    left as it was."""
-    states, step = dense_states(model)
-    iteration = step if iteration is None else iteration
-    _check_count("iteration", iteration, "save_universal")
-    m, rank = model.mesh, dist.get_rank()
-    save_id = _gathered(secrets.token_hex(6))[0]              # rank 0's: one name for this save's files
-    files = [f"stage{k}-of-{m.pp}.{save_id}.pt" for k in range(m.pp)]
-    header = {"save": save_id, "stage": m.pp_rank, "pp": m.pp, "iteration": iteration, "step": step}
-    mine = None
-    if m.dp_rank == 0 and m.tp_rank == 0 and getattr(m, "cp_rank", 0) == 0:   # one writer per pipeline rank
-        mine = _attempt(lambda: _write_stage(directory, files[m.pp_rank], header, states))
-    written = _gathered(mine)
-    _raise_failures(written, "writing the stage files", directory)
-    committed = None
-    if rank == 0:
-        meta = _meta(model, step, iteration, save_id, files, [w["ok"] for w in written if w is not None])
-        committed = _attempt(lambda: _commit(directory, meta))
-    _raise_failures(_gathered(committed), "writing meta.json", directory)
+    left as it was. :func:`snapshot_universal` then :func:`write_universal`, the two halves an
+    asynchronous save (:class:`parallel_layers.resilience.AsyncCheckpointer`) runs apart."""
+    write_universal(snapshot_universal(model, iteration), directory)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     """Megatron-LM's layout: one directory per saved iteration, ``root/iter_0000020``."""
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def point_latest(root: str, iteration: int, group=None) -> None:
+    """Rank 0 points ``root``'s ``latest_checkpointed_iteration.txt`` at ``iteration`` in one rename (a
+    collective over ``group``: every rank learns whether it worked)."""
+    done = None
+    if dist.get_rank() == 0:
+        done = _attempt(lambda: _write_atomically(os.path.join(root, LATEST), _write_text(f"{iteration}\n")))
+    _raise_failures(_gathered(done, group), f"pointing {LATEST} at it", iteration_dir(root, iteration))
 
 
 def save_iteration(model, root: str, iteration: int) -> str:
@@ -301,10 +365,7 @@ def save_iteration(model, root: str, iteration: int) -> str:
     returns the path."""
     path = iteration_dir(root, iteration)
     save_universal(model, path, iteration=iteration)
-    done = None
-    if dist.get_rank() == 0:
-        done = _attempt(lambda: _write_atomically(os.path.join(root, LATEST), _write_text(f"{iteration}\n")))
-    _raise_failures(_gathered(done), f"pointing {LATEST} at it", path)
+    point_latest(root, iteration)
     return path
 
 
@@ -551,6 +612,7 @@ def load_dense_adamw(optimizer: torch.optim.Optimizer, model: nn.Module, ckpt: d
         optimizer.state[p] = _adamw_state(p, ckpt["step"], ckpt["exp_avg"][name], ckpt["exp_avg_sq"][name])
 
 
-__all__ = ["save_universal", "load_universal", "read_universal", "read_meta", "check_config", "load_dense_adamw",
-           "dense_states", "iteration_dir", "save_iteration", "resolve_checkpoint", "CheckpointError",
-           "tensor_crc32", "meta_checksum"]
+__all__ = ["save_universal", "snapshot_universal", "write_universal", "UniversalSnapshot", "point_latest",
+           "load_universal", "read_universal", "read_meta", "check_config", "load_dense_adamw", "dense_states",
+           "iteration_dir", "save_iteration", "resolve_checkpoint", "CheckpointError", "tensor_crc32",
+           "meta_checksum"]

@@ -1,0 +1,173 @@
+"""Per-rank checkpoints of a ``Parallel3D``: every rank's own :meth:`Parallel3D.state_dict` in a file of
+its own, as Megatron-LM and DeepSpeed save them; it loads back only on the same mesh (to change the
+layout, use the universal format), and it is the cheaper save: nothing is gathered over dp or tp.
+
+The same crash safety as the universal format (:mod:`parallel_layers.universal_checkpoint`): each rank
+serialises its state, takes the crc32 of the bytes and writes them under a fresh name (temporary name,
+fsync, rename); global rank 0 writes ``meta.json`` (the files, their crc32, the data position and its
+own checksum) last, in one rename, once every rank's file is on disk. Loading checks the meta, every
+rank its file's crc32, and the ranks agree that all is sound before any state is touched.
+
+Like the universal format, a save is a snapshot (:func:`snapshot_per_rank`: the state copied to host
+memory) and a write (:func:`write_per_rank`: collectives over a group of the caller's choice only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import re
+import secrets
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..universal_checkpoint import (
+    META,
+    CheckpointError,
+    _attempt,
+    _fsync_dir,
+    _gathered,
+    _raise_failures,
+    _write_atomically,
+    _write_text,
+    meta_checksum,
+)
+
+FORMAT = "parallel_layers.per_rank/1"
+_RANK_FILE = re.compile(r"rank\d+-of-\d+\.[0-9a-f]+\.pt(\.tmp)?")
+
+
+@dataclasses.dataclass
+class PerRankSnapshot:
+    """This rank's state (CPU copies) and what ``meta.json`` records of it."""
+    state: dict
+    rank: int
+    world: int
+    save_id: str
+    iteration: int
+    step: int
+    data: Optional[dict]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.state)
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _to_host(obj):
+    """A deep copy of ``obj`` with every tensor copied to the CPU (the model may change once it returns)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def rank_file(rank: int, world: int, save_id: str) -> str:
+    return f"rank{rank}-of-{world}.{save_id}.pt"
+
+
+def snapshot_per_rank(model, iteration: int, data: Optional[dict] = None) -> PerRankSnapshot:
+    """This rank's ``model.state_dict()`` copied to host memory (a collective over the world: one save id
+    agreed)."""
+    save_id = _gathered(secrets.token_hex(6))[0]
+    step = int(getattr(model.optimizer, "steps_taken", 0) or 0)
+    return PerRankSnapshot(_to_host(model.state_dict()), dist.get_rank(), dist.get_world_size(), save_id,
+                           iteration, step, data)
+
+
+def _write_rank(directory: str, snap: PerRankSnapshot) -> dict:
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "save": snap.save_id, "rank": snap.rank, "state": snap.state}, buf)
+    data = buf.getbuffer()
+    name = rank_file(snap.rank, snap.world, snap.save_id)
+    os.makedirs(directory, exist_ok=True)
+
+    def write(path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+    _write_atomically(os.path.join(directory, name), write)
+    return {"file": name, "crc32": zlib.crc32(data), "bytes": len(data)}
+
+
+def write_per_rank(snap: PerRankSnapshot, directory: str, group=None) -> None:
+    """Every rank writes its file, then global rank 0 ``meta.json`` (a collective over ``group``, default
+    the world). Every rank raises :class:`CheckpointError` if any rank failed; nothing is published then."""
+    written = _gathered(_attempt(lambda: _write_rank(directory, snap)), group)
+    _raise_failures(written, "writing the rank files", directory)
+    committed = None
+    if dist.get_rank() == 0:
+        files = [w["ok"] for w in written]
+        meta = {"format": FORMAT, "save": snap.save_id, "iteration": snap.iteration, "step": snap.step,
+                "world": snap.world, "files": files, "resume": {"data": snap.data}}
+        meta["checksum"] = meta_checksum(meta)
+        committed = _attempt(lambda: _publish(directory, meta))
+    _raise_failures(_gathered(committed, group), "writing meta.json", directory)
+
+
+def _publish(directory: str, meta: dict) -> None:
+    _write_atomically(os.path.join(directory, META), _write_text(json.dumps(meta, indent=1)))
+    keep = {f["file"] for f in meta["files"]}
+    for name in os.listdir(directory):             # the files of an earlier or killed save into this directory
+        if (_RANK_FILE.fullmatch(name) and name not in keep) or name == META + ".tmp":
+            os.remove(os.path.join(directory, name))
+    _fsync_dir(directory)
+
+
+def read_per_rank_meta(directory: str) -> dict:
+    path = os.path.join(directory, META)
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT or meta.get("checksum") != meta_checksum(meta):
+        raise CheckpointError(f"per-rank checkpoint: {path} is not an intact {FORMAT!r} meta.json")
+    return meta
+
+
+def _read_own(directory: str, meta: dict) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if meta["world"] != world:
+        raise CheckpointError(f"per-rank checkpoint {directory!r} was saved by {meta['world']} ranks, this run has "
+                              f"{world}: a per-rank checkpoint loads only on the same mesh; save the universal "
+                              f"format (AsyncCheckpointer(format='universal')) to change the layout")
+    entry = meta["files"][rank]
+    path = os.path.join(directory, entry["file"])
+    if not os.path.exists(path):
+        raise CheckpointError(f"per-rank checkpoint: {path} is missing ({META} lists it)")
+    with open(path, "rb") as f:
+        data = f.read()
+    if zlib.crc32(data) != entry["crc32"]:
+        raise CheckpointError(f"per-rank checkpoint: {path} does not match its crc32 in {META}: corrupted or "
+                              f"truncated; load an earlier checkpoint")
+    saved = torch.load(io.BytesIO(data), weights_only=False)
+    if saved.get("save") != meta["save"] or saved.get("rank") != rank:
+        raise CheckpointError(f"per-rank checkpoint: {path} belongs to another save or rank than its {META}")
+    return saved["state"]
+
+
+def load_per_rank(model, directory: str) -> dict:
+    """Load this rank's file into ``model`` (a collective over the world: every rank checks its file and
+    they agree before any is loaded); returns ``meta.json``."""
+    meta = read_per_rank_meta(directory)
+    read = _attempt(lambda: _read_own(directory, meta))
+    _raise_failures(_gathered(None if "ok" in read else read), "loading", directory)
+    model.load_state_dict(read["ok"])
+    return meta
+
+
+__all__ = ["FORMAT", "PerRankSnapshot", "snapshot_per_rank", "write_per_rank", "load_per_rank",
+           "read_per_rank_meta", "rank_file"]

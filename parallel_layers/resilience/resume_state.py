@@ -1,0 +1,62 @@
+"""What a resumed run needs besides the model and optimizer: every rank's random streams, the layout they
+belong to, the skipped-step count and the caller's position in its data.
+
+A universal checkpoint holds the dense model, which any layout loads; the random streams are per rank
+and per layout (another mesh draws other dropout masks anyway). So they are kept with the layout they
+were drawn on, and restored only on the same one: the case a torchrun restart is (same ranks, same mesh),
+where a resumed run must continue bit for bit. The data position is the caller's (a JSON-able dict, e.g.
+``{"iteration": 40}`` or a sampler's state); it is global (never per dp rank), so any dp size continues
+the same sample order. Everything here lands in ``meta.json`` (checksummed with it) as
+``meta["resume"]``.
+"""
+from __future__ import annotations
+
+import base64
+import io
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def layout_of(model) -> dict:
+    """The layout a rank's random streams belong to: mesh sizes, schedule chunks and the world size."""
+    m = model.mesh
+    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "cp": getattr(m, "cp", 1), "chunks per rank": model.engine.v,
+            "world": dist.get_world_size()}
+
+
+def _encode(obj) -> str:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _decode(text: str):
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+
+
+def capture(model, data: Optional[dict]) -> Optional[dict]:
+    """``meta["resume"]`` for the current state of ``model`` (a ``Parallel3D``): a collective over the
+    world (every rank's streams are gathered); the dict on global rank 0, None elsewhere."""
+    mine = _encode({"random": model.random_state(), "skipped_steps": model.skipped_steps})
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() != 0:
+        return None
+    return {"layout": layout_of(model), "ranks": every, "data": data}
+
+
+def restore(model, resume: Optional[dict]) -> bool:
+    """Restore this rank's random streams and skipped-step count from ``meta["resume"]`` when it was saved
+    on the same layout; returns whether it did (no collective: every rank decides alike from the same
+    meta)."""
+    if not resume or resume.get("layout") != layout_of(model):
+        return False
+    state = _decode(resume["ranks"][dist.get_rank()])
+    model.load_random_state(state["random"])
+    model.skipped_steps = state["skipped_steps"]
+    return True
+
+
+__all__ = ["capture", "restore", "layout_of"]
