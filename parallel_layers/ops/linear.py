@@ -176,7 +176,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     "silu". ``x`` may have leading dimensions ``[..., in_features]``; ``backend``: None/"auto", "triton"
     or "torch" (see the module docstring)."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+    if device_type != "meta" and torch.is_autocast_enabled(device_type) and x.is_floating_point():
         # What autocast does to F.linear: run it in the autocast dtype. The Function then runs with
         # autocast off, so its forward and backward see exactly the dtypes chosen here.
         dt = torch.get_autocast_dtype(device_type)
