@@ -18,8 +18,13 @@ policy to one model or stage, and :func:`run_blocks` runs the blocks by its plan
 blocks is one checkpoint (its input kept, the whole run recomputed in backward, its dropout masks
 replayed like a single block's).
 
-Used by :class:`~parallel_layers.models.gpt.GPT` (``checkpoint=``), the pipeline's ``GPTStage`` and
-``split_model``'s ``ModelStage``.
+How a checkpointed block keeps its input (whole, by default) is a ``saved_inputs=``
+(:class:`~parallel_layers.models.partitioned_checkpoint.SavedInputs`): a ``1/tp`` slice per TP rank gathered
+again for the recomputation (ZeRO-R's partitioned activations) and / or a copy in host memory; the
+recomputation reads the same values, so the gradients are plain checkpointing's bit for bit.
+
+Used by :class:`~parallel_layers.models.gpt.GPT` (``checkpoint=``, ``checkpoint_inputs=``), the pipeline's
+``GPTStage`` and ``split_model``'s ``ModelStage``.
 """
 from __future__ import annotations
 
@@ -55,13 +60,17 @@ def _rng_context_fn(tracker):
     return forward_ctx(), recompute_ctx()
 
 
-def checkpointed(block: nn.Module, x: torch.Tensor, tracker=None) -> torch.Tensor:
+def checkpointed(block: nn.Module, x: torch.Tensor, tracker=None, saved_inputs=None) -> torch.Tensor:
     """Run ``block(x)`` without keeping its activations; backward recomputes it with the same RNG
-    state (dropout masks replay exactly). ``tracker``: the TP RNG tracker, if the block uses one."""
+    state (dropout masks replay exactly). ``tracker``: the TP RNG tracker, if the block uses one.
+    ``saved_inputs``: a ``SavedInputs`` (how ``x`` is kept until then: sliced over TP, on the host), or
+    None (kept whole)."""
     kwargs = {}
     if tracker is not None:
         kwargs["context_fn"] = lambda: _rng_context_fn(tracker)
-    return _torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    # torch saves the checkpoint's inputs through autograd's saved-tensor hooks: these see x alone
+    with saved_inputs.hooks() if saved_inputs is not None else contextlib.nullcontext():
+        return _torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
 def checkpointed_block_count(checkpoint: Union[bool, int, str, Policy], num_blocks: int,
@@ -123,10 +132,11 @@ class _Segment:
 
 
 def run_blocks(blocks: Iterable[Callable], h: torch.Tensor, recompute: Union[int, Placement, CheckpointPlan],
-               tracker=None) -> torch.Tensor:
+               tracker=None, saved_inputs=None) -> torch.Tensor:
     """``h`` through ``blocks`` (modules or one-argument callables) in order; ``recompute``: an int (the
     first ``recompute`` blocks checkpointed, each alone), a :class:`Placement` or a ``CheckpointPlan``
-    (its segments checkpointed, each as one)."""
+    (its segments checkpointed, each as one); ``saved_inputs``: how each checkpoint keeps its input
+    (:func:`checkpointed`)."""
     fns = list(blocks)
     if isinstance(recompute, Placement):
         plan = recompute.plan_for(fns, h, tracker)
@@ -144,7 +154,7 @@ def run_blocks(blocks: Iterable[Callable], h: torch.Tensor, recompute: Union[int
             h = fns[i](h)
             i += 1
         else:
-            h = checkpointed(fns[i] if e == i + 1 else _Segment(fns[i:e]), h, tracker)
+            h = checkpointed(fns[i] if e == i + 1 else _Segment(fns[i:e]), h, tracker, saved_inputs)
             i = e
     return h
 

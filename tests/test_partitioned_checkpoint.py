@@ -1,0 +1,133 @@
+"""Partitioned and offloaded checkpoint inputs (``parallel_layers.models.partitioned_checkpoint``, ZeRO-R's P_a).
+
+On two real gloo ranks (tp 2), the reference GPT with dropout 0.1 and every block checkpointed, trained for
+two SGD steps from one seed, once per way of keeping the checkpoint inputs: whole (plain checkpointing, the
+oracle), ``partition``, ``offload`` and ``partition+offload``. On every rank: the losses, every gradient and
+every parameter after the steps equal plain checkpointing's bit for bit (``torch.equal``: the recomputation
+reads the very values the forward read, and replays the same dropout masks, TP stream included); plain
+checkpointing itself equals no checkpointing bit for bit. At the end of forward the inputs kept are measured
+(``SavedInputs.kept_bytes``): partition keeps 1/tp of plain checkpointing's bytes on the device, offload none
+on the device (all of it on the host), both 1/tp on the host; after backward nothing is kept. The
+recomputation all-gathers once per checkpointed block. Under sequence parallelism (the input already a
+shard) ``partition+offload`` only offloads, with the same exactness.
+"""
+import pytest
+import torch
+
+from parallel_layers.models.partitioned_checkpoint import SavedInputs
+from parallel_layers.testing import cached_mesh
+
+MODES = ("partition", "offload", "partition+offload")
+
+
+def _train(rank, mesh, checkpoint, mode, sp=False, steps=2):
+    from parallel_layers.distributed import collectives
+    from parallel_layers.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, n_layer=3, n_head=2, d_model=16, max_seq_len=8, dropout=0.1,
+                    sequence_parallel=sp)
+    torch.manual_seed(0)
+    model = GPT(cfg, tp_group=mesh.tp_group, checkpoint=checkpoint, checkpoint_inputs=mode).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gathered, kept_fwd, kept_after = [], None, None
+    real = collectives.all_gather_dim0
+
+    def counting(t, group, *a, **k):
+        gathered.append(tuple(t.shape))
+        return real(t, group, *a, **k)
+
+    losses, grads = [], {}
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        idx = torch.randint(0, 64, (2, 8), generator=g)
+        tgt = torch.randint(0, 64, (2, 8), generator=g)
+        torch.manual_seed(7 + step)                     # the default stream (replicated dropout), alike
+        opt.zero_grad()
+        _, loss = model(idx, tgt)
+        if step == 0 and model.saved_inputs is not None:
+            kept_fwd = model.saved_inputs.kept_bytes()
+        collectives.all_gather_dim0 = counting
+        try:
+            loss.backward()
+        finally:
+            collectives.all_gather_dim0 = real
+        model.finish_grads()
+        if step == 0:
+            kept_after = model.saved_inputs.kept_bytes() if model.saved_inputs is not None else None
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        losses.append(loss.detach())
+        opt.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dict(losses=losses, grads=grads, params=params, kept_fwd=kept_fwd, kept_after=kept_after, gathers=gathered)
+
+
+def body_modes(rank, world):
+    mesh = cached_mesh(tp=world)
+    plain = _train(rank, mesh, True, None)
+    none = _train(rank, mesh, False, None)
+    out = {"rank": rank, "plain_vs_none": _same(plain, none, grads=False)}
+    # The whole input of one block [2, 8, 16] float32, per checkpointed block (3 blocks)
+    whole = 3 * 2 * 8 * 16 * 4
+    for mode in MODES:
+        run = _train(rank, mesh, True, mode)
+        out[mode] = dict(same=_same(run, plain), kept_fwd=run["kept_fwd"], kept_after=run["kept_after"],
+                         gathers=run["gathers"])
+    sp_plain = _train(rank, mesh, True, None, sp=True)
+    sp_run = _train(rank, mesh, True, "partition+offload", sp=True)
+    out["sp"] = dict(same=_same(sp_run, sp_plain), kept_fwd=sp_run["kept_fwd"], gathers=sp_run["gathers"])
+    out["whole"] = whole
+    return out
+
+
+def _same(a, b, grads=True):
+    """Names of what differs (bit for bit) between two runs: [] when everything is equal."""
+    diff = [f"loss{i}" for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if not torch.equal(x, y)]
+    for key in (("grads", "params") if grads else ("params",)):
+        diff += [f"{key}:{n}" for n in a[key] if not torch.equal(a[key][n], b[key][n])]
+    return diff
+
+
+def test_partitioned_and_offloaded_inputs_equal_plain_checkpointing(dist_pools):
+    results = dist_pools(2).run(body_modes)
+    for out in results:
+        r = out["rank"]
+        whole = out["whole"]
+        assert out["plain_vs_none"] == [], f"rank {r}: plain checkpointing differs from none: {out['plain_vs_none']}"
+        for mode in MODES:
+            m = out[mode]
+            assert m["same"] == [], f"rank {r} {mode}: differs from plain checkpointing in {m['same'][:5]}"
+            assert m["kept_after"] == {"device": 0, "host": 0}, f"rank {r} {mode}: kept after backward {m}"
+            part = "partition" in mode
+            want = whole // 2 if part else whole
+            if "offload" in mode:
+                assert m["kept_fwd"] == {"device": 0, "host": want}, f"rank {r} {mode}: {m['kept_fwd']}"
+            else:
+                assert m["kept_fwd"] == {"device": want, "host": 0}, f"rank {r} {mode}: {m['kept_fwd']}"
+            slices = [s for s in m["gathers"] if s == (2 * 8 * 16 // 2,)]
+            assert len(slices) == (3 if part else 0), f"rank {r} {mode}: all-gathers {m['gathers']}"
+        sp = out["sp"]
+        assert sp["same"] == [], f"rank {r} sequence parallel: differs in {sp['same'][:5]}"
+        # the input is already a [2, 8/2, 16] shard: kept whole (not sliced again), on the host
+        assert sp["kept_fwd"] == {"device": 0, "host": whole // 2}, f"rank {r} sequence parallel: {sp['kept_fwd']}"
+
+
+def test_one_process_offload_and_bad_modes():
+    from parallel_layers.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=32, n_layer=2, n_head=2, d_model=8, max_seq_len=4, dropout=0.1)
+    runs = []
+    for mode in (None, "offload", "partition"):    # partition without a TP group: kept whole
+        torch.manual_seed(0)
+        model = GPT(cfg, checkpoint=True, checkpoint_inputs=mode).train()
+        idx = torch.arange(8).reshape(2, 4) % 32
+        torch.manual_seed(1)
+        model(idx, idx)[1].backward()
+        runs.append([p.grad for p in model.parameters()])
+        if mode == "partition":
+            assert not model.saved_inputs.active
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    with pytest.raises(ValueError, match="checkpoint_inputs='offload' applies to checkpointed blocks"):
+        GPT(cfg, checkpoint=False, checkpoint_inputs="offload")
+    with pytest.raises(ValueError, match="choose one of"):
+        SavedInputs.from_mode("sliced")
