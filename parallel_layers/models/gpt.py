@@ -62,6 +62,7 @@ from ..tensor_parallel.mappings import (
     gather_from_tensor_parallel_region,
 )
 from .checkpointing import checkpoint_placement, run_blocks
+from .partitioned_checkpoint import SavedInputs
 
 
 @dataclass
@@ -286,15 +287,26 @@ class GPT(nn.Module):
     (:mod:`~parallel_layers.models.checkpoint_policy`; :mod:`parallel_layers.models.checkpointing`: dropout
     masks replay exactly, TP stream included; works under ZeRO-3, which gathers a block's parameters again
     for its recomputation).
+
+    ``checkpoint_inputs``: how a checkpointed block keeps its input until backward: None (whole),
+    ``"partition"`` (a 1/tp slice per TP rank, all-gathered for the recomputation: ZeRO-R's partitioned
+    activations; under sequence parallelism the input is already a shard and is kept as it is), ``"offload"``
+    (in host memory) or ``"partition+offload"`` (:mod:`~parallel_layers.models.partitioned_checkpoint`); the
+    gradients are those of plain checkpointing, bit for bit.
     """
 
     def __init__(self, config: GPTConfig, *, tp_group=None, dtype=None, device=None,
-                 checkpoint: Union[bool, int, str, object] = False, cp_group=None, cp_method: str = "ring"):
+                 checkpoint: Union[bool, int, str, object] = False, cp_group=None, cp_method: str = "ring",
+                 checkpoint_inputs: Optional[str] = None):
         super().__init__()
         self.checkpointing = checkpoint_placement(checkpoint, config.n_layer, "GPT")
         self.checkpoint_blocks = self.checkpointing.static_count
         group = _resolve_group(tp_group)
         tp = _Parallel(group, config, draw_dtype(dtype), device)
+        if checkpoint_inputs not in (None, "keep") and self.checkpoint_blocks == 0:
+            raise ValueError(f"GPT: checkpoint_inputs={checkpoint_inputs!r} applies to checkpointed blocks, and "
+                             f"checkpoint={checkpoint!r} checkpoints none; pass checkpoint=True (or a policy)")
+        self.saved_inputs = SavedInputs.from_mode(checkpoint_inputs, group, tp.sp, "GPT: checkpoint_inputs")
         tp.context_parallel(cp_group, cp_method, config.dropout)
         for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
             if size % tp.size:
@@ -383,7 +395,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 return_logits: Optional[bool] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         h = self.embed(idx)
-        h = run_blocks(self.blocks, h, self.checkpointing if self.training else 0, self._tp.rng)
+        h = run_blocks(self.blocks, h, self.checkpointing if self.training else 0, self._tp.rng, self.saved_inputs)
         shard = self.head(h)
         want_logits = targets is None or bool(return_logits)
         # In-place backward overwrites the logits' saved softmax; only safe when nobody else reads them.
