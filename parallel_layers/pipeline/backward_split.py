@@ -1,0 +1,181 @@
+"""A stage's backward in two halves, for zero-bubble schedules: B (input gradient) now, W (weight gradients) later.
+
+Zero-bubble pipelines (Qi et al. 2024) split each backward into B, the gradient with respect to the
+stage's input (on the critical path: the previous stage waits for it), and W, the gradients of the
+weights (needed only before the optimizer step), so that W can fill the pipeline's idle slots.
+
+This works on the autograd graph, for any ``nn.Module`` stage (no change to its layers):
+
+1. the graph from the stage's outputs is walked once; a node is on the *input path* when the input's
+   gradient accumulator is reachable from it. A node on that path with an edge leaving it towards a
+   weight (an edge whose node is off the input path but reaches a leaf that requires grad) is a
+   *boundary*: the weight branch starts there.
+2. B: ``torch.autograd.grad(outputs, inputs)`` with ``retain_graph=True``. Autograd computes only the
+   edges that lead to the inputs, so every weight-gradient matmul is skipped; a pre-hook on each boundary
+   node keeps the gradients that arrive at it (``grad_outputs``): what the weight branch starts from.
+3. W: ``torch.autograd.backward`` from those boundary edges (``GradientEdge``) with the kept gradients,
+   restricted to the weights (``inputs=``), so the input path is not computed again. Gradients are
+   accumulated into ``.grad`` as a plain backward does, so post-accumulate-grad hooks (data parallel
+   buckets, ZeRO) fire in W, not in B. The graph is freed at the end of W.
+
+Every node computes from the same gradients and saved tensors as in one full backward, so B then W
+equals the full backward bit for bit (a weight used twice in one stage accumulates its two parts in
+the same order as long as there are two; tested).
+
+Memory held between B and W: the graph's saved tensors (the forward's activations, as between forward
+and backward) plus the kept boundary gradients, one per weight branch; :attr:`PendingWeightGrad.held_bytes`
+counts the latter. The schedule bounds how many microbatches wait for their W (:func:`simulate`).
+
+Activation checkpointing (torch's non-reentrant checkpoint) recomputes a segment on the first unpack of
+its saved tensors, in B; a node that W runs unpacks again, which the retained graph allows. A reentrant
+checkpoint is one opaque node whose own backward computes its weights' gradients: those land in B (still
+exact, just not deferred).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+def _leaf_node(t: torch.Tensor):
+    """The gradient accumulator node of a leaf tensor that requires grad (None otherwise)."""
+    if not t.requires_grad or t.grad_fn is not None:
+        return None
+    return get_gradient_edge(t).node
+
+
+class PendingWeightGrad:
+    """What W of one (microbatch, chunk) needs, kept from B: per weight branch, the boundary edges with the
+    gradients that reached them, and the weights that branch writes; and the gradients B already computed
+    for weights shared between branches."""
+
+    def __init__(self, branches: List[tuple], shared: List[tuple], full: Optional[tuple] = None):
+        self.branches = branches   # [(edges, grads, weights)]
+        self.shared = shared       # [(weight, its gradient of this microbatch)]
+        self._full = full          # (outputs, grad_outputs): no input needed a gradient, W is the whole backward
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the gradients kept between B and W (the graph's saved activations come on top)."""
+        kept = [g for _, grads, _ in self.branches for g in grads] + [g for _, g in self.shared]
+        return sum(g.numel() * g.element_size() for g in kept)
+
+    def run(self) -> None:
+        """W: accumulate the weight gradients into ``.grad`` (hooks fire here) and free the graph."""
+        if self._full is not None:
+            outputs, grads = self._full
+            self._full = None
+            torch.autograd.backward(outputs, grads)
+            return
+        branches, shared, self.branches, self.shared = self.branches, self.shared, [], []
+        for edges, grads, weights in branches:
+            torch.autograd.backward(edges, grads, inputs=weights)
+        for w, g in shared:           # through the weight's own accumulator: its hooks run as in a backward
+            torch.autograd.backward([w], [g], inputs=[w])
+
+
+def _leaves_below(nodes) -> List:
+    """The leaf accumulators reachable from ``nodes``, in a stable order."""
+    seen, out, stack = set(), [], list(nodes)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            out.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return out
+
+
+def _reaches(roots, targets) -> Dict[object, bool]:
+    """For every node reachable from ``roots``: does it reach one of ``targets``? (iterative post-order)"""
+    memo: Dict[object, bool] = {}
+    for root in roots:
+        if root is None or root in memo:
+            continue
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                memo[node] = node in targets or any(memo.get(n, False) for n, _ in node.next_functions
+                                                    if n is not None)
+                continue
+            if node in memo:
+                continue
+            memo[node] = False                       # (a graph has no cycles; marks "being visited")
+            stack.append((node, True))
+            stack.extend((n, False) for n, _ in node.next_functions if n is not None and n not in memo)
+    return memo
+
+
+def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[Optional[torch.Tensor]],
+                   inputs: Sequence[torch.Tensor]) -> tuple:
+    """B of one stage: returns ``(input gradients, PendingWeightGrad)``. ``outputs``/``grad_outputs`` as
+    for ``torch.autograd.backward`` (a scalar loss: grad None); ``inputs``: the stage's inputs (leaves that
+    require grad; an input that does not gets None). Run ``PendingWeightGrad.run()`` later for W.
+
+    Each boundary's weight branch runs in W as its own backward restricted to that branch's weights, so
+    autograd computes nothing on the input path again. A weight that two branches reach (used twice in
+    the stage) would then get one branch's part twice (through the input path); its gradient is
+    computed in B instead (as an input of the ``autograd.grad`` call) and accumulated in W."""
+    outputs, grad_outputs = list(outputs), list(grad_outputs)
+    in_nodes = {n for n in (_leaf_node(x) for x in inputs) if n is not None}
+    if not in_nodes:            # nothing to send back (the first stage): all of the backward is W
+        return [None] * len(inputs), PendingWeightGrad([], [], (outputs, grad_outputs))
+    roots = [o.grad_fn for o in outputs]
+    to_input = _reaches(roots, in_nodes)
+    # boundaries: nodes on the input path with edges leaving it towards weights (their branch), and
+    # outputs that lie off the input path altogether (a loss term of the weights alone)
+    branch_of: Dict[object, List] = {}
+    for n, on_path in to_input.items():
+        if on_path and not hasattr(n, "variable"):
+            off = [c for c, _ in n.next_functions if c is not None and not to_input.get(c, False)]
+            leaves = _leaves_below(off)
+            if leaves:
+                branch_of[n] = leaves
+    off_roots = [(o, g) for o, g in zip(outputs, grad_outputs) if o.grad_fn is not None
+                 and not to_input.get(o.grad_fn, False)]
+    root_leaves = [_leaves_below([o.grad_fn]) for o, _ in off_roots]
+    count: Dict[object, int] = {}
+    for leaves in list(branch_of.values()) + root_leaves:
+        for leaf in leaves:
+            count[leaf] = count.get(leaf, 0) + 1
+    shared_nodes = [leaf for leaf, k in count.items() if k > 1]
+    shared_set = set(shared_nodes)
+    kept: Dict[object, tuple] = {}
+    handles = [n.register_prehook(lambda grads, n=n: kept.__setitem__(n, grads)) for n in branch_of]
+    try:
+        on_path = [(o, g) for o, g in zip(outputs, grad_outputs) if to_input.get(o.grad_fn, False)]
+        wanted = [x for x in inputs if _leaf_node(x) is not None]
+        shared_w = [leaf.variable for leaf in shared_nodes]
+        got = torch.autograd.grad([o for o, _ in on_path], wanted + shared_w, [g for _, g in on_path],
+                                  retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    by_input = dict(zip(map(id, wanted), got[:len(wanted)]))
+    shared = [(w, g) for w, g in zip(shared_w, got[len(wanted):]) if g is not None]
+    branches = []
+    for node, leaves in branch_of.items():
+        weights = [leaf.variable for leaf in leaves if leaf not in shared_set]
+        edges = [(GradientEdge(node, i), g) for i, g in enumerate(kept.get(node, ())) if g is not None]
+        if weights and edges:
+            branches.append(([e for e, _ in edges], [g for _, g in edges], weights))
+    for (o, g), leaves in zip(off_roots, root_leaves):
+        weights = [leaf.variable for leaf in leaves if leaf not in shared_set]
+        if weights:
+            branches.append(([get_gradient_edge(o)], [torch.ones_like(o) if g is None else g], weights))
+    return [by_input.get(id(x)) for x in inputs], PendingWeightGrad(branches, shared)
+
+
+def split_backward(outputs, grad_outputs, inputs):
+    """B then W at once (tests: equals ``torch.autograd.backward`` plus the inputs' gradients)."""
+    in_grads, pending = backward_input(outputs, grad_outputs, inputs)
+    pending.run()
+    return in_grads
+
+
+__all__ = ["PendingWeightGrad", "backward_input", "split_backward"]
