@@ -7,7 +7,7 @@ from . import _checkout, ops, pipeline  # noqa: F401  (_checkout: parallel_layer
 from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
 from .cpu_affinity import bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
-from .data_parallel import DataParallel, SyncBatchNorm, convert_sync_batchnorm
+from .data_parallel import DataParallel, SingleProcessDataParallel, SyncBatchNorm, convert_sync_batchnorm
 from .mesh import ParallelMesh
 from .optim import FusedAdamW, FusedSGD
 from .parallel3d import Parallel3D
@@ -31,4 +31,5 @@ __all__ = ["ops", "pipeline", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnP
            "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler",
            "clip_grad_norm_",
            "retain_freed_memory", "bind_rank_to_cores", "Parallel3D", "SyncBatchNorm", "convert_sync_batchnorm",
+           "SingleProcessDataParallel",
            "__version__"]

@@ -6,9 +6,10 @@ from .fused_grads import embedding_grad_into_buffer, grad_sink, linear_weight_gr
 from .parameter_server import PSLayout, predicted_bytes_per_step, ps_layout
 from .ps_server import ParameterServerShard, serve
 from .ps_worker import ParameterServerWorker
+from .single_process import SingleProcessDataParallel
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 
 __all__ = ["Bucket", "ParamAndGradBuffer", "DataParallel", "overlap_report", "grad_sink",
            "linear_weight_grad_into_buffer", "embedding_grad_into_buffer", "PSLayout", "ps_layout",
            "ParameterServerWorker", "ParameterServerShard", "serve", "predicted_bytes_per_step",
-           "SyncBatchNorm", "convert_sync_batchnorm", "sync_batch_norm"]
+           "SyncBatchNorm", "convert_sync_batchnorm", "sync_batch_norm", "SingleProcessDataParallel"]
