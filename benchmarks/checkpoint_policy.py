@@ -21,6 +21,14 @@ step). Per policy, on the same batch, the same weights, dropout 0.1:
 * step time: forward + backward (``loss.backward()``, gradients zeroed in between), warmed up, then the
   policies timed in turn, each repetition in another order, median and 20/80 percentiles; ``speedup`` =
   the every-block median / this one (above 1: faster than full checkpointing).
+
+How the checkpoint inputs are kept (``GPT(checkpoint_inputs=)``, ZeRO-R's partitioned activations and CPU
+checkpointing), on 2 gloo ranks at tp 2, every block checkpointed, against plain checkpointing (each rank
+keeps every block's whole input): ``partition`` (a 1/tp slice per rank, all-gathered for the
+recomputation), ``offload`` (in host memory) and ``partition+offload``. Per mode: the bytes the saved
+inputs hold on the device and on the host at the end of forward (``mem_mb``: on the device; on CPU the
+"host" copy is a second CPU tensor, so there the device / host split says where a GPU would keep them,
+and the time includes a memcpy standing in for each transfer) and the slowest rank's step time.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ PROFILES = {
     "smoke": dict(layers=4, d=32, heads=2, seq=16, batch=2, vocab=64, reps=2, warmup=1),
 }
 POLICIES = ("none", "every", "first_half", "sqrt", "budget50")
+INPUT_MODES = ("keep", "partition", "offload", "partition+offload")
 
 
 def _checkpoint(policy: str, layers: int):
@@ -115,6 +124,64 @@ def measure(kind: str, prof: dict, device: torch.device) -> Dict[str, dict]:
     return runs
 
 
+def _saved_inputs_rank(rank: int, world: int, prof: dict):
+    """One tp rank: per way of keeping the checkpoint inputs, the bytes kept at the end of forward (device,
+    host) and the step times (slowest rank's)."""
+    import torch.distributed as dist
+
+    from parallel_layers.models.checkpoint_policy import saved_bytes
+    from parallel_layers.models.gpt import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=prof["vocab"], n_layer=prof["layers"], n_head=prof["heads"], d_model=prof["d"],
+                    max_seq_len=prof["seq"], dropout=0.1)
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, prof["vocab"], (prof["batch"], prof["seq"]), generator=g)
+    tgt = torch.randint(0, prof["vocab"], (prof["batch"], prof["seq"]), generator=g)
+    runs = {}
+    for mode in INPUT_MODES:
+        torch.manual_seed(0)
+        model = GPT(cfg, tp_group=dist.group.WORLD, checkpoint=True, checkpoint_inputs=mode).train()
+
+        def step(model=model):
+            model.zero_grad(set_to_none=True)
+            model(idx, tgt)[1].backward()
+
+        step()
+        model.zero_grad(set_to_none=True)
+        loss, others = saved_bytes(lambda: model(idx, tgt)[1])    # the plain run's inputs are counted here
+        kept = model.saved_inputs.kept_bytes() if model.saved_inputs is not None else {"device": 0, "host": 0}
+        loss.backward()
+        runs[mode] = dict(step=step, device=others + kept["device"], others=others, host=kept["host"], times=[])
+    for r in range(prof["reps"]):
+        order = list(INPUT_MODES[r % 4:] + INPUT_MODES[:r % 4])
+        for mode in (order if r % 2 == 0 else order[::-1]):
+            runs[mode]["times"].append(harness.slowest_rank_ms(runs[mode]["step"]))
+    for run in runs.values():
+        del run["step"]
+    return runs
+
+
+def collect_saved_inputs(mode: str, device: torch.device) -> List[dict]:
+    """Rows of the checkpoint-input modes at tp 2 (gloo ranks on CPU), plain checkpointing the baseline."""
+    prof = PROFILES[mode]
+    runs = harness.run_ranks(_saved_inputs_rank, 2, (prof,), timeout_s=1800)[0]
+    whole = prof["layers"] * prof["batch"] * prof["seq"] * prof["d"] * 4      # every block's fp32 input
+    common = dict(harness.common_fields(mode, torch.device("cpu"), 1), dtype="float32", backend="gloo tp2",
+                  sizes=f"L{prof['layers']} d{prof['d']} s{prof['seq']} b{prof['batch']} V{prof['vocab']}")
+    base = runs["keep"]
+    rest = runs["offload"]["others"]     # what autograd keeps besides the checkpoint inputs (none on the device)
+    rows = []
+    for name, run in runs.items():
+        inputs_dev = run["device"] - rest
+        rows.append(harness.comparison_row(
+            common, f"gpt_tp2_inputs_{name}", run["times"], base["times"], mem_mb=run["device"] / 2**20,
+            x=inputs_dev / whole,
+            baseline=f"every block, inputs kept whole (plain checkpointing); checkpoint inputs on the device "
+                     f"{inputs_dev / 2**20:.2f} MB ({inputs_dev / whole:.3f} of plain's {whole / 2**20:.2f} MB), on "
+                     f"the host {run['host'] / 2**20:.2f} MB; all kept on the device {run['device'] / 2**20:.2f} MB "
+                     f"vs {base['device'] / 2**20:.2f}"))
+    return rows
+
+
 def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None) -> List[dict]:
     """The suite's entry: one row per model and policy, the every-block run the baseline."""
     prof = PROFILES[mode]
@@ -133,6 +200,9 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
                          f"kept {run['kept'] / 2**20:.2f} MB vs {base['kept'] / 2**20:.2f}; peak "
                          f"{run['peak'] / 2**20:.2f} MB vs {base['peak'] / 2**20:.2f}; modelled peak of the blocks "
                          f"{run['model_peak'] / 2**20:.2f} MB"))
+    if progress:
+        progress(f"gpt tp 2: checkpoint inputs {', '.join(INPUT_MODES)}")
+    rows += collect_saved_inputs(mode, device)
     return rows
 
 
