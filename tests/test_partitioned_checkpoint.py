@@ -4,8 +4,8 @@ On two real gloo ranks (tp 2), the reference GPT with dropout 0.1 and every bloc
 two SGD steps from one seed, once per way of keeping the checkpoint inputs: whole (plain checkpointing, the
 oracle), ``partition``, ``offload`` and ``partition+offload``. On every rank: the losses, every gradient and
 every parameter after the steps equal plain checkpointing's bit for bit (``torch.equal``: the recomputation
-reads the very values the forward read, and replays the same dropout masks, TP stream included); plain
-checkpointing itself equals no checkpointing bit for bit. At the end of forward the inputs kept are measured
+reads the very values the forward read, and replays the same dropout masks, TP stream included; that plain
+checkpointing equals no checkpointing is test_gpt_tp's). At the end of forward the inputs kept are measured
 (``SavedInputs.kept_bytes``): partition keeps 1/tp of plain checkpointing's bytes on the device, offload none
 on the device (all of it on the host), both 1/tp on the host; after backward nothing is kept. The
 recomputation all-gathers once per checkpointed block. Under sequence parallelism (the input already a
@@ -64,8 +64,7 @@ def _train(rank, mesh, checkpoint, mode, sp=False, steps=2):
 def body_modes(rank, world):
     mesh = cached_mesh(tp=world)
     plain = _train(rank, mesh, True, None)
-    none = _train(rank, mesh, False, None)
-    out = {"rank": rank, "plain_vs_none": _same(plain, none, grads=False)}
+    out = {"rank": rank}
     # The whole input of one block [2, 8, 16] float32, per checkpointed block (3 blocks)
     whole = 3 * 2 * 8 * 16 * 4
     for mode in MODES:
@@ -79,10 +78,10 @@ def body_modes(rank, world):
     return out
 
 
-def _same(a, b, grads=True):
+def _same(a, b):
     """Names of what differs (bit for bit) between two runs: [] when everything is equal."""
     diff = [f"loss{i}" for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if not torch.equal(x, y)]
-    for key in (("grads", "params") if grads else ("params",)):
+    for key in ("grads", "params"):
         diff += [f"{key}:{n}" for n in a[key] if not torch.equal(a[key][n], b[key][n])]
     return diff
 
@@ -92,7 +91,6 @@ def test_partitioned_and_offloaded_inputs_equal_plain_checkpointing(dist_pools):
     for out in results:
         r = out["rank"]
         whole = out["whole"]
-        assert out["plain_vs_none"] == [], f"rank {r}: plain checkpointing differs from none: {out['plain_vs_none']}"
         for mode in MODES:
             m = out[mode]
             assert m["same"] == [], f"rank {r} {mode}: differs from plain checkpointing in {m['same'][:5]}"

@@ -128,3 +128,14 @@ def test_bad_arguments_name_the_layer_and_the_fix():
     with pytest.raises(ValueError, match=r"same size there; got dim-0 sizes \['4', '5'\]"):
         dp(torch.ones(4, 2), torch.ones(5, 3))
     dp.close()
+
+
+def test_benchmark_smoke_rows():
+    from benchmarks import single_process_dp as bench
+
+    rows = {r["case"]: r for r in bench.collect("smoke", torch.device("cpu"))}
+    assert set(rows) == {"dp_single_process_vs_one_device", "dp_single_process_1thread_vs_one_device",
+                         "dp_processes_vs_one_device"}
+    assert rows["dp_single_process_vs_one_device"]["baseline"].startswith("one device, whole batch; 5 exchanges")
+    assert "1 exchange per batch: the gradients' all-reduce" in rows["dp_processes_vs_one_device"]["baseline"]
+    assert all(r["ours_median_ms"] > 0 and r["base_median_ms"] > 0 for r in rows.values())
