@@ -35,6 +35,15 @@ was sent, against about 0.2 ms for a message whose receive was waiting).
 ``autocast=torch.bfloat16``: every forward runs under ``torch.autocast`` (fp32 weights, bf16 matmuls;
 activations travel between stages in the dtype the stage produced; backward follows autograd's casts).
 
+Zero-bubble schedules (``zb-h1``, ``zbv``): their ``Backward`` is B, the input gradient alone
+(:func:`.backward_split.backward_input`: the weight branches' gradients are kept at their boundary nodes,
+with the graph), and their ``WeightGrad`` (W) runs the weight gradients later, accumulating into
+``.grad`` as a plain backward does (gradient hooks fire in W). In those schedules a received tensor is
+waited for where it is used, not at its communication step, so the W after a batch run while its
+messages travel. ``zbv`` lays the chunks in a V (chunk 0 is stage ``rank``, chunk 1 stage ``2p - 1 -
+rank``; :func:`.schedules.stage_of`): the model must be built in that layout (``layout="v"``), and the
+turn of the V on the last rank is a local hand-off like every neighbour stage on the same rank.
+
 Chunks with a ``finish_grads()`` method (``GPTStage``: tied embeddings, sequence-parallel grads) have it
 called once after the schedule.
 """
@@ -47,8 +56,9 @@ import torch
 import torch.nn as nn
 
 from ..distributed import collectives as C
+from .backward_split import backward_input
 from .p2p import HEADER_TAG, P2P, RESHAPE_TAG, decode_header, encode_header, header_buffer, peer_failure
-from .schedules import Instr, build_schedule, check_schedule_args
+from .schedules import Instr, build_schedule, check_schedule_args, layout_of, place_of, stage_of
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 from .token_loss import IGNORE_INDEX, TokenLoss, count_labels_each
 
@@ -81,6 +91,8 @@ class _StepState:
         self.mb_inputs, self.mb_targets = mb_inputs, mb_targets
         self.mb_side = mb_side                                      # per microbatch: side inputs (kwargs)
         self.inputs_of: Dict[Tuple[int, int], torch.Tensor] = {}   # received input (requires grad)
+        self.pending_w: Dict[Tuple[int, int], object] = {}          # B ran, W not yet: PendingWeightGrad
+        self.outstanding: list = []                                  # posted batches not yet waited for (W schedules)
         self.outputs: Dict[Tuple[int, int], torch.Tensor] = {}     # output, or the scaled loss
         self.out_grads: Dict[Tuple[int, int], torch.Tensor] = {}   # d loss / d output
         self.in_grads: Dict[Tuple[int, int], torch.Tensor] = {}    # d loss / d input, to send
@@ -106,7 +118,12 @@ class PipelineEngine:
         self.S = self.p * self.v
         check_schedule_args(schedule, self.p, num_microbatches, self.v)
         self.schedule = schedule
+        self.layout = layout_of(schedule)
         self.steps = build_schedule(schedule, self.p, num_microbatches, self.rank, self.v)
+        # B/W split: the schedule has W instructions (then B is the input gradient alone)
+        self.split_backward = any(isinstance(st, Instr) and st.op == "W" for st in self.steps)
+        self.peak_pending_w = 0            # most microbatches waiting for their W at once, last step
+        self.peak_pending_w_bytes = 0      # most bytes of kept boundary gradients at once, last step
         self.tensor_shape = None if tensor_shape is None else tuple(int(x) for x in tensor_shape)
         self.broadcast_loss = broadcast_loss
         self.ignore_index = ignore_index       # labels equal to it do not count in the loss (None: all count)
@@ -130,7 +147,12 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ helpers
     def stage(self, chunk: int) -> int:
-        return chunk * self.p + self.rank
+        return stage_of(self.rank, chunk, self.p, self.v, self.layout)
+
+    def _local(self, stage: int) -> Optional[int]:
+        """The chunk of ``stage`` if it lives on this rank (a local hand-off), else None."""
+        rank, chunk = place_of(stage, self.p, self.v, self.layout)
+        return chunk if rank == self.rank else None
 
     def _split(self, t: Optional[torch.Tensor], name: str, needed: bool) -> Optional[List[torch.Tensor]]:
         if not needed:
@@ -210,14 +232,25 @@ class PipelineEngine:
             self._hdr_in = {c: (w, op[1], ins) for (c, ins), op, w in zip(prog.header_links.items(), ops, works)}
             self._prefetch(prog.steps[prog.first_comm], st)
 
+        lazy = self.split_backward and st.train
+        self.peak_pending_w = self.peak_pending_w_bytes = 0
         for i, step in enumerate(prog.steps):
             if isinstance(step, Instr):
+                if lazy:
+                    self._await_inputs(step, st)
                 self._compute(step, st)
                 continue
-            self._communicate(step, st)
+            posted = self._communicate(step, st, wait=not lazy)
+            if lazy:
+                st.outstanding.append(posted)
             nxt = prog.next_comm[i]
             if ahead and nxt is not None:
                 self._prefetch(prog.steps[nxt], st)
+        while st.outstanding:
+            self._finish_communicate(st.outstanding.pop(0), st)
+        if st.pending_w:
+            raise RuntimeError(f"pipeline rank {self.rank}: schedule {self.schedule!r} left the W of "
+                               f"{sorted(st.pending_w)} unrun")
 
         if self.p2p is not None:
             self.p2p.drain()
@@ -237,24 +270,45 @@ class PipelineEngine:
         if self.broadcast_loss and self.p > 1:
             buf = loss.clone() if loss is not None else torch.zeros((), dtype=loss_dtype, device=self.device)
             try:
-                C.broadcast(buf, self.p - 1, self.group)   # stage S - 1 lives on pipeline rank p - 1
+                last_rank = place_of(self.S - 1, self.p, self.v, self.layout)[0]   # p - 1; in a V, 0
+                C.broadcast(buf, last_rank, self.group)
             except Exception as exc:  # noqa: BLE001 - forward-only, the first stage may wait only here
                 raise peer_failure(self.rank, "the loss broadcast from the last stage", exc) from exc
             loss = buf
         return loss
 
+    def _await_inputs(self, ins: Instr, st: "_StepState") -> None:
+        """W schedules: wait for the posted batches, in order, until the tensor ``ins`` needs is in."""
+        s = self.stage(ins.chunk)
+        key = (ins.mb, ins.chunk)
+        if ins.op == "F" and s > 0 and self._local(s - 1) is None:
+            where = st.inputs_of
+        elif ins.op == "B" and s < self.S - 1 and self._local(s + 1) is None:
+            where = st.out_grads
+        else:
+            return
+        while key not in where:
+            if not st.outstanding:
+                raise RuntimeError(f"pipeline rank {self.rank}: {ins} needs a message no communication step "
+                                   f"received (schedule {self.schedule!r})")
+            self._finish_communicate(st.outstanding.pop(0), st)
+
     def _compute(self, ins: Instr, st: "_StepState") -> None:
-        """One forward or backward; activations and gradients move through ``st``."""
+        """One forward, backward or W; activations and gradients move through ``st``."""
         mb, c = ins.mb, ins.chunk
         s = self.stage(c)
+        if ins.op == "W":
+            self._timed("BW", mb, c, st.pending_w.pop((mb, c)).run)
+            return
         if ins.op == "F":
+            prev = self._local(s - 1) if s > 0 else None
             if s == 0:
                 x = st.mb_inputs[mb]
-            elif self.p == 1:              # previous stage on this rank: local hand-off
+            elif prev is not None:         # previous stage on this rank: local hand-off
                 if st.train:
-                    x = st.inputs_of[(mb, c)] = st.outputs[(mb, c - 1)].detach().requires_grad_()
+                    x = st.inputs_of[(mb, c)] = st.outputs[(mb, prev)].detach().requires_grad_()
                 else:                      # nothing is kept for a backward
-                    x = st.outputs.pop((mb, c - 1)).detach()
+                    x = st.outputs.pop((mb, prev)).detach()
             else:
                 x = st.inputs_of[(mb, c)] if st.train else st.inputs_of.pop((mb, c))
             side = st.mb_side[mb]
@@ -268,13 +322,24 @@ class PipelineEngine:
             return
         out = st.outputs.pop((mb, c))
         grad = None if s == self.S - 1 else st.out_grads.pop((mb, c))
-        self._timed("B", mb, c, lambda: torch.autograd.backward(out, grad))
         x = st.inputs_of.pop((mb, c), None)
+        if self.split_backward:
+            inputs = [x] if x is not None else []
+            in_grads, pending = self._timed("B", mb, c, lambda: backward_input([out], [grad], inputs))
+            st.pending_w[(mb, c)] = pending
+            self.peak_pending_w = max(self.peak_pending_w, len(st.pending_w))
+            self.peak_pending_w_bytes = max(self.peak_pending_w_bytes,
+                                            sum(w.held_bytes for w in st.pending_w.values()))
+            x_grad = in_grads[0] if x is not None else None
+        else:
+            self._timed("B", mb, c, lambda: torch.autograd.backward(out, grad))
+            x_grad = x.grad if x is not None else None
         if x is not None:
-            if self.p == 1:
-                st.out_grads[(mb, c - 1)] = x.grad
+            prev = self._local(s - 1)
+            if prev is not None:
+                st.out_grads[(mb, prev)] = x_grad
             else:
-                st.in_grads[(mb, c)] = x.grad
+                st.in_grads[(mb, c)] = x_grad
 
     def _recv_buffer(self, ins, st: "_StepState") -> Optional[torch.Tensor]:
         """The buffer a receive lands in, or None while its shape is unknown (activation: no header yet
@@ -342,7 +407,7 @@ class PipelineEngine:
                 st.prefetched[ins] = (work, buf)
             self.prefetched_receives += len(ops)
 
-    def _communicate(self, batch, st: "_StepState") -> None:
+    def _communicate(self, batch, st: "_StepState", wait: bool = True):
         """One communication step: shape headers, then the data, then the received tensors put in place.
 
         The NCCL ordering lives here. Under NCCL (``p2p.ordered``) the first activation of each link in
@@ -351,7 +416,9 @@ class PipelineEngine:
         the headers travel on their own tag to receives posted at the start of the step, and receives of
         the next step are posted ahead (:meth:`_prefetch`). Only receives are waited for here; sends are
         drained at the end of the step. ``st.train`` False (forward only): an output is dropped once
-        sent, and a received activation does not require grad."""
+        sent, and a received activation does not require grad. ``wait`` False (schedules with W): the
+        step is posted and returned; :meth:`_finish_communicate` waits for it when a tensor it receives
+        is needed (shape headers are still exchanged here)."""
         t0 = time.perf_counter()
         reshaped = self._send_headers(batch, st)
         if self.p2p.ordered:
@@ -361,7 +428,19 @@ class PipelineEngine:
                 if ins.op == "RECV_ACT" and (ins not in st.prefetched or ins in st.guessed):
                     self._take_header(ins.chunk, st, block=True)
         received, waits, reshape_ops = self._post_data(batch, st, reshaped)
-        self.p2p.wait(waits + self.p2p.post(reshape_ops, tag=RESHAPE_TAG))
+        posted = (t0, received, waits + self.p2p.post(reshape_ops, tag=RESHAPE_TAG))
+        if not wait:
+            return posted
+        self._finish_communicate(posted, st)
+        return None
+
+    def _finish_communicate(self, posted, st: "_StepState") -> None:
+        """Wait for a posted communication step's receives and put the tensors in place."""
+        t0, received, waits = posted
+        if not waits:
+            return
+        t0 = t0 if not self.split_backward else time.perf_counter()     # lazily waited: from now
+        self.p2p.wait(waits)
         for ins, buf in received:
             key = (ins.mb, ins.chunk)
             if ins.op == "RECV_ACT":

@@ -18,6 +18,16 @@ and its backward share their batches (Megatron's ``send_forward_backward_recv_fo
 schedule is deadlock-free under NCCL's rules, where a batch completes only when all of its messages,
 sends included, have been taken and nothing later on the rank starts before (:func:`simulate`).
 
+Zero-bubble schedules (Qi et al. 2024) split a backward into ``Backward`` (B: the input gradient, which
+the previous stage waits for) and ``WeightGrad`` (W: the weight gradients, needed only before the
+optimizer step; :mod:`.backward_split`), and put the W where a rank would otherwise idle: ``zb-h1``
+(:func:`zb_h1_order`: 1F1B with each rank's W delayed; the peak of held activations is 1F1B's, the
+bubble about a third) and ``zbv`` (:func:`zbv_order`: two chunks per rank laid out in a V, chunk 0 going
+down the ranks and chunk 1 coming back up, so the first stage's input and the last stage's loss are on
+rank 0 and the turn at rank ``p - 1`` is a local hand-off). In a schedule with W a ``Backward`` is B
+alone; elsewhere it is the whole backward. :func:`stage_of` maps (rank, chunk) to the stage for both
+layouts (``"loop"``, Megatron's, and ``"v"``).
+
 Evaluation runs the *forward-only* list of a schedule (``build_schedule(..., forward_only=True)``,
 Megatron-LM's ``forward_only``, DeepSpeed's ``eval_batch``): every forward in the training order's
 sequence, no backward and no gradient message. Without backward nothing is held between microbatches,
@@ -31,18 +41,40 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+LAYOUTS = ("loop", "v")
+
+
+def layout_of(schedule: str) -> str:
+    """How a schedule lays its chunks on the ranks: ``"v"`` for ZBV, ``"loop"`` (chunk c of rank r is stage
+    ``c * p + r``) for the others."""
+    return "v" if schedule == "zbv" else "loop"
+
+
+def stage_of(rank: int, chunk: int, p: int, v: int, layout: str = "loop") -> int:
+    """The global stage of ``chunk`` on pipeline ``rank``: ``chunk * p + rank`` (loop); in a V (two chunks)
+    chunk 0 is stage ``rank`` and chunk 1 is stage ``2p - 1 - rank``."""
+    if layout == "v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def place_of(stage: int, p: int, v: int, layout: str = "loop") -> Tuple[int, int]:
+    """(rank, chunk) that holds global ``stage`` (the inverse of :func:`stage_of`)."""
+    if layout == "v":
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
 
 
 @dataclass(frozen=True)
 class Instr:
-    op: str            # "F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
+    op: str            # "F", "B", "W", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD"
     mb: int
     chunk: int
     peer: int = -1     # pipeline rank of the other end (communication only)
 
     def __str__(self) -> str:
-        name = {"F": "Forward", "B": "Backward", "SEND_ACT": "SendAct", "RECV_ACT": "RecvAct",
+        name = {"F": "Forward", "B": "Backward", "W": "WeightGrad", "SEND_ACT": "SendAct", "RECV_ACT": "RecvAct",
                 "SEND_GRAD": "SendGrad", "RECV_GRAD": "RecvGrad"}[self.op]
         peer = f"->{self.peer}" if self.op.startswith("SEND") else f"<-{self.peer}" if self.peer >= 0 else ""
         return f"{name}(mb={self.mb}, chunk={self.chunk}{', ' + peer if peer else ''})"
@@ -54,6 +86,11 @@ def Forward(mb: int, chunk: int = 0) -> Instr:  # noqa: N802 - instruction const
 
 def Backward(mb: int, chunk: int = 0) -> Instr:  # noqa: N802
     return Instr("B", mb, chunk)
+
+
+def WeightGrad(mb: int, chunk: int = 0) -> Instr:  # noqa: N802
+    """W: the weight gradients of a microbatch whose B (input gradient) ran earlier."""
+    return Instr("W", mb, chunk)
 
 
 Step = Union[Instr, Tuple[Instr, ...]]
@@ -68,11 +105,14 @@ def check_schedule_args(schedule: str, num_stages: int, num_microbatches: int, n
                         ("num_chunks", num_chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"pipeline: {name}={value!r} must be a positive integer")
-    if schedule != "interleaved" and num_chunks != 1:
+    if schedule == "zbv" and num_chunks != 2:
+        raise ValueError(f"pipeline: schedule 'zbv' runs two chunks per rank (a V), got num_chunks={num_chunks}; "
+                         f"build the model with num_chunks=2")
+    if schedule not in ("interleaved", "zbv") and num_chunks != 1:
         raise ValueError(f"pipeline: schedule {schedule!r} runs one chunk per rank, got num_chunks={num_chunks}; "
-                         f"use schedule='interleaved' for virtual stages")
-    if schedule == "1f1b" and num_microbatches < num_stages:
-        raise ValueError(f"pipeline: 1F1B needs at least as many microbatches as stages, got "
+                         f"use schedule='interleaved' (or 'zbv', two chunks) for virtual stages")
+    if schedule in ("1f1b", "zb-h1") and num_microbatches < num_stages:
+        raise ValueError(f"pipeline: {'1F1B' if schedule == '1f1b' else 'ZB-H1'} needs at least as many microbatches as stages, got "
                          f"num_microbatches={num_microbatches} < {num_stages} stages; use >= {num_stages} "
                          f"microbatches (or schedule='gpipe')")
     if schedule == "interleaved" and num_microbatches % num_stages:
@@ -125,9 +165,85 @@ def interleaved_order(p: int, m: int, rank: int, v: int) -> List[Instr]:
     return order
 
 
-def forward_only_order(p: int, m: int, rank: int, v: int = 1) -> List[Instr]:
+def _with_delayed_weights(order: Sequence[Instr], delay: int) -> List[Instr]:
+    """``order`` (forwards and backwards) with each backward's W after the backward ``delay`` places later,
+    the W still owed at the end appended in backward order."""
+    out: List[Instr] = []
+    owed: deque = deque()
+    for ins in order:
+        out.append(ins)
+        if ins.op == "B":
+            owed.append(ins)
+            if len(owed) > delay:
+                b = owed.popleft()
+                out.append(WeightGrad(b.mb, b.chunk))
+    out += [WeightGrad(b.mb, b.chunk) for b in owed]
+    return out
+
+
+def zb_h1_order(p: int, m: int, rank: int) -> List[Instr]:
+    """ZB-H1 (Qi et al. 2024, torch's ``ScheduleInterleavedZeroBubble`` with one stage per rank): 1F1B's
+    order of forwards and input backwards, each W run ``rank`` backwards late, so that the last ranks,
+    whose B gradients the earlier ranks wait for, send them sooner and fill their cool-down with W.
+    Held activations (forward run, W not yet) peak at ``p`` on every rank: 1F1B's peak (rank 0's)."""
+    return _with_delayed_weights(one_f_one_b_order(p, m, rank), rank)
+
+
+def zbv_order(p: int, m: int, rank: int) -> List[Instr]:
+    """ZBV (Qi et al. 2024, section 6; torch's ``ScheduleZBVZeroBubble``): two chunks per rank in a V
+    (chunk 0: stage ``rank``; chunk 1: stage ``2p - 1 - rank``). Warm-up: ``2(p - rank) - 1`` forwards of
+    chunk 0, then ``rank`` pairs of chunk 1 and chunk 0 forwards, then ``p - rank`` times chunk 1's F, B,
+    W; steady state: chunk 0's F, B, W then chunk 1's F, B, W; cool-down: the remaining B of both
+    chunks, chunk 0's with their W, then every W still owed. Built for ``max(m, 2p - 1)`` microbatches
+    (the V needs ``2p - 1`` to fill) and the instructions of the ones past ``m`` dropped."""
+    n = max(m, 2 * p - 1)
+    order: List[Instr] = []
+    f = [0, 0]
+    b = [0, 0]
+
+    def fwd(c):
+        order.append(Forward(f[c], c))
+        f[c] += 1
+
+    def bwd(c, with_w: bool):
+        order.append(Backward(b[c], c))
+        if with_w:
+            order.append(WeightGrad(b[c], c))
+        b[c] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        fwd(0)
+    for _ in range(rank):
+        fwd(1)
+        fwd(0)
+    for _ in range(p - rank):
+        fwd(1)
+        bwd(1, True)
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            fwd(0)
+        bwd(0, True)
+        fwd(1)
+        bwd(1, True)
+    w = list(b)
+    for _ in range(rank):
+        bwd(0, False)
+        bwd(1, False)
+    for _ in range(p - rank):
+        bwd(0, False)
+        order.append(WeightGrad(w[0], 0))
+        w[0] += 1
+    order += [WeightGrad(i, 1) for i in range(w[1], b[1])]
+    order += [WeightGrad(i, 0) for i in range(w[0], b[0])]
+    return [ins for ins in order if ins.mb < m]
+
+
+def forward_only_order(p: int, m: int, rank: int, v: int = 1, layout: str = "loop") -> List[Instr]:
     """Every forward of this rank and no backward (evaluation): microbatch order for one chunk per
-    rank, the interleaved forward order for ``v`` chunks (``m`` a multiple of ``p``)."""
+    rank, the interleaved forward order for ``v`` chunks (``m`` a multiple of ``p``); in a V every
+    microbatch through chunk 0, then every microbatch through chunk 1."""
+    if layout == "v":
+        return [Forward(i, c) for c in range(v) for i in range(m)]
     if v == 1:
         return [Forward(i) for i in range(m)]
     return [Forward(*_interleaved_unit(k, p, v, True)) for k in range(m * v)]
@@ -148,9 +264,10 @@ def _units(order: Sequence[Instr], paired: bool) -> List[List[Instr]]:
     return units
 
 
-def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1, paired: bool = False) -> List[Step]:
-    """Insert the messages a compute order needs. Stage ``s = chunk * p + rank``; a neighbour stage on
-    this same rank (``p == 1``) is a local hand-off, no message.
+def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1, paired: bool = False,
+                      layout: str = "loop") -> List[Step]:
+    """Insert the messages a compute order needs. Stage ``s = stage_of(rank, chunk)``; a neighbour stage
+    on this same rank (``p == 1``, the turn of a V) is a local hand-off, no message. A W sends nothing.
 
     Between two units, the sends of the first and the receives of the second form one batch. A unit is
     one instruction, or with ``paired`` a steady-state forward and its backward (Megatron-LM's
@@ -161,34 +278,56 @@ def add_communication(order: Sequence[Instr], p: int, rank: int, v: int = 1, pai
     S = p * v
 
     def stage(chunk):
-        return chunk * p + rank
+        return stage_of(rank, chunk, p, v, layout)
+
+    def peer(s):                               # the rank of stage s, or None when it is this one
+        r = place_of(s, p, v, layout)[0]
+        return None if r == rank else r
 
     def sends(ins: Instr) -> List[Instr]:
         s = stage(ins.chunk)
-        if ins.op == "F" and s < S - 1 and p > 1:
-            return [Instr("SEND_ACT", ins.mb, ins.chunk, (rank + 1) % p)]
-        if ins.op == "B" and s > 0 and p > 1:
-            return [Instr("SEND_GRAD", ins.mb, ins.chunk, (rank - 1) % p)]
+        if ins.op == "F" and s < S - 1 and peer(s + 1) is not None:
+            return [Instr("SEND_ACT", ins.mb, ins.chunk, peer(s + 1))]
+        if ins.op == "B" and s > 0 and peer(s - 1) is not None:
+            return [Instr("SEND_GRAD", ins.mb, ins.chunk, peer(s - 1))]
         return []
 
     def recvs(ins: Instr) -> List[Instr]:
         s = stage(ins.chunk)
-        if ins.op == "F" and s > 0 and p > 1:
-            return [Instr("RECV_ACT", ins.mb, ins.chunk, (rank - 1) % p)]
-        if ins.op == "B" and s < S - 1 and p > 1:
-            return [Instr("RECV_GRAD", ins.mb, ins.chunk, (rank + 1) % p)]
+        if ins.op == "F" and s > 0 and peer(s - 1) is not None:
+            return [Instr("RECV_ACT", ins.mb, ins.chunk, peer(s - 1))]
+        if ins.op == "B" and s < S - 1 and peer(s + 1) is not None:
+            return [Instr("RECV_GRAD", ins.mb, ins.chunk, peer(s + 1))]
         return []
 
+    # W sends and receives nothing and is transparent here: the W between two units go after the batch
+    # between them, so they run while its messages travel (the engine waits for a received tensor at the
+    # instruction that uses it, not before the W in between)
+    units: List[Tuple[List[Instr], List[Instr]]] = []      # (the W before it, the unit)
+    weights: List[Instr] = []
+    for unit in _units([ins for ins in order if ins.op != "W"], paired):
+        units.append(([], unit))
+    k = 0
+    for ins in order:                                      # hang each W on the unit after it
+        if ins.op == "W":
+            if k < len(units):
+                units[k][0].append(ins)
+            else:
+                weights.append(ins)
+        elif ins is units[k][1][-1] if k < len(units) else False:
+            k += 1
     steps: List[Step] = []
     pending: List[Instr] = []
-    for unit in _units(order, paired):
+    for before, unit in units:
         batch = tuple(pending + [r for ins in unit for r in recvs(ins)])
         if batch:
             steps.append(batch)
+        steps.extend(before)
         steps.extend(unit)
         pending = [snd for ins in unit for snd in sends(ins)]
     if pending:
         steps.append(tuple(pending))
+    steps.extend(weights)
     return steps
 
 
@@ -200,17 +339,86 @@ def build_schedule(schedule: str, num_stages: int, num_microbatches: int, rank: 
     p, m, v = num_stages, num_microbatches, num_chunks
     if not 0 <= rank < p:
         raise ValueError(f"pipeline: rank {rank} outside 0..{p - 1}")
+    layout = layout_of(schedule)
     if forward_only:
-        order = forward_only_order(p, m, rank, v)
+        order = forward_only_order(p, m, rank, v, layout)
     elif schedule == "gpipe":
         order = gpipe_order(p, m, rank)
     elif schedule == "1f1b":
         order = one_f_one_b_order(p, m, rank)
+    elif schedule == "zb-h1":
+        order = zb_h1_order(p, m, rank)
+    elif schedule == "zbv":
+        order = zbv_order(p, m, rank)
     else:
         order = interleaved_order(p, m, rank, v)
     # Megatron's pairing in interleaved 1F1B's steady state (none when every forward warms up, m == p)
     paired = schedule == "interleaved" and not forward_only and m != p
-    return add_communication(order, p, rank, v, paired)
+    if schedule == "zbv" and not forward_only:
+        return lockstep_communication([zbv_order(p, m, r) for r in range(p)], p, v, layout)[rank]
+    return add_communication(order, p, rank, v, paired, layout)
+
+
+def lockstep_communication(orders: Sequence[Sequence[Instr]], p: int, v: int, layout: str = "loop") -> List[List[Step]]:
+    """Every rank's steps from every rank's compute order, with the messages batched by *tick*: the
+    orders are run together with one instruction per rank per tick (F = B = W = 1, a message usable the
+    tick after it is sent), and after each tick every rank posts one batch with what it sent in that
+    tick and what was sent to it in that tick. Both ends of every message then post it in the same
+    tick's batch, so no batch waits on a later one of its peer: deadlock-free under NCCL's rules
+    whatever the order. :func:`add_communication` cannot promise that for ZBV: in a V both directions of
+    a link carry activations and gradients, the sender's order of the two kinds is not the order the
+    receiver needs them in, and two neighbours that send to each other in batches of their own
+    deadlock. A receive may come earlier than needed; the engine waits for a received tensor where it
+    is used."""
+    S = p * v
+    done: Dict[Tuple[str, int, int], int] = {}            # (op, mb, stage) -> tick it ran
+    pos = [0] * p
+    ticked: List[List[Tuple[int, Instr]]] = [[] for _ in range(p)]
+    tick, idle = 0, 0
+    while any(pos[r] < len(orders[r]) for r in range(p)):
+        ran = []
+        for r in range(p):
+            if pos[r] == len(orders[r]):
+                continue
+            ins = orders[r][pos[r]]
+            s = stage_of(r, ins.chunk, p, v, layout)
+            need = [("F", ins.mb, s - 1)] if ins.op == "F" and s > 0 else \
+                [("B", ins.mb, s + 1)] if ins.op == "B" and s < S - 1 else []
+            if all(done.get(k, tick) < tick for k in need):
+                ran.append((r, ins, s))
+        for r, ins, s in ran:
+            done[(ins.op, ins.mb, s)] = tick
+            ticked[r].append((tick, ins))
+            pos[r] += 1
+        idle = 0 if ran else idle + 1
+        if idle > 2:
+            raise ScheduleError(f"lockstep_communication: the compute orders deadlock at tick {tick}")
+        tick += 1
+    batches: List[Dict[int, List[Instr]]] = [defaultdict(list) for _ in range(p)]   # rank -> tick -> messages
+    for r in range(p):
+        for t, ins in ticked[r]:
+            s = stage_of(r, ins.chunk, p, v, layout)
+            nxt = s + 1 if ins.op == "F" else s - 1
+            if ins.op == "W" or not 0 <= nxt < S:
+                continue
+            q, c = place_of(nxt, p, v, layout)
+            if q == r:
+                continue                                   # the turn of the V: a local hand-off
+            send, recv = ("SEND_ACT", "RECV_ACT") if ins.op == "F" else ("SEND_GRAD", "RECV_GRAD")
+            batches[r][t].append(Instr(send, ins.mb, ins.chunk, q))
+            batches[q][t].append(Instr(recv, ins.mb, c, r))
+    out: List[List[Step]] = []
+    for r in range(p):
+        steps: List[Step] = []
+        by_tick = dict(ticked[r])
+        for t in range(tick):
+            if t in by_tick:
+                steps.append(by_tick[t])
+            if batches[r].get(t):
+                # sends first, then receives, each by peer: the same order at both ends of a pair
+                steps.append(tuple(sorted(batches[r][t], key=lambda i: (not i.op.startswith("SEND"), i.peer))))
+        out.append(steps)
+    return out
 
 
 def build_all(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1,
@@ -231,7 +439,8 @@ class ScheduleError(AssertionError):
     """A schedule that cannot run: deadlock, mismatched messages or a missing dependency."""
 
 
-def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_only: bool = False) -> Dict[str, object]:
+def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_only: bool = False,
+             layout: str = "loop") -> Dict[str, object]:
     """Run every rank's instruction stream against the others under NCCL's rules (the stricter ones;
     gloo's follow): a message moves only when both ends have posted it (rendezvous), messages match
     first-in-first-out per (sender, receiver) pair, and a communication step is one batch that ends
@@ -240,7 +449,12 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_onl
     deadlock, on a message whose two ends disagree about (kind, microbatch, stage), on a forward whose
     input is not there, or a backward before its forward. Returns statistics (max in-flight per rank,
     number of rounds). ``forward_only``: evaluation streams (:func:`forward_only_order`): a backward or a
-    gradient message is an error, and microbatches are not expected to run backward."""
+    gradient message is an error, and microbatches are not expected to run backward.
+
+    W instructions: a W before its B, or a B without its W in a stream that has W, is an error.
+    ``max_held``: per rank, the most (microbatch, chunk) whose forward ran and whose activations are
+    still kept (until B without W, until W with it): the activation memory, in microbatches of a chunk.
+    ``layout``: ``"v"`` for ZBV's streams (see :func:`stage_of`)."""
     p, v = len(streams), num_chunks
     S = p * v
     pos = [0] * p
@@ -248,8 +462,12 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_onl
     have_grad = [set() for _ in range(p)]    # (mb, stage) output gradients present
     done_f = [set() for _ in range(p)]
     done_b = [set() for _ in range(p)]
+    done_w = [set() for _ in range(p)]
+    has_w = [any(isinstance(st, Instr) and st.op == "W" for st in stream) for stream in streams]
     in_flight = [0] * p
     max_in_flight = [0] * p
+    held = [0] * p
+    max_held = [0] * p
     posted: Dict[Tuple[int, int], deque] = defaultdict(deque)   # (src, dst) -> posted sends
     waiting: Dict[Tuple[int, int], deque] = defaultdict(deque)  # (src, dst) -> posted recvs
     done_ops: set = set()
@@ -257,7 +475,10 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_onl
     rounds = 0
 
     def stage(r, chunk):
-        return chunk * p + r
+        return stage_of(r, chunk, p, v, layout)
+
+    def here(r, s):          # stage s lives on rank r too: a local hand-off
+        return place_of(s, p, v, layout)[0] == r
 
     while any(pos[r] < len(streams[r]) for r in range(p)):
         rounds += 1
@@ -270,21 +491,32 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_onl
                     key = (step.mb, s)
                     if forward_only and step.op != "F":
                         raise ScheduleError(f"rank {r}: {step} in a forward-only schedule")
+                    if step.op == "W":
+                        if key not in done_b[r] or key in done_w[r]:
+                            raise ScheduleError(f"rank {r}: {step} before its backward (or twice)")
+                        done_w[r].add(key)
+                        held[r] -= 1
+                        pos[r] += 1
+                        progressed = True
+                        continue
                     if step.op == "F":
-                        local_prev = p == 1 and s > 0 and (step.mb, s - 1) in done_f[r]
+                        local_prev = s > 0 and here(r, s - 1) and (step.mb, s - 1) in done_f[r]
                         if s > 0 and key not in have_act[r] and not local_prev:
                             raise ScheduleError(f"rank {r}: {step} has no input activation")
                         done_f[r].add(key)
                         in_flight[r] += 1
                         max_in_flight[r] = max(max_in_flight[r], in_flight[r])
+                        held[r] += 1
+                        max_held[r] = max(max_held[r], held[r])
                     else:
                         if key not in done_f[r]:
                             raise ScheduleError(f"rank {r}: {step} before its forward")
-                        local_next = p == 1 and s < S - 1 and (step.mb, s + 1) in done_b[r]
+                        local_next = s < S - 1 and here(r, s + 1) and (step.mb, s + 1) in done_b[r]
                         if s < S - 1 and key not in have_grad[r] and not local_next:
                             raise ScheduleError(f"rank {r}: {step} has no output gradient")
                         done_b[r].add(key)
                         in_flight[r] -= 1
+                        held[r] -= 0 if has_w[r] else 1
                     pos[r] += 1
                     progressed = True
                     continue
@@ -332,23 +564,43 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_onl
     for r in range(p):
         if in_flight[r] != 0 and not forward_only:
             raise ScheduleError(f"rank {r}: {in_flight[r]} microbatches never ran backward")
-    return {"max_in_flight": max_in_flight, "rounds": rounds, "forwards": [len(d) for d in done_f],
-            "backwards": [len(d) for d in done_b]}
+        if has_w[r] and done_w[r] != done_b[r]:
+            raise ScheduleError(f"rank {r}: backwards without their W: {sorted(done_b[r] - done_w[r])}")
+    return {"max_in_flight": max_in_flight, "max_held": max_held, "rounds": rounds,
+            "forwards": [len(d) for d in done_f], "backwards": [len(d) for d in done_b],
+            "weights": [len(d) for d in done_w]}
 
 
 def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, forward: float = 1.0,
-                    backward: float = 2.0, latency: float = 0.0, last_stage_extra: float = 0.0,
+                    backward: float = 2.0, weight: Optional[float] = None, latency: float = 0.0,
+                    last_stage_extra: float = 0.0, layout: str = "loop",
                     durations: Optional[Dict[Tuple[int, str, int, int], float]] = None) -> Dict[str, object]:
     """The time the instruction streams take when every stage's forward costs ``forward`` and backward
     ``backward`` (a chunk of ``v`` chunks per rank: ``1 / v`` of that; the last stage ``1 +
     last_stage_extra`` times it: LM head and loss), a message arrives ``latency`` after its send is
-    posted, sends never block and a communication step waits for its receives (the engine's rules).
+    posted, sends never block and a communication step waits for its receives (the engine's rules; in a
+    schedule with W instructions a received tensor is waited for by the instruction that uses it).
     Returns ``{"step": ..., "bubble": ..., "busy": [...]}`` with the bubble defined as the engine's
     timeline measures it (mean over ranks of 1 - busy / step): the reference a measured bubble is
     compared with. With equal stages and no latency GPipe and 1F1B give ``(p-1)/(m+p-1)``.
     ``durations``: ``{(rank, op, mb, chunk): cost}`` replaces the model cost of those instructions (a
-    measured timeline replayed: :func:`parallel_layers.pipeline.timeline.bubble_breakdown`)."""
+    measured timeline replayed: :func:`parallel_layers.pipeline.timeline.bubble_breakdown`).
+    ``backward`` is the whole backward; in a stream with W instructions, W costs ``weight`` (default
+    half the backward) and B the rest (F = B = W = 1: ``forward=1, backward=2``)."""
     p, v = len(streams), num_chunks
+    weight = backward / 2 if weight is None else weight
+    has_w = [any(isinstance(st, Instr) and st.op == "W" for st in stream) for stream in streams]
+    # with W the engine waits for a received tensor at the instruction that uses it (the W after a
+    # batch run while its messages travel); without, a communication step waits for its receives
+    lazy = any(has_w)
+
+    def _remote_input(ins: Instr, r: int):
+        s = stage_of(r, ins.chunk, p, v, layout)
+        if ins.op == "F" and s > 0 and place_of(s - 1, p, v, layout)[0] != r:
+            return ("A", ins.mb, s)
+        if ins.op == "B" and s < S - 1 and place_of(s + 1, p, v, layout)[0] != r:
+            return ("G", ins.mb, s)
+        return None
     S = p * v
     now, pos, busy = [0.0] * p, [0] * p, [0.0] * p
     arrival: Dict[Tuple[str, int, int], float] = {}     # (kind, mb, receiving stage) -> time
@@ -359,27 +611,34 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
                 step = streams[r][pos[r]]
                 if isinstance(step, Instr):
                     key = (r, step.op, step.mb, step.chunk)
+                    need = lazy and _remote_input(step, r)
+                    if need:
+                        if need not in arrival:
+                            break              # not sent yet: let the others run
+                        now[r] = max(now[r], arrival[need])
                     if durations is not None and key in durations:
                         cost = durations[key]
                     else:
-                        cost = (forward if step.op == "F" else backward) / v
-                        if step.chunk * p + r == S - 1:
+                        full = backward - weight if has_w[r] else backward
+                        cost = {"F": forward, "B": full, "W": weight}[step.op] / v
+                        if stage_of(r, step.chunk, p, v, layout) == S - 1:
                             cost *= 1.0 + last_stage_extra
                     now[r] += cost
                     busy[r] += cost
                 else:
                     needs = []
                     for ins in step:
-                        s = ins.chunk * p + r
+                        s = stage_of(r, ins.chunk, p, v, layout)
                         if ins.op == "SEND_ACT":
                             arrival[("A", ins.mb, s + 1)] = now[r] + latency
                         elif ins.op == "SEND_GRAD":
                             arrival[("G", ins.mb, s - 1)] = now[r] + latency
                         else:
                             needs.append(("A" if ins.op == "RECV_ACT" else "G", ins.mb, s))
-                    if not all(k in arrival for k in needs):
-                        break                  # its messages are not sent yet: let the others run
-                    now[r] = max([now[r]] + [arrival[k] for k in needs])
+                    if not lazy:
+                        if not all(k in arrival for k in needs):
+                            break              # its messages are not sent yet: let the others run
+                        now[r] = max([now[r]] + [arrival[k] for k in needs])
                 pos[r] += 1
                 progressed = True
         if not progressed:
@@ -389,6 +648,7 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
             "bubble": sum(1.0 - b / step_time for b in busy) / p if step_time > 0 else 0.0}
 
 
-__all__ = ["Instr", "Forward", "Backward", "SCHEDULES", "build_schedule", "build_all", "format_schedule",
-           "simulate", "simulate_timing", "ScheduleError", "check_schedule_args", "add_communication",
-           "forward_only_order"]
+__all__ = ["Instr", "Forward", "Backward", "WeightGrad", "SCHEDULES", "LAYOUTS", "layout_of", "stage_of", "place_of",
+           "build_schedule", "build_all", "format_schedule", "simulate", "simulate_timing", "ScheduleError",
+           "check_schedule_args", "add_communication", "lockstep_communication", "forward_only_order",
+           "zb_h1_order", "zbv_order"]

@@ -1,12 +1,14 @@
 """A recorded timeline per pipeline rank, its measured bubble fraction, and a PNG drawing.
 
-Every rank records ``(op, microbatch, chunk, start, end)`` for each compute instruction it runs and
-for each wait on communication (op ``"W"``). Times are ``time.perf_counter()`` seconds relative to the
-rank's own entry into the step. ``perf_counter`` is CLOCK_MONOTONIC on Linux: one clock for every
-process of a host, so when all ranks of the pipeline run on one host the gathered timelines are put on
-a common origin (the earliest rank's entry) and a rank that entered later shows that delay as idle;
-across hosts (clocks not comparable) each rank's zero is its own entry. No barrier is needed inside
-the step: a caller that wants aligned starts (a benchmark) meets at one before calling ``step``.
+Every rank records ``(op, microbatch, chunk, start, end)`` for each compute instruction it runs (op
+``"F"`` forward, ``"B"`` backward or, in zero-bubble schedules, its input-gradient half, ``"BW"`` the
+weight-gradient half: the schedule's ``WeightGrad``) and for each wait on communication (op ``"W"``).
+Times are ``time.perf_counter()`` seconds relative to the rank's own entry into the step.
+``perf_counter`` is CLOCK_MONOTONIC on Linux: one clock for every process of a host, so when all
+ranks of the pipeline run on one host the gathered timelines are put on a common origin (the earliest
+rank's entry) and a rank that entered later shows that delay as idle; across hosts (clocks not
+comparable) each rank's zero is its own entry. No barrier is needed inside the step: a caller that
+wants aligned starts (a benchmark) meets at one before calling ``step``.
 
 Bubble fraction of a rank = 1 - (compute time) / (step time), step time = from the first rank's entry
 to the last rank's end; the pipeline's figure is the mean over ranks: the share of stage-time the
@@ -23,10 +25,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+COMPUTE = ("F", "B", "BW")       # the events that count as busy; "W" is a wait
+
+
+def schedule_op(event_op: str) -> str:
+    """The schedule's instruction op of a recorded compute event (``"BW"`` is the schedule's ``"W"``)."""
+    return "W" if event_op == "BW" else event_op
+
 
 @dataclass
 class Event:
-    op: str          # "F", "B" (compute) or "W" (waiting on messages)
+    op: str          # "F", "B", "BW" (compute: forward, backward / input grad, weight grad) or "W" (waiting)
     mb: int
     chunk: int
     start: float
@@ -53,7 +62,7 @@ class Timeline:
 
     @property
     def busy(self) -> float:
-        return sum(e.end - e.start for e in self.events if e.op in ("F", "B"))
+        return sum(e.end - e.start for e in self.events if e.op in COMPUTE)
 
     def to_rows(self) -> List[tuple]:
         return [(e.op, e.mb, e.chunk, e.start, e.end) for e in self.events]
@@ -79,7 +88,7 @@ def replay_durations(timelines: Sequence[Timeline], with_overhead: bool) -> Dict
                 waited += e.end - e.start
                 continue
             start = min(prev_end + waited, e.start) if with_overhead else e.start
-            out[(t.rank, e.op, e.mb, e.chunk)] = e.end - start
+            out[(t.rank, schedule_op(e.op), e.mb, e.chunk)] = e.end - start
             prev_end, waited = e.end, 0.0
     return out
 
@@ -97,17 +106,19 @@ def bubble_breakdown(timelines: Sequence[Timeline], schedule: str, num_microbatc
 
     The keys ``imbalance_jitter``, ``engine_overhead`` and ``messages`` give those increments; they sum
     with ``ideal`` to ``measured``."""
-    from .schedules import build_all, simulate_timing
+    from .schedules import build_all, layout_of, simulate_timing
 
     p = len(timelines)
     streams = build_all(schedule, p, num_microbatches, num_chunks)
+    layout = layout_of(schedule)
     busy = {t.rank: t.busy for t in timelines}
 
     def replayed(with_overhead: bool) -> float:   # idle share of the replay; busy = compute only
-        step = simulate_timing(streams, num_chunks, durations=replay_durations(timelines, with_overhead))["step"]
+        step = simulate_timing(streams, num_chunks, layout=layout,
+                               durations=replay_durations(timelines, with_overhead))["step"]
         return sum(1.0 - b / step for b in busy.values()) / p if step > 0 else 0.0
 
-    ideal = simulate_timing(streams, num_chunks)["bubble"]
+    ideal = simulate_timing(streams, num_chunks, layout=layout)["bubble"]
     compute, engine = replayed(False), replayed(True)
     measured = bubble_fraction(timelines)
     return {"ideal": ideal, "compute": compute, "engine": engine, "measured": measured,
@@ -137,8 +148,9 @@ def gather_timelines(local: Timeline, group) -> Optional[List[Timeline]]:
 
 
 def draw(timelines: Sequence[Timeline], path: str, title: str = "") -> Optional[str]:
-    """Draw the ranks' timelines (one row per rank; forward blue, backward green, waits grey; the
-    microbatch written in each box, ``mb.chunk`` with virtual stages) to a PNG; None without matplotlib."""
+    """Draw the ranks' timelines (one row per rank; forward blue, backward green (in zero-bubble schedules
+    its input-gradient half), weight gradients orange, waits grey; the microbatch written in each box,
+    ``mb.chunk`` with virtual stages) to a PNG; None without matplotlib."""
     from .._optional import pyplot
     plt = pyplot()
     if plt is None:
@@ -147,7 +159,8 @@ def draw(timelines: Sequence[Timeline], path: str, title: str = "") -> Optional[
     n = len(timelines)
     chunks = max((e.chunk for t in timelines for e in t.events), default=0) + 1
     fig, ax = plt.subplots(figsize=(12, 0.7 * n + 1.4))
-    colors = {"F": ["#4c72b0", "#8fb0e0", "#2a4a80"], "B": ["#55a868", "#96d3a6", "#2f6e3f"]}
+    colors = {"F": ["#4c72b0", "#8fb0e0", "#2a4a80"], "B": ["#55a868", "#96d3a6", "#2f6e3f"],
+              "BW": ["#dd8452", "#f0b48c", "#a0522d"]}
     total = max(t.t_end for t in timelines) * 1e3
     for t in timelines:
         y = n - 1 - t.rank
@@ -166,11 +179,15 @@ def draw(timelines: Sequence[Timeline], path: str, title: str = "") -> Optional[
     ax.set_xlabel("time (ms)")
     ax.set_xlim(0, total * 1.01)
     bubble = bubble_fraction(timelines)
-    ax.set_title(f"{title}  bubble {bubble:.1%}  (blue forward, green backward, grey waiting)".strip())
+    what = "blue forward, green backward, grey waiting"
+    if any(e.op == "BW" for t in timelines for e in t.events):
+        what = "blue F, green B (input grad), orange W (weight grads), grey waiting"
+    ax.set_title(f"{title}  bubble {bubble:.1%}  ({what})".strip())
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-__all__ = ["Event", "Timeline", "bubble_fraction", "bubble_breakdown", "replay_durations", "gather_timelines", "draw"]
+__all__ = ["COMPUTE", "schedule_op", "Event", "Timeline", "bubble_fraction", "bubble_breakdown", "replay_durations",
+           "gather_timelines", "draw"]
