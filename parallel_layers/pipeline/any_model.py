@@ -164,7 +164,7 @@ def _boundaries(model: nn.Module, recipe: Recipe, blocks: nn.ModuleList, S: int,
 def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
                 boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
                 loss_fn: Optional[Callable] = None, tied_group=None, checkpoint: Union[bool, int] = False,
-                sum_tied_grads_in_stage: bool = True) -> List[ModelStage]:
+                sum_tied_grads_in_stage: bool = True, layout: str = "loop") -> List[ModelStage]:
     """This rank's stages (one per chunk) of ``model``; the parts no stage of this rank needs are dropped
     from ``model``. Every rank passes the same model (built from the same seed or loaded from the same
     weights). ``boundaries``: block split points, ``"parameters"`` (balanced by parameter count) or None
@@ -172,7 +172,9 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     times); ``tied_group``: the group of the first and last pipeline rank
     (:func:`~parallel_layers.pipeline.tied_embedding_group`), needed when weights are tied between them;
     ``checkpoint``: activation checkpointing (see :class:`ModelStage`); ``sum_tied_grads_in_stage``:
-    False when the caller sums the tied gradients itself (``Parallel3D``)."""
+    False when the caller sums the tied gradients itself (``Parallel3D``); ``layout``: ``"v"`` for the ZBV
+    schedule (:func:`~parallel_layers.pipeline.stage.stage_ids`; the first and last stage are both on rank
+    0, where tied weights stay one module)."""
     blocks = _get(model, recipe.blocks)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise ValueError(f"split_model: {type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks at "
@@ -188,9 +190,9 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"split_model: pp_rank={pp_rank} outside 0..{pp_size - 1}")
     ranges = partition_layers(len(blocks), S, _boundaries(model, recipe, blocks, S, boundaries, block_costs))
-    mine = stage_ids(pp_rank, pp_size, num_chunks)
+    mine = stage_ids(pp_rank, pp_size, num_chunks, layout)
     has_first, has_last = 0 in mine, S - 1 in mine
-    tied = _tied_between(model, recipe) if pp_size > 1 else []
+    tied = _tied_between(model, recipe) if not (has_first and has_last) else []
     if tied and (has_first or has_last) and tied_group is None:
         raise ValueError(f"split_model: {len(tied)} weight(s) are tied between the first and last stage; pass "
                          f"tied_group=tied_embedding_group(pp_group) (every rank calls it)")
