@@ -29,7 +29,7 @@ its micro-batch's counted labels (``F.cross_entropy(..., ignore_index=-100)``: w
 
 One training step (:meth:`train_step`):
 
-1. the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved``) runs over the microbatches of this
+1. the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zbv``) runs over the microbatches of this
    replica's slice of the batch; every backward only accumulates (no reduction per microbatch);
 2. tied weight gradients are summed between the first and the last stage;
 3. gradients are reduced over dp once: all-reduce (``zero=0``), reduce-scatter into the ZeRO shard
@@ -87,6 +87,7 @@ from .models.gpt import GPTConfig
 from .pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
 from .pipeline.any_model import split_model
 from .pipeline.recipes import Recipe, recipe_for
+from .pipeline.schedules import layout_of
 from .pipeline.timeline import draw
 from .pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
 from .replicas import replica_mode
@@ -123,8 +124,9 @@ def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, 
     # build_gpt_stages draws fp16/bf16 weights in fp32 and rounds them (models/gpt.py: draw_dtype), so
     # every dtype starts from the fp32 model's weights.
     chunks = build_gpt_stages(config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=tp_group,
-                              require_divisible=schedule == "interleaved", checkpoint=checkpoint, dtype=dtype,
-                              device=device, cp_group=getattr(mesh, "cp_group", None), cp_method=cp_method)
+                              require_divisible=schedule in ("interleaved", "zbv"), checkpoint=checkpoint,
+                              dtype=dtype, device=device, cp_group=getattr(mesh, "cp_group", None),
+                              cp_method=cp_method, layout=layout_of(schedule))
     tied, duplicates = [], set()
     for chunk in chunks:                  # the copies: first stage (counted in the norm), last stage (duplicate)
         if tied_group is not None and hasattr(chunk, "wte"):
@@ -135,7 +137,7 @@ def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, 
 
 
 def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_plan, loss_fn, num_chunks,
-                  boundaries, block_costs, checkpoint):
+                  boundaries, block_costs, checkpoint, layout="loop"):
     if loss_fn is None:
         raise ValueError(f"Parallel3D: pass loss_fn(logits, targets) for {type(model).__name__} (the last stage "
                          f"computes it)")
@@ -148,10 +150,11 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
                              f"pass tp_plan={{module pattern: style}} (see tensor_parallel.parallelize) or give its "
                              f"recipe a tp_plan (docs/custom_recipe.md)")
         parallelize(model, tp_group, plan)
-    tied_group = tied_embedding_group(mesh.pp_group) if mesh.pp > 1 else None
+    # in a V the first and last stage are both on pipeline rank 0: tied weights are one module there
+    tied_group = tied_embedding_group(mesh.pp_group) if mesh.pp > 1 and layout == "loop" else None
     chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
                          block_costs=block_costs, loss_fn=loss_fn, tied_group=tied_group, checkpoint=checkpoint,
-                         sum_tied_grads_in_stage=False)
+                         sum_tied_grads_in_stage=False, layout=layout)
     tied, duplicates = [], set()
     for chunk in chunks:
         tied.extend(chunk.tied)
@@ -186,8 +189,9 @@ class Parallel3D:
     tensor-parallel ranks draw the same masks on the activations they hold replicated; heads split over
     tp share their masks rank to rank, unlike the reference GPT's per-rank tracker streams).
     ``zero``: 0 (plain DP, all-reduce), 1 or 2 (ZeRO over reduce-scatter), 3 (parameters sharded too,
-    gathered once per step; fp32 only). ``schedule``: ``gpipe``, ``1f1b`` or ``interleaved``
-    (``num_chunks`` virtual stages per rank, default 2). ``max_grad_norm``: None disables clipping.
+    gathered once per step; fp32 only). ``schedule``: ``gpipe``, ``1f1b``, ``interleaved``
+    (``num_chunks`` virtual stages per rank, default 2), or the zero-bubble ``zb-h1`` and ``zbv`` (two
+    chunks per rank in a V; see :mod:`parallel_layers.pipeline.schedules`). ``max_grad_norm``: None disables clipping.
     ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16).
     ``optimizer_options``: more keyword arguments for the ZeRO optimizers. ``ignore_index``: labels that do
     not count in the loss (None: every label counts). ``autocast=torch.bfloat16``: an fp32 model's
@@ -220,7 +224,7 @@ class Parallel3D:
         if dtype == torch.float16 and loss_scaler is None:
             loss_scaler = DynamicLossScaler(device=device)
         if num_chunks is None:
-            num_chunks = 2 if schedule == "interleaved" else 1
+            num_chunks = 2 if schedule in ("interleaved", "zbv") else 1
         self.mesh, self.zero, self.dtype, self.scaler = mesh, zero, dtype, loss_scaler
         # called as after_reduce(self) in every train_step once the gradients are reduced over dp, before the
         # norm and the optimizer step: to measure them (FreezeTrainer's per-block norms)
@@ -243,7 +247,8 @@ class Parallel3D:
             self.config = model
             self.description = dataclasses.asdict(model)
             # a collective over the whole world: every rank calls it, in the same order
-            self.tied_group = tied_embedding_group(mesh.pp_group) if (model.tie_embeddings and mesh.pp > 1) else None
+            self.tied_group = tied_embedding_group(mesh.pp_group) if (model.tie_embeddings and mesh.pp > 1
+                                                                      and layout_of(schedule) == "loop") else None
             chunks, tied, duplicates = _gpt_stages(model, mesh, self.tp_group, self.tied_group, num_chunks=num_chunks,
                                                    schedule=schedule, checkpoint=checkpoint, dtype=dtype,
                                                    device=device, seed=seed, cp_method=cp_method)
@@ -256,7 +261,7 @@ class Parallel3D:
                 loss_fn = _default_loss(ignore_index)
             chunks, tied, duplicates, self.tied_group = _model_stages(
                 model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
-                boundaries=boundaries, block_costs=block_costs, checkpoint=checkpoint)
+                boundaries=boundaries, block_costs=block_costs, checkpoint=checkpoint, layout=layout_of(schedule))
             # dropout draws from the default generator: the same stream on every rank, so tensor-parallel
             # ranks drop the same elements of the activations they hold replicated
             torch.manual_seed(seed)
