@@ -62,9 +62,15 @@ def partition_layers(num_layers: int, num_stages: int, boundaries: Optional[Sequ
     return out
 
 
-def stage_ids(pp_rank: int, pp_size: int, num_chunks: int = 1) -> List[int]:
-    """Global stage index of each chunk of ``pp_rank``."""
-    return [c * pp_size + pp_rank for c in range(num_chunks)]
+def stage_ids(pp_rank: int, pp_size: int, num_chunks: int = 1, layout: str = "loop") -> List[int]:
+    """Global stage index of each chunk of ``pp_rank``: ``c * pp_size + pp_rank`` (``layout="loop"``), or
+    in a V (``"v"``, ZBV's two chunks) stages ``pp_rank`` and ``2 pp_size - 1 - pp_rank``."""
+    from .schedules import LAYOUTS, stage_of
+    if layout not in LAYOUTS:
+        raise ValueError(f"stage_ids: layout={layout!r}; choose one of {LAYOUTS}")
+    if layout == "v" and num_chunks != 2:
+        raise ValueError(f"stage_ids: the V layout has two chunks per rank, got num_chunks={num_chunks}")
+    return [stage_of(pp_rank, c, pp_size, num_chunks, layout) for c in range(num_chunks)]
 
 
 class GPTStage(nn.Module):
@@ -187,7 +193,7 @@ def tied_embedding_group(pp_group, timeout=None):
 def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
                      boundaries: Optional[Sequence[int]] = None, require_divisible: bool = False,
                      tp_group=None, tied_group=None, checkpoint: Union[bool, int] = False, dtype=None,
-                     device=None, cp_group=None, cp_method: str = "ring") -> List[GPTStage]:
+                     device=None, cp_group=None, cp_method: str = "ring", layout: str = "loop") -> List[GPTStage]:
     """The stages (one per chunk) that pipeline rank ``pp_rank`` of ``pp_size`` owns, with the weights
     of ``GPT(config)`` built from the same seed (see the module docstring). ``boundaries``: explicit
     layer split points across all ``pp_size * num_chunks`` stages; ``tied_group``: from
@@ -195,7 +201,9 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     activation checkpointing of every block (True), of the first ``n`` blocks of each stage (an int), or a
     placement policy per stage (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.models.checkpoint_policy`),
     see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; ``cp_group``: context
-    parallelism (every sequence's zigzag shard on this rank, ``cp_method`` ring or Ulysses)."""
+    parallelism (every sequence's zigzag shard on this rank, ``cp_method`` ring or Ulysses); ``layout``:
+    ``"v"`` for the ZBV schedule (see :func:`stage_ids`; the first and last stage are then both on rank 0,
+    which shares one embedding between them: no ``tied_group``)."""
     checkpoint_placement(checkpoint, 0, "build_gpt_stages")   # a bad value fails before anything is built
     S = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size:
@@ -207,7 +215,7 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
         raise ValueError(f"build_gpt_stages: {config.n_layer} blocks (n_layer) cannot fill {S} pipeline stages "
                          f"(pipeline size {pp_size} x {num_chunks} chunk(s)); every stage needs a block: use "
                          f"n_layer >= {S}, a smaller pipeline size or fewer chunks, or pass explicit boundaries")
-    mine = stage_ids(pp_rank, pp_size, num_chunks)
+    mine = stage_ids(pp_rank, pp_size, num_chunks, layout)
     owned_layers = {i for s in mine for i in range(*ranges[s])}
     has_first, has_last = 0 in mine, S - 1 in mine
     group = _resolve_group(tp_group)
