@@ -1,11 +1,16 @@
 """Data parallelism: flat bucketed param/grad buffers and an overlapped gradient-sync wrapper; parameter
 servers (sharded parameters and AdamW on server ranks, workers that push gradients and pull parameters)."""
+from ..parameter_server import (  # their own package; kept importable from here
+    ParameterServerShard,
+    ParameterServerWorker,
+    PSLayout,
+    predicted_bytes_per_step,
+    ps_layout,
+    serve,
+)
 from .buffers import Bucket, ParamAndGradBuffer
 from .ddp import DataParallel, overlap_report
 from .fused_grads import embedding_grad_into_buffer, grad_sink, linear_weight_grad_into_buffer
-from .parameter_server import PSLayout, predicted_bytes_per_step, ps_layout
-from .ps_server import ParameterServerShard, serve
-from .ps_worker import ParameterServerWorker
 from .single_process import SingleProcessDataParallel
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 
