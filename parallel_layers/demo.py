@@ -167,9 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", metavar="DIR", help="save universal checkpoints under DIR (DIR/iter_NNNNNNN, Megatron-"
                    "LM's layout) after the last step and every --save-interval steps; any layout can --load them")
     p.add_argument("--save-interval", type=int, default=0, metavar="N", help="with --save: also every N steps")
+    p.add_argument("--save-mode", default="async", choices=("async", "sync"),
+                   help="async: training waits only for the snapshot to host memory, a background thread writes "
+                        "it (parallel_layers.resilience); sync: training waits for the whole write")
+    p.add_argument("--save-format", default="universal", choices=("universal", "per_rank"),
+                   help="universal: any layout resumes it; per_rank: each rank's own file, the same layout only")
+    p.add_argument("--keep", type=int, default=0, metavar="K", help="with --save: keep the newest K checkpoints "
+                   "(0: all)")
+    p.add_argument("--inject-kill", action="append", default=[], metavar="STEP:RANK",
+                   help="testing: kill -9 global rank RANK right after step STEP, once per run directory (a marker "
+                        "file under --save remembers it fired, so the restarted run goes past it); repeatable")
     p.add_argument("--load", metavar="DIR", help="resume from a universal checkpoint (DIR/iter_NNNNNNN, or a --save "
                    "DIR: its latest) saved with any --dp/--tp/--pp/--zero/--schedule/--precision, and train up to "
-                   "--steps; the comparison covers the resumed steps")
+                   "--steps; the comparison covers the resumed steps. Without --load, a --save DIR that holds a "
+                   "complete checkpoint is resumed from its newest one (a restarted run continues by itself)")
     p.add_argument("--freeze", default="off", metavar="off|auto|STEP:BLOCKS,...",
                    help="freeze training (PipeTransformer): freeze the bottom blocks as training goes and give the "
                         "pipeline ranks they free to data parallelism; auto: when their gradient norms stop changing; "
@@ -238,6 +249,15 @@ def check_args(args) -> None:
                     f"every block)")
     if args.save_interval < 0 or (args.save_interval and not args.save):
         errs.append(f"--save-interval {args.save_interval} needs --save DIR and must be >= 0")
+    if args.keep < 0:
+        errs.append(f"--keep {args.keep} must be >= 0")
+    if args.inject_kill and not args.save:
+        errs.append("--inject-kill needs --save DIR (its markers and the restarted run's checkpoints live there)")
+    for fault in args.inject_kill:
+        if not (len(fault.split(":")) == 2 and all(t.isdigit() for t in fault.split(":"))):
+            errs.append(f"--inject-kill {fault!r}: expected STEP:RANK, e.g. 3:5")
+    if args.save_format == "per_rank" and args.load:
+        errs.append("--load takes universal checkpoints; a per_rank --save DIR is resumed by itself (same layout)")
     if args.eval_interval < 0 or args.eval_iters < 0:
         errs.append(f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} must be >= 0")
     if world < 1:
@@ -268,19 +288,24 @@ def check_resume(args) -> None:
         check_config(model_description(args), meta, path)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"demo: --load {args.load}: {e}") from e
-    saved = {}
-    if os.path.exists(os.path.join(path, "demo_recipe.json")):
+    check_recipe(args, path, meta)
+    if meta["iteration"] >= args.steps:
+        raise SystemExit(f"demo: --load {path} is at iteration {meta['iteration']}: --steps {args.steps} leaves "
+                         f"nothing to train; pass --steps > {meta['iteration']}")
+
+
+def check_recipe(args, path: str, meta: dict) -> None:
+    """The checkpoint at ``path`` (its ``meta``) was trained with this run's :data:`RECIPE`, else SystemExit."""
+    saved = ((meta.get("resume") or {}).get("data") or {}).get("recipe") or {}
+    if os.path.exists(os.path.join(path, "demo_recipe.json")):       # checkpoints saved before the recipe was in meta
         with open(os.path.join(path, "demo_recipe.json")) as f:
             saved = json.load(f)
     differ = [k for k in RECIPE if k in saved and saved[k] != getattr(args, k)]
     if differ:
-        raise SystemExit(f"demo: --load {path} was trained with " + ", ".join(
+        raise SystemExit(f"demo: {path} was trained with " + ", ".join(
             f"--{k.replace('_', '-')} {saved[k]}" for k in differ) + " (here " + ", ".join(
             f"{getattr(args, k)}" for k in differ) + "); pass the same values, so the data and the "
             "single-process comparison continue the saved run")
-    if meta["iteration"] >= args.steps:
-        raise SystemExit(f"demo: --load {path} is at iteration {meta['iteration']}: --steps {args.steps} leaves "
-                         f"nothing to train; pass --steps > {meta['iteration']}")
 
 
 def rss_mb() -> float:
@@ -293,6 +318,25 @@ def rss_mb() -> float:
         pass
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _maybe_kill(root: str, fault: str, step: int, rank: int) -> None:
+    """``--inject-kill STEP:RANK``: SIGKILL this process (kill -9: no cleanup, no exception) right after
+    step STEP on global rank RANK, the first time a run under ``root`` gets there."""
+    at, who = (int(t) for t in fault.split(":"))
+    if (at, who) != (step, rank):
+        return
+    marker = os.path.join(root, f".injected-kill-step{at}-rank{who}")
+    if os.path.exists(marker):
+        return
+    os.makedirs(root, exist_ok=True)
+    with open(marker, "w") as f:
+        f.write(f"killed after step {at}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    print(f"demo: injected failure: kill -9 of rank {rank} after step {step}", flush=True)
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------- the parallel run
@@ -321,10 +365,30 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                            optimizer_options=None if args.offload == "none" else
                            {"offload": args.offload, "offload_dir": args.offload_dir})
     start, saved, load_s = 0, [], None
+    checkpointer = None
+    if args.save and args.freeze == "off":       # a FreezeTrainer changes layout as it goes: saved synchronously
+        from .resilience import AsyncCheckpointer
+        checkpointer = AsyncCheckpointer(model, args.save, format=args.save_format, keep=args.keep,
+                                         asynchronous=args.save_mode == "async")
+    t_load = time.perf_counter()
     if args.load:
-        t_load = time.perf_counter()
         start = load_universal(model, resolve_checkpoint(args.load))["iteration"]
         load_s = round(time.perf_counter() - t_load, 3)
+    elif checkpointer is not None:               # a restarted run: the newest complete checkpoint of --save
+        from .resilience import resume
+        resumed = resume(model, args.save)
+        if resumed is not None:
+            check_recipe(args, resumed["path"], {"resume": {"data": resumed["data"]}})
+            start, load_s = resumed["iteration"], round(time.perf_counter() - t_load, 3)
+            args.load = resumed["path"]
+            if rank == 0:
+                print(f"demo: resumed from {resumed['path']} at iteration {start} (random streams "
+                      f"{'restored' if resumed['restored_random_state'] else 'not restored: another layout'})",
+                      flush=True)
+        elif rank == 0:
+            print(f"demo: no complete checkpoint under {args.save}: starting at iteration 0", flush=True)
+    if start >= args.steps:                      # restarted after the last save: nothing left to train
+        return {"already_done": start, "resumed_from": args.load} if rank == 0 else None
     bar = None
     if rank == 0 and not args.no_progress:
         from ._optional import progress_bar
@@ -336,7 +400,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     mem = torch.zeros(1, dtype=torch.float64, device=device if device is not None else torch.device("cpu"))
     evals, val_batches = validation_plan(val, args)
     for step in range(start, args.steps):
-        x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
+        x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)   # the data position: the step
         if device is not None:
             x, y = x.to(device), y.to(device)
         t0 = time.perf_counter()
@@ -370,13 +434,23 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                 bar.write(line)              # above the progress bar
             elif rank == 0:
                 print(line, flush=True)
+        for fault in args.inject_kill:
+            _maybe_kill(args.save, fault, step + 1, rank)
         if args.save and (step + 1 == args.steps or (args.save_interval and (step + 1) % args.save_interval == 0)):
-            t_save = time.perf_counter()
-            path = save_iteration(model, args.save, step + 1)
-            saved.append({"path": path, "seconds": round(time.perf_counter() - t_save, 3)})
-            if rank == 0:
-                with open(os.path.join(path, "demo_recipe.json"), "w") as f:
-                    json.dump({k: getattr(args, k) for k in RECIPE}, f)
+            data = {"iteration": step + 1, "recipe": {k: getattr(args, k) for k in RECIPE}}
+            if checkpointer is None:
+                t_save = time.perf_counter()
+                path = save_iteration(model, args.save, step + 1)
+                saved.append({"path": path, "seconds": round(time.perf_counter() - t_save, 3)})
+                if rank == 0:
+                    with open(os.path.join(path, "demo_recipe.json"), "w") as f:
+                        json.dump(data["recipe"], f)
+            else:
+                checkpointer.save(step + 1, data)
+    if checkpointer is not None:
+        checkpointer.wait()
+        saved += [{"path": r.path, "seconds": round(r.stall_s, 4), "write_seconds": round(r.write_s, 4),
+                   "error": r.error} for r in checkpointer.records]
     if bar is not None:
         bar.close()
     if args.offload != "none":
@@ -398,6 +472,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
             "step_time_s": sum(timed) / len(timed), "per_rank": per_rank, "timeline_png": png,
             "bubble_fraction": bubble, "skipped_steps": skipped if args.precision == "fp16" else None,
             "val_losses": val_losses, "first_step": start + 1, "saved": saved, "load_seconds": load_s,
+            "resumed_from": args.load,
             "loss_scale": out["loss_scale"] if args.precision == "fp16" and args.steps else None,
             "freeze": model.history if args.freeze != "off" else None}
 
@@ -487,6 +562,14 @@ def _not_finite_text(first_step: int, losses, ref_losses, val, ref_val) -> str:
 def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher: str) -> dict:
     """Prints the run and its comparison with the single-process one (``ref``: ``(losses, val_losses)``
     from :func:`train_reference`, or None) and writes ``summary.json``."""
+    if par.get("already_done") is not None:
+        print(f"demo: {par['resumed_from']} is at iteration {par['already_done']} >= --steps {args.steps}: the run "
+              f"had finished; nothing to train")
+        summary = {"config": vars(args), "already_done": par["already_done"], "agree": None}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
     tol = {"fp32": FP32_RTOL, "bf16": BF16_RTOL, "fp16": FP16_RTOL}[args.precision]
     config = {k: getattr(args, k) for k in vars(args)}
     config["checkpoint"] = checkpoint_setting(args)          # True (every block), or a block count
@@ -508,7 +591,8 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
                "skipped_steps": par.get("skipped_steps"), "final_loss_scale": par.get("loss_scale"),
                "freeze": par.get("freeze")}
     if start:
-        print(f"\nresumed from {args.load} at step {start} (a universal checkpoint: any layout loads it; "
+        print(f"\nresumed from {par.get('resumed_from') or args.load} at step {start} (a universal checkpoint: any "
+              f"layout loads it; "
               f"{par['load_seconds']:.2f} s on rank 0)")
     cp = f" cp={args.cp} ({args.cp_method})" if args.cp > 1 else ""
     print(f"\n3D run ({args.model}): dp={args.dp}{cp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
@@ -589,7 +673,8 @@ def _run_torchrun(args) -> int:
         par = train_parallel(args, corpus, device, val)
         code = 0
         if par is not None:
-            ref = None if args.no_reference else train_reference(args, corpus, val, par.get("freeze"))
+            ref = (None if args.no_reference or "already_done" in par else
+                   train_reference(args, corpus, val, par.get("freeze")))
             summary = summarize(args, par, ref, corpus.numel(), "torchrun")
             code = 0 if summary["agree"] in (True, None) else 1
         flag = torch.tensor([code], device=device)
@@ -621,7 +706,7 @@ def main(argv=None) -> int:
     os.remove(part)
     corpus, val = load_splits(args.corpus_bytes, args.seq_len)
     ref = None
-    if not args.no_reference:
+    if not args.no_reference and "already_done" not in par:
         print("single-process reference run ...", flush=True)
         ref = train_reference(args, corpus, val, par.get("freeze"))
     summary = summarize(args, par, ref, corpus.numel(), f"torch.multiprocessing.spawn ({wall:.1f}s)")
