@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..pipeline.recipes import Recipe, get_module
+from ..families import Recipe, get_module
 
 
 def _set(model: nn.Module, dotted: str, value) -> None:
@@ -54,7 +54,7 @@ def freeze_prefix_(model: nn.Module, num_frozen: int, recipe: Optional[Recipe] =
     (``requires_grad=False``); returns the names of the parameters frozen. ``recipe``: default the shipped
     one for the model's class (:func:`~parallel_layers.pipeline.recipe_for`)."""
     if recipe is None:
-        from ..pipeline.recipes import recipe_for
+        from ..families import recipe_for
         recipe = recipe_for(model)
     ids = {id(p) for m in prefix_modules(model, recipe, num_frozen) for p in m.parameters()}
     names = []

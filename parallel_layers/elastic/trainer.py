@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
 from ..parallel3d import Parallel3D
-from ..pipeline.recipes import Recipe, recipe_for
 from .auto_freeze import FreezePolicy, parse_freeze
 from .cache import DEFAULT_MAX_BYTES, PrefixCache
 from .measure import StageTimer, block_grad_norms

@@ -41,10 +41,11 @@ layer's ``from_dense`` (``sequence_parallel``, ``activation``, ``input_is_parall
   ``{"style": "divide", "attrs": ["num_key_value_heads"],
   "config_attrs": ["num_attention_heads", "num_key_value_heads"]}``.
   Through ``Parallel3D``, pass such a plan as ``tp_plan=`` (or let the inferred recipe of a Hugging Face
-  decoder write it: :func:`~parallel_layers.pipeline.infer_recipe.infer_tp_plan`).
+  decoder write it: :func:`~parallel_layers.families.infer_plan.infer_tp_plan`).
 
 Hugging Face's ``Conv1D`` (GPT-2's linears, weight stored ``[in, out]``) is taken wherever ``nn.Linear``
-is. :func:`gpt2_plan` is the whole plan for ``GPT2LMHeadModel`` (attention, MLP, tied head).
+is. The plans of the shipped model families (``GPT2LMHeadModel``'s: fused attention, MLP, tied head)
+are in :mod:`parallel_layers.families`, one file per family.
 
 Tied weights stay tied: parameters shared by several modules (``lm_head.weight is
 embed_tokens.weight``) are split alike and stay one ``Parameter`` on every rank (the vocabulary
@@ -383,18 +384,6 @@ def parallelize(model: nn.Module, mesh: Union[ParallelMesh, "dist.ProcessGroup"]
     return model
 
 
-def gpt2_plan(n_embd: int) -> Dict[str, Union[str, dict]]:
-    """The plan for Hugging Face ``GPT2LMHeadModel`` (``n_embd``: ``config.n_embd``): the fused ``c_attn``
-    split per q/k/v section, the attention's split size and head count made local, the MLP and
-    attention output row-wise, the tied embedding and head over the vocabulary."""
-    d = n_embd
-    return {"transformer.wte": "vocab", "lm_head": {"style": "colwise", "gather_output": True},
-            "transformer.h.*.attn.c_attn": {"style": "colwise", "sections": [d, d, d]},
-            "transformer.h.*.attn": {"style": "divide", "attrs": ["split_size", "num_heads", "embed_dim"]},
-            "transformer.h.*.attn.c_proj": "rowwise",
-            "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
-
-
 def _gather_dim(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     if C.world_size(group) == 1:
         return t.clone()
@@ -452,4 +441,13 @@ def gather_dense_state_dict(model: nn.Module, *, grads: bool = False) -> Dict[st
     return out
 
 
-__all__ = ["parallelize", "gpt2_plan", "gather_dense_state_dict", "tp_partitions", "gather_partition"]
+def __getattr__(name: str):
+    # gpt2_plan lives with GPT-2's recipe (parallel_layers.families.gpt2) and stays importable from here;
+    # resolved on first use so that this layer imports nothing of the model families above it
+    if name == "gpt2_plan":
+        from ..families.gpt2 import gpt2_plan
+        return gpt2_plan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["parallelize", "gather_dense_state_dict", "tp_partitions", "gather_partition"]
