@@ -1,0 +1,216 @@
+"""The layout planner's predictions against measurements, on this machine (issue 33's proof).
+
+    python -m benchmarks.planner [--quick|--smoke]     # full: 26 layouts; quick: the same, 2 timed steps
+
+Every case is a layout of 2-8 gloo ranks over the reference GPT or a Hugging Face Llama (tiny: 4 blocks,
+d 64), covering dp / tp / pp / cp, ZeRO 0-3, every schedule (gpipe, 1f1b, interleaved) and activation
+checkpointing on and off. For each:
+
+* predicted: ``parallel_layers.planner.predict`` (the package's own code run on the meta device under a
+  fake process group; fragmentation margin 0, since the measurement counts requested bytes) per
+  pipeline rank, and the step time with a profile calibrated in this run (``--calibrate``'s figures:
+  one-thread matmul, copy bandwidth, collectives over 2 gloo ranks, 2 cores shared by the ranks);
+* measured on every rank (``parallel_layers.planner.measure``): the bytes of every live tensor at a
+  step's start plus the allocator's growth during the step (torch's profiler, ``profile_memory``), and
+  the slowest rank's step time (median of the timed steps).
+
+Every rank is compared with the prediction for its pipeline stage. Rows go to
+benchmarks/results/planner.csv (``case`` planner_memory: ``mem_mb`` measured peak of the worst rank,
+``x`` the predicted; planner_time: ``ours_median_ms`` measured, ``base_median_ms`` predicted), then
+one summary row each: median and worst absolute memory error (targets 5% / 15%), Spearman rank
+correlation of step times (target 0.8), median time error (20%), and whether the layout ranked first
+is within 10% of the fastest measured. Time figures on a loaded machine are noise: say so.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Callable, List, Optional
+
+import torch
+
+from . import harness
+
+CSV_NAME = "planner.csv"
+GLOBAL_BATCH, SEQ = 8, 64
+
+
+def _gpt():
+    from parallel_layers.models.gpt import GPTConfig
+    return GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=64, max_seq_len=SEQ)
+
+
+def _llama():
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=SEQ)
+
+
+def _L(**kw):
+    from parallel_layers.planner import Layout
+    return Layout(**kw)
+
+
+def cases():
+    """(model name, layout) for every case: 2, 4 and 8 ranks."""
+    g, ll = "gpt", "llama"
+    return [
+        (g, _L(dp=2, zero=0, num_microbatches=1)), (g, _L(dp=2, zero=1, num_microbatches=2)),
+        (g, _L(dp=2, zero=2, num_microbatches=1)), (g, _L(dp=2, zero=3, num_microbatches=1)),
+        (g, _L(tp=2, num_microbatches=1)), (g, _L(pp=2, schedule="gpipe", num_microbatches=4)),
+        (g, _L(pp=2, schedule="1f1b", num_microbatches=4, checkpoint=True)), (g, _L(cp=2, num_microbatches=1)),
+        (ll, _L(dp=2, zero=1, num_microbatches=2)), (ll, _L(pp=2, schedule="1f1b", num_microbatches=2)),
+        (ll, _L(tp=2, num_microbatches=1, checkpoint=True)), (ll, _L(cp=2, zero=2, num_microbatches=1)),
+        (g, _L(dp=2, tp=2, zero=1, num_microbatches=1)), (g, _L(dp=2, pp=2, schedule="1f1b", num_microbatches=4)),
+        (g, _L(pp=4, schedule="1f1b", num_microbatches=4)),
+        (g, _L(dp=2, pp=2, schedule="interleaved", num_chunks=2, num_microbatches=4)),
+        (g, _L(tp=2, pp=2, schedule="gpipe", num_microbatches=2, checkpoint=True)),
+        (g, _L(dp=2, cp=2, zero=3, num_microbatches=1)), (ll, _L(dp=2, tp=2, zero=2, num_microbatches=1)),
+        (ll, _L(tp=2, pp=2, schedule="1f1b", num_microbatches=4)),
+        (ll, _L(dp=2, pp=2, zero=1, schedule="interleaved", num_chunks=2, num_microbatches=4)),
+        (ll, _L(cp=2, tp=2, num_microbatches=1, checkpoint=True)),
+        (g, _L(dp=2, tp=2, pp=2, zero=1, schedule="1f1b", num_microbatches=2)),
+        (g, _L(dp=2, cp=2, pp=2, schedule="gpipe", num_microbatches=2, checkpoint=True)),
+        (ll, _L(dp=2, tp=2, pp=2, zero=2, schedule="1f1b", num_microbatches=2)),
+        (ll, _L(dp=2, cp=2, tp=2, zero=3, num_microbatches=1)),
+    ]
+
+
+PROFILES = {"full": dict(steps=5, smoke=False), "quick": dict(steps=2, smoke=False), "smoke": dict(steps=1, smoke=True)}
+
+
+def _model(name):
+    return _gpt() if name == "gpt" else _llama()
+
+
+def _ranks(rank: int, world: int, todo: list, steps: int):
+    """On every rank: each layout of ``todo`` built, measured, dropped (so the next starts clean)."""
+    import gc
+
+    from parallel_layers.mesh import ParallelMesh
+    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.planner.measure import measure_layout
+    out = []
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=gen)
+    y = torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=gen)
+    for name, layout in todo:
+        mesh = ParallelMesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp)
+        torch.manual_seed(0)
+        if name == "gpt":
+            p3d = Parallel3D(_gpt(), mesh, **layout.parallel3d_kwargs())
+        else:
+            from transformers import LlamaForCausalLM
+            p3d = Parallel3D(LlamaForCausalLM(_llama()), mesh, **layout.parallel3d_kwargs())
+        out.append(measure_layout(p3d, (x, y), steps))
+        del p3d
+        gc.collect()
+    return out
+
+
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None) -> List[dict]:
+    """Predict and measure every case of ``mode``; one CSV row per case and measure, then the summaries.
+    ``device`` only names the run: the ranks are gloo processes on CPU."""
+    from parallel_layers.planner import Request, calibrate, predict
+    prof_cfg = PROFILES[mode]
+    todo = cases()[:2] if prof_cfg["smoke"] else cases()
+    if progress:
+        progress("calibrating (2 gloo ranks)")
+    profile = calibrate(world=2, reps=3)
+    profile.fragmentation = 0.0
+    measured = {}
+    for world in sorted({lay.world for _, lay in todo}):
+        group = [(n, lay) for n, lay in todo if lay.world == world]
+        if progress:
+            progress(f"{len(group)} layouts on {world} ranks")
+        per_rank = harness.run_ranks(_ranks, world, (group, prof_cfg["steps"]), timeout_s=1800)
+        for i, case in enumerate(group):
+            measured[id(case[1])] = [r[i] for r in per_rank]
+    common = dict(harness.common_fields(mode, torch.device("cpu"), 1), dtype="fp32", backend="gloo")
+    rows, mem_err, pred_t, meas_t, names = [], [], [], [], []
+    for name, layout in todo:
+        req = Request(_model(name), world=layout.world, global_batch=GLOBAL_BATCH, seq_len=SEQ, memory_bytes=1e12)
+        pred = predict(req, layout, profile)
+        ranks = measured[id(layout)]
+        errs = []
+        for r in ranks:
+            want = sum(pred.memory[r["pp_rank"]].values())
+            errs.append((r["peak_bytes"] - want) / r["peak_bytes"])
+        worst = max(errs, key=abs)
+        mem_err.extend(abs(e) for e in errs)
+        label = f"{name} {layout.name()}"
+        meas_peak = max(r["peak_bytes"] for r in ranks) / 2**20
+        pred_peak = max(sum(t.values()) for t in pred.memory) / 2**20
+        step = ranks[0]["step_s"]
+        pred_t.append(pred.step_s)
+        meas_t.append(step)
+        names.append(label)
+        print(f"planner {label:42s} memory measured {meas_peak:6.2f} MB predicted {pred_peak:6.2f} MB "
+              f"worst rank error {worst:+.1%}  step measured {step * 1e3:7.1f} ms "
+              f"predicted {pred.step_s * 1e3:7.1f} ms",
+              file=sys.stderr, flush=True)
+        rows.append(dict(common, case="planner_memory", sizes=label, mem_mb=meas_peak, x=pred_peak,
+                         baseline=f"predicted {pred_peak:.2f} MB; worst rank error {worst:+.1%} "
+                                  f"over {len(ranks)} ranks"))
+        rows.append(dict(common, case="planner_time", sizes=label, ours_median_ms=step * 1e3,
+                         base_median_ms=pred.step_s * 1e3,
+                         baseline=f"predicted {pred.step_s * 1e3:.1f} ms ({(pred.step_s - step) / step:+.0%})"))
+    med, worst = statistics.median(mem_err), max(mem_err)
+    rho = spearman(pred_t, meas_t)
+    t_err = statistics.median(abs(p - m) / m for p, m in zip(pred_t, meas_t))
+    first = min(range(len(pred_t)), key=lambda i: pred_t[i])
+    fastest = min(meas_t)
+    same_world = True
+    rows.append(dict(common, case="planner_memory_error", sizes=f"{len(todo)} layouts, every rank",
+                     x=med, target="median <= 5%, worst <= 15%", met=bool(med <= 0.05 and worst <= 0.15),
+                     baseline=f"median |error| {med:.1%}, worst {worst:.1%}"))
+    rows.append(dict(common, case="planner_time_rank", sizes=f"{len(todo)} layouts", x=rho,
+                     target="Spearman >= 0.8, median error <= 20%, first within 10% of fastest",
+                     met=bool(rho >= 0.8 and t_err <= 0.2 and meas_t[first] <= 1.1 * fastest and same_world),
+                     baseline=f"Spearman {rho:.2f}; median |error| {t_err:.0%}; ranked first {names[first]} measured "
+                              f"{meas_t[first] * 1e3:.1f} ms vs fastest {fastest * 1e3:.1f} ms"))
+    print(f"planner memory: median |error| {med:.1%}, worst {worst:.1%}; time: Spearman {rho:.2f}, median |error| "
+          f"{t_err:.0%}, first {names[first]} {meas_t[first] * 1e3:.1f} ms vs fastest {fastest * 1e3:.1f} ms",
+          file=sys.stderr, flush=True)
+    return rows
+
+
+def spearman(a: List[float], b: List[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_profile_args(ap, smoke_help="two layouts, one step; never writes CSV",
+                             quick_help="every layout, 2 timed steps")
+    harness.add_csv_args(ap)
+    args = ap.parse_args(argv)
+    mode = harness.profile_of(args)
+    t0 = time.time()
+    rows = collect(mode, torch.device("cpu"), progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(f"({time.time() - t0:.1f} s)")
+    harness.print_and_append(rows, harness.csv_target(args, f"{harness.RESULTS_DIR}/{CSV_NAME}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Tensor accounting for the planner: what a rank holds, and what one micro-batch allocates, counted
+from the package's own objects and operations rather than from a formula.
+
+* :func:`held_bytes`: the distinct storages reachable from some objects (a ``Parallel3D``'s model,
+  optimizer, gradient buffers ...), at their current size: a buffer freed with
+  ``untyped_storage().resize_(0)`` counts 0, views of one buffer count once. Works on meta tensors
+  (the planner's) as on real ones (the benchmark's measurement of the same terms).
+* :class:`OpTally`: a ``TorchDispatchMode`` that runs code (on meta tensors, under a fake process
+  group) and keeps the live bytes of every tensor the ops create, their peak, the bytes non-matmul ops
+  read and write (memory-bound time) and every collective with its bytes. A tensor counts until its
+  last reference dies (torch keeps a tensor's Python object alive as long as autograd holds it), so the
+  tensors saved for backward count until backward frees them.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Dict, Iterable, List
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # guard subclasses (ZeRO's sharded .grad) refuse reads through __torch_function__: step past them
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.untyped_storage()._cdata
+
+
+def tensors_reachable(roots: Iterable[object], max_depth: int = 8) -> List[torch.Tensor]:
+    """Every tensor reachable from ``roots`` through attributes of the package's, torch.nn's and
+    torch.optim's objects, lists, tuples and dicts (optimizer state) and module parameters/buffers;
+    breadth first (each object at its shortest distance), each visited once. A parameter's ``.grad`` is
+    not followed: the buffers that hold gradients are reached through their owners."""
+    out, seen = [], set()
+    frontier = list(roots)
+    for _depth in range(max_depth + 1):
+        nxt = []
+        for obj in frontier:
+            if obj is None or isinstance(obj, (str, bytes, int, float, bool, torch.dtype, torch.device)):
+                continue
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                out.append(obj)
+                continue
+            if isinstance(obj, torch.nn.Module):
+                nxt.extend(obj.parameters())
+                nxt.extend(obj.buffers())
+            if isinstance(obj, dict):
+                nxt.extend(obj.keys())
+                nxt.extend(obj.values())
+            elif isinstance(obj, (list, tuple, set, frozenset)):
+                nxt.extend(obj)
+            elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.startswith(
+                    ("parallel_layers", "torch.optim", "torch.nn")):
+                nxt.extend(vars(obj).values())
+        frontier = nxt
+    return out
+
+
+def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` at their current size (meta tensors included)."""
+    seen, total = set(), 0
+    for t in tensors:
+        with torch._C.DisableTorchFunctionSubclass():
+            st = t.untyped_storage()
+        if st._cdata in seen:
+            continue
+        seen.add(st._cdata)
+        total += st.nbytes()
+    return total
+
+
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_efficient_attention_backward", "convolution", "convolution_backward",
+               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+_FREE_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "permute", "reshape", "detach", "slice",
+             "select", "split", "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "alias", "chunk",
+             "unbind", "empty", "empty_like", "new_empty", "empty_strided", "lift_fresh", "_to_copy_meta"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class OpTally(TorchDispatchMode):
+    """Live bytes, their peak, memory traffic of non-matmul ops and collectives, while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.traffic = 0                      # bytes read + written by non-matmul ops
+        self.collectives: Dict[str, List[int]] = defaultdict(list)   # op name -> bytes per call
+        self._count: Dict[int, int] = {}      # storage -> tensors alive that own it here
+        self._size: Dict[int, int] = {}
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _release(self, key: int) -> None:
+        self._count[key] -= 1
+        if self._count[key] == 0:
+            self.live -= self._size.pop(key)
+            del self._count[key]
+
+    def _track(self, t: torch.Tensor, before: set) -> None:
+        key = _storage_key(t)
+        if key not in self._count:
+            if key in before:                   # a view of (or in place on) a tensor made outside: not ours
+                return
+            self._count[key] = 0
+            with torch._C.DisableTorchFunctionSubclass():
+                self._size[key] = t.untyped_storage().nbytes()
+            self.live += self._size[key]
+            self.peak = max(self.peak, self.live)
+        self._count[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if name == "_local_scalar_dense" and args[0].device.type == "meta":
+            # a host read of a meta tensor (a bounds check, an inf flag): there is no value; reading
+            # 0 takes the normal path (ids in range, no overflow), which is the path whose memory counts
+            return False if args[0].dtype == torch.bool else 0
+        ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        before = {_storage_key(a) for a in ins}
+        with torch._C.DisableTorchFunctionSubclass():   # the dispatch level: torch_function has run already
+            out = func(*args, **kwargs)
+        if func.namespace == "c10d":
+            self.collectives[name].append(sum(_nbytes(a) for a in ins))
+            return out
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        for o in outs:                          # views of ours count too: the storage lives while any does
+            self._track(o, before)
+        if name not in _MATMUL_OPS and name not in _FREE_OPS:
+            self.traffic += sum(_nbytes(a) for a in ins) + sum(_nbytes(o) for o in outs)
+        return out
+
+
+__all__ = ["tensors_reachable", "held_bytes", "OpTally"]

@@ -1,0 +1,73 @@
+"""Measure what a layout really holds and how long its step takes, on gloo ranks (the planner's check).
+
+Memory, per rank, by the tensors' and the allocator's own accounting (not RSS):
+
+* at the start of a step (after a warm-up step, so every lazily made buffer exists): the bytes of the
+  distinct storages of every tensor alive in the process (``gc.get_objects()``: model, gradients,
+  optimizer state, buffers, the batch);
+* during the step: torch's profiler with ``profile_memory=True`` reports every allocation and free of
+  torch's CPU allocator; the running sum's maximum is the step's growth above its start.
+
+peak = the first + the second. Time: the slowest rank's wall time of a step, median of ``steps``.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+from .accounting import held_bytes
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor alive in this process (views counted once)."""
+    gc.collect()
+    ts = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                ts.append(obj)
+        except ReferenceError:
+            continue
+    return held_bytes(ts)
+
+
+def step_growth(fn) -> int:
+    """The most bytes torch's CPU allocator held above its level at the start while ``fn()`` ran."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    level = top = 0
+    for _t, nbytes in events:
+        level += nbytes
+        top = max(top, level)
+    return top
+
+
+def measure_layout(p3d, batch, steps: int = 3) -> Dict[str, object]:
+    """On every rank of ``p3d``'s mesh (a collective): one warm-up step, one step under the memory
+    profiler, then ``steps`` timed steps. Returns this rank's figures."""
+    import torch.distributed as dist
+    x, y = batch
+    p3d.train_step(x, y)                                   # warm-up: lazy optimizer state, bucket rebuilds
+    start = live_tensor_bytes()
+    growth = step_growth(lambda: p3d.train_step(x, y))
+    times: List[float] = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        p3d.train_step(x, y)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    m = p3d.mesh
+    return {"pp_rank": m.pp_rank, "rank": dist.get_rank(), "start_bytes": start, "growth_bytes": growth,
+            "peak_bytes": start + growth, "step_s": statistics.median(times)}
+
+
+__all__ = ["live_tensor_bytes", "step_growth", "measure_layout"]

@@ -1,0 +1,175 @@
+"""Predict one layout's per-rank memory and its step time from what :mod:`.probe` read off the
+package's own code on the meta device.
+
+Memory of pipeline rank ``r`` (every dp/cp/tp coordinate of it holds the same):
+
+    parameters + gradients + optimizer              (static_terms: the rank's tensors, a step begun)
+  + max over its chunks of one micro-batch's peak   (probe: forward or backward, whichever is higher)
+  + (in_flight[r] - 1) x bytes a micro-batch keeps  (in_flight: ``simulate`` of the schedule's streams)
+  + what the other chunks keep for the whole step   (ZeRO-3's full gradients of an interleaved rank)
+
+and ``fragmentation`` of the profile on top for the feasibility check (the allocator's gaps).
+
+Step time: every forward and backward of the schedule costs its FLOPs at the profile's matmul rate,
+its non-matmul bytes at the memory bandwidth and its tensor/context-parallel collectives at their
+alpha-beta cost (ranks beyond ``compute_slots`` share the compute); ``simulate_timing`` walks the
+schedule with those costs and the activation send's cost as latency (the bubble). The package reduces
+gradients once per step after the pipeline has drained (no overlap with backward in ``Parallel3D``), so
+the data-parallel reduction, ZeRO-3's gather of every parameter, the tied embedding's all-reduce and the
+optimizer step (its bytes at memory bandwidth) add to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+from ..pipeline import build_all, simulate, simulate_timing
+from .hardware import Profile
+from .probe import ChunkCost, build_rank, fake_world, global_rank, microbatch_probe, static_terms, sync_bytes
+from .spec import Layout, Request
+
+_COLL_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
+              "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+              "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "send": "send", "recv_": None,
+              "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "broadcast_": "all_gather"}
+
+
+@dataclasses.dataclass
+class RankProbe:
+    static: Dict[str, int]
+    sync: Dict[str, int]
+    chunks: List[ChunkCost]
+
+
+@dataclasses.dataclass
+class Prediction:
+    layout: Layout
+    memory: List[Dict[str, int]]          # per pipeline rank: term -> bytes
+    peak_bytes: int                       # the largest rank's total, fragmentation margin included
+    step_s: float
+    time_terms: Dict[str, float]
+    tokens_per_s: float
+    mfu: float
+    bubble: float
+    feasible: bool
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["name"] = self.layout.name()
+        return d
+
+
+def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> List[RankProbe]:
+    """The probes of every pipeline rank of ``layout``, in two cached parts: what the rank holds
+    (depends on the mesh, the ZeRO stage and the chunk count) and what a micro-batch costs (depends on
+    tp, pp, cp, chunks, checkpointing, the micro-batch size and whether ZeRO-3 keeps full gradients;
+    probed on a mesh with dp 1, since data parallelism does not change a micro-batch)."""
+    cache = {} if cache is None else cache
+    b = req.global_batch // (layout.dp * layout.num_microbatches)
+    skey = ("static", layout.dp, layout.tp, layout.pp, layout.cp, layout.zero, layout.num_chunks)
+    if skey not in cache:
+        ranks = []
+        for r in range(layout.pp):
+            with fake_world(global_rank(layout, r), layout.world):
+                p3d = build_rank(req, layout, r)
+                ranks.append((static_terms(p3d), sync_bytes(p3d)))
+                del p3d
+        cache[skey] = ranks
+    z3 = layout.zero == 3
+    akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.num_chunks, layout.checkpoint, b, z3)
+    if akey not in cache:
+        one = dataclasses.replace(layout, dp=1, zero=3 if z3 else 0, num_microbatches=layout.pp,
+                                  schedule="interleaved" if layout.num_chunks > 1 else "gpipe")
+        ranks, hidden = [], None
+        for r in range(layout.pp):
+            with fake_world(global_rank(one, r), one.world):
+                p3d = build_rank(req, one, r)
+                chunks, hidden = microbatch_probe(p3d, b, req.seq_len // layout.cp, hidden)
+                del p3d
+            ranks.append(chunks)
+        cache[akey] = ranks
+    return [RankProbe(st, sy, ch) for (st, sy), ch in zip(cache[skey], cache[akey])]
+
+
+def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
+    """Whether a group of mesh dimension ``dim`` crosses nodes (ranks (pp, dp, cp, tp), tp fastest)."""
+    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * layout.cp, "dp_cp": layout.tp,
+              "pp": layout.tp * layout.cp * layout.dp}[dim]
+    size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "pp": layout.pp}[dim]
+    return stride * size > req.devices_per_node if size > 1 else False
+
+
+def _phase_s(req, layout, prof: Profile, flops, traffic, colls, slow: float) -> float:
+    t = (flops / prof.matmul_rate(req.precision) + traffic / prof.mem_bw) * slow
+    for name, sizes in colls.items():
+        kind = _COLL_KIND.get(name, "all_reduce")
+        if kind is None:
+            continue                              # a receive: its send is charged
+        dim, n = ("cp", layout.cp) if kind in ("send", "all_to_all") else ("tp", layout.tp)
+        if kind == "send":
+            n = 2
+        t += sum(prof.collective_s(kind, n, nb, _spans_nodes(req, layout, dim)) for nb in sizes)
+    return t
+
+
+def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] = None) -> Prediction:
+    probes = probe_layout(req, layout, cache)
+    p, m, v = layout.pp, layout.num_microbatches, layout.num_chunks
+    streams = build_all(layout.schedule, p, m, v)
+    in_flight = simulate(streams, v)["max_in_flight"]
+    memory = []
+    for r, pr in enumerate(probes):
+        saved = max(c.saved for c in pr.chunks)
+        mb_peak = max(c.peak for c in pr.chunks)
+        # interleaved: a unit in flight is one chunk's micro-batch; ZeRO-3's gradients of the other chunks stay
+        others = sum(c.persist for c in pr.chunks) - max(c.persist for c in pr.chunks)
+        terms = dict(pr.static)
+        terms["activations"] = mb_peak + max(in_flight[r] - 1, 0) * saved + others
+        memory.append(terms)
+    totals = [sum(t.values()) for t in memory]
+    peak = int(max(totals) * (1 + prof.fragmentation))
+    # ---- time
+    slow = max(1.0, layout.world / prof.compute_slots) if prof.compute_slots else 1.0
+    durations = {}
+    for r, pr in enumerate(probes):
+        for c, cc in enumerate(pr.chunks):
+            f = _phase_s(req, layout, prof, cc.flops_f, cc.traffic_f, cc.coll_f, slow)
+            b = _phase_s(req, layout, prof, cc.flops_b, cc.traffic_b, cc.coll_b, slow)
+            for mb in range(m):
+                durations[(r, "F", mb, c)] = f
+                durations[(r, "B", mb, c)] = b
+    act_bytes = probes[0].chunks[0].out_bytes
+    latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) if p > 1 else 0.0
+    sim = simulate_timing(streams, v, latency=latency, durations=durations)
+    terms = {"pipeline": sim["step"]}
+    sync = max(probes, key=lambda pr: sum(pr.sync.values())).sync
+    n_rep = layout.dp * layout.cp
+    inter = _spans_nodes(req, layout, "dp_cp")
+    terms["dp_reduce"] = sum(prof.collective_s(k, n_rep, nb, inter) for k, nb in sync.items()
+                             if k in ("all_reduce", "reduce_scatter"))
+    terms["zero3_gather"] = prof.collective_s("all_gather", n_rep, sync.get("all_gather", 0), inter)
+    terms["tied"] = prof.collective_s("all_reduce", 2, sync.get("tied_all_reduce", 0), _spans_nodes(req, layout, "pp"))
+    opt_bytes = max(2 * (t["optimizer"] + t["gradients"] + t["parameters"]) for t in memory)
+    terms["optimizer"] = opt_bytes / prof.mem_bw * slow
+    step = sum(terms.values())
+    tokens = req.global_batch * req.seq_len
+    model_flops = sum((cc.flops_f + cc.flops_b) for pr in probes for cc in pr.chunks) * m \
+        * layout.dp * layout.cp * layout.tp
+    if layout.checkpoint:      # the recomputed forward is not model work
+        model_flops -= sum(cc.flops_f for pr in probes for cc in pr.chunks) * m * layout.dp * layout.cp * layout.tp
+    peak_rate = prof.peak_flops.get(req.precision) or prof.peak_flops["fp32"]
+    mfu = model_flops / (step * layout.world * peak_rate) if step > 0 else 0.0
+    pred = Prediction(layout=layout, memory=memory, peak_bytes=peak, step_s=step, time_terms=terms,
+                      tokens_per_s=tokens / step if step > 0 else 0.0, mfu=mfu, bubble=sim["bubble"], feasible=True)
+    if peak > req.memory_bytes:
+        worst = max(range(len(memory)), key=lambda r: totals[r])
+        term = max(memory[worst], key=memory[worst].get)
+        pred.feasible = False
+        pred.reason = (f"pipeline rank {worst} needs {peak / 2**30:.2f} GiB > {req.memory_bytes / 2**30:.2f} GiB "
+                       f"(largest term: {term} {memory[worst][term] / 2**30:.2f} GiB)")
+    return pred
+
+
+__all__ = ["predict", "probe_layout", "Prediction", "RankProbe"]

@@ -1,0 +1,103 @@
+"""Every layout worth predicting for a request, each predicted, ranked; JSON and a picture of them."""
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, List, Optional, Sequence
+
+from .hardware import Profile
+from .model import Prediction, predict
+from .spec import Layout, Request
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _why_not(req: Request, tp: int, pp: int, cp: int, v: int) -> Optional[str]:
+    """Why a mesh cannot run the model (None: it can)."""
+    if req.heads() % tp or req.kv_heads() % tp or req.ffn() % tp:
+        return f"tp={tp} does not divide the heads ({req.heads()}, kv {req.kv_heads()}) and FFN ({req.ffn()})"
+    if req.seq_len % (2 * cp) and cp > 1:
+        return f"cp={cp}: the sequence ({req.seq_len}) must split into 2 x cp zigzag chunks"
+    if req.n_layer() % (pp * v) and (v > 1 or req.n_layer() < pp):
+        return f"{req.n_layer()} layers do not fill pp={pp} x {v} chunk(s)"
+    return None
+
+
+def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
+                      schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"),
+                      checkpoint: Sequence[bool] = (False, True), microbatch_factors: Sequence[int] = (1, 2, 4)):
+    """``(layout, None)`` for every layout to predict and ``(layout, reason)`` for those that cannot run:
+    dp x tp x pp x cp = world; ZeRO stages the precision allows (fp32: 0-3; bf16/fp16: 1, 2, which keep
+    fp32 master weights); with pp > 1, every schedule at ``pp x microbatch_factors`` micro-batches; with
+    pp = 1 one micro-batch; checkpointing off and on."""
+    zeros = [z for z in zero if (z in (1, 2) or req.precision == "fp32")]
+    for dp, tp, pp in itertools.product(_divisors(req.world), repeat=3):
+        if req.world % (dp * tp * pp):
+            continue
+        cp = req.world // (dp * tp * pp)
+        for sched in (schedules if pp > 1 else ("1f1b",)):
+            v = 2 if sched == "interleaved" else 1
+            reason = _why_not(req, tp, pp, cp, v)
+            ms = sorted({pp * f for f in microbatch_factors}) if pp > 1 else [1]
+            for m, z, ck in itertools.product(ms, zeros, checkpoint):
+                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=z, schedule=sched, num_microbatches=m, num_chunks=v,
+                             checkpoint=ck)
+                r = reason
+                if r is None and req.global_batch % (dp * m):
+                    r = f"the global batch ({req.global_batch}) does not split into dp={dp} x {m} micro-batches"
+                yield lay, r
+
+
+def plan(req: Request, profile: Profile, layouts: Optional[Iterable] = None, progress=None) -> List[Prediction]:
+    """Predict every candidate; feasible ones first, fastest first, then the infeasible ones with why."""
+    cache: dict = {}
+    out = []
+    for lay, reason in (layouts if layouts is not None else candidate_layouts(req)):
+        if reason is not None:
+            out.append(Prediction(lay, [], 0, 0.0, {}, 0.0, 0.0, 0.0, False, reason))
+            continue
+        if progress:
+            progress(lay.name())
+        out.append(predict(req, lay, profile, cache))
+    return sorted(out, key=lambda p: (not p.feasible, -p.tokens_per_s))
+
+
+def to_json(req: Request, profile: Profile, ranked: List[Prediction]) -> dict:
+    from .spec import model_to_json
+    return {"request": {"model": model_to_json(req.model), "world": req.world, "global_batch": req.global_batch,
+                        "seq_len": req.seq_len, "memory_bytes": req.memory_bytes,
+                        "devices_per_node": req.devices_per_node, "precision": req.precision},
+            "profile": profile.to_json(),
+            "best": ranked[0].as_dict() if ranked and ranked[0].feasible else None,
+            "layouts": [p.as_dict() for p in ranked]}
+
+
+def draw(ranked: List[Prediction], path: str, memory_bytes: float, top: int = 16) -> str:
+    """Stacked per-rank memory (the largest rank of each layout) and predicted step time, the ``top``
+    feasible layouts and the infeasible ones closest to fitting."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shown = [p for p in ranked if p.memory][:top]
+    names = [p.layout.name() + ("" if p.feasible else " (no fit)") for p in shown]
+    terms = ["parameters", "gradients", "optimizer", "activations"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.35 * len(shown) + 1.5), sharey=True)
+    left = [0.0] * len(shown)
+    for term in terms:
+        vals = [max(p.memory, key=lambda t: sum(t.values())).get(term, 0) / 2**30 for p in shown]
+        ax1.barh(names, vals, left=left, label=term)
+        left = [a + b for a, b in zip(left, vals)]
+    ax1.axvline(memory_bytes / 2**30, color="k", ls="--", lw=1)
+    ax1.set_xlabel("GiB, largest rank (dashed: device memory)")
+    ax1.legend(fontsize=7)
+    ax1.invert_yaxis()
+    ax2.barh(names, [p.step_s * 1e3 for p in shown], color=["C2" if p.feasible else "C7" for p in shown])
+    ax2.set_xlabel("predicted step time, ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["candidate_layouts", "plan", "to_json", "draw"]
