@@ -137,6 +137,7 @@ SLOW = {
     "test_vocab_cross_entropy.py": ("test_benchmark_smoke",),
     "test_zero.py": ("test_benchmark_smoke_prints_figures",),
     "test_extension.py": ("test_jit_build_when_not_prebuilt",),
+    "test_gpu_check.py": ("test_dry_run_runs_and_writes_its_summary",),
     "test_cuda_compile.py": "*",
     "test_ops_large_index.py": "*",
     "test_readme.py": ("test_readme_example_runs",),
