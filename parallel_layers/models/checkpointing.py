@@ -57,7 +57,23 @@ def _rng_context_fn(tracker):
         finally:
             tracker.set_states(current)
 
-    return forward_ctx(), recompute_ctx()
+    return forward_ctx(), _Reenterable(recompute_ctx)
+
+
+class _Reenterable:
+    """A context manager entered once per recomputation: torch's checkpoint recomputes once per backward
+    call, and a zero-bubble schedule's W (pipeline/backward_split.py) is a second call on the same graph."""
+
+    def __init__(self, make):
+        self.make, self.entered = make, []
+
+    def __enter__(self):
+        cm = self.make()
+        self.entered.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self.entered.pop().__exit__(*exc)
 
 
 def checkpointed(block: nn.Module, x: torch.Tensor, tracker=None, saved_inputs=None) -> torch.Tensor:
