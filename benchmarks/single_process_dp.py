@@ -103,7 +103,9 @@ def _with_threads(n: Optional[int], fn: Callable[[], object]) -> Callable[[], ob
     return run
 
 
-def measure(prof: dict, device: torch.device) -> Dict[str, dict]:
+def measure(prof: dict, device: torch.device, processes: bool = True) -> Dict[str, dict]:
+    """Per variant: step times (ms); the single-process form's exchange log; the processes' buckets and
+    gradient bytes (``processes=False``: that variant left out, for a smoke test that runs it elsewhere)."""
     from parallel_layers import SingleProcessDataParallel
 
     n = prof["devices"]
@@ -132,7 +134,7 @@ def measure(prof: dict, device: torch.device) -> Dict[str, dict]:
                 variants[name]["times"].append(t)
     variants["single_process"]["exchanges"] = spdp.exchanges.summary()
     spdp.close()
-    if device.type == "cpu":
+    if device.type == "cpu" and processes:
         times, buckets, grad_bytes = harness.run_ranks(_processes_rank, n, (prof,), timeout_s=1800,
                                                        retain_memory=True)[0]
         variants["processes"] = dict(times=times, buckets=buckets, grad_bytes=grad_bytes)
@@ -145,12 +147,13 @@ def _exchanges_text(log: Dict[str, Dict[str, int]]) -> str:
     return f"{len(log)} exchanges per batch, {mb:.2f} MB ({parts})"
 
 
-def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None) -> List[dict]:
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None,
+            processes: bool = True) -> List[dict]:
     prof = PROFILES[mode]
     n = prof["devices"]
     if progress:
         progress(f"{n} devices: one device, single-process (threads), processes")
-    runs = measure(prof, device)
+    runs = measure(prof, device, processes)
     common = dict(harness.common_fields(mode, device, torch.get_num_threads()), dtype="float32",
                   sizes=f"L{prof['layers']} d{prof['d']} V{prof['vocab']} batch {prof['batch']}x{prof['seq']}")
     base = runs["one_device"]["times"]

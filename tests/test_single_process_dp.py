@@ -130,12 +130,15 @@ def test_bad_arguments_name_the_layer_and_the_fix():
     dp.close()
 
 
-def test_benchmark_smoke_rows():
+def test_benchmark_smoke_rows(dist_pools):
     from benchmarks import single_process_dp as bench
 
-    rows = {r["case"]: r for r in bench.collect("smoke", torch.device("cpu"))}
-    assert set(rows) == {"dp_single_process_vs_one_device", "dp_single_process_1thread_vs_one_device",
-                         "dp_processes_vs_one_device"}
+    # the process-per-device variant on the session's ranks (no fresh spawn), the rest in this process
+    rows = {r["case"]: r for r in bench.collect("smoke", torch.device("cpu"), processes=False)}
+    assert set(rows) == {"dp_single_process_vs_one_device", "dp_single_process_1thread_vs_one_device"}
     assert rows["dp_single_process_vs_one_device"]["baseline"].startswith("one device, whole batch; 5 exchanges")
-    assert "1 exchange per batch: the gradients' all-reduce" in rows["dp_processes_vs_one_device"]["baseline"]
     assert all(r["ours_median_ms"] > 0 and r["base_median_ms"] > 0 for r in rows.values())
+    prof = bench.PROFILES["smoke"]
+    for times, buckets, grad_bytes in dist_pools(2).run(bench._processes_rank, prof):
+        assert len(times) == prof["reps"] and min(times) > 0 and buckets == 1
+        assert grad_bytes >= sum(p.numel() * 4 for p in bench._gpt(prof, "cpu").parameters())
