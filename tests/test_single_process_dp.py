@@ -104,12 +104,16 @@ def test_kwargs_input_grads_frozen_layers_buffers_and_evaluation():
     assert dp.exchanges.summary()["gather_input_grads"] == {"copies": 1, "bytes": 3 * 6 * 4}
     with torch.no_grad():
         assert _rel(dp(x, scale=scale)["y"], ref(x, scale=scale)["y"]) < 1e-5
-    # training-mode BatchNorm: the first device's replica is the module, its running statistics are kept
+    # training-mode BatchNorm: the first device's replica is the module, its running statistics are kept;
+    # every replica follows the module's train() (each normalises with its own rows' statistics)
     model.train()
-    dp(x, scale=scale)
+    y = dp(x, scale=scale)["y"]
     assert model.bn.num_batches_tracked.item() == 1
-    assert torch.allclose(model.bn.running_mean, 0.9 * torch.zeros(8) + 0.1 * F.gelu(
-        model.fc(model.frozen(x[:4]) * 0.5)).mean(0), atol=1e-6)
+    with torch.no_grad():
+        h = [F.gelu(model.fc(model.frozen(x[rows]) * 0.5)) for rows in (slice(0, 4), slice(4, 7))]
+    assert torch.allclose(model.bn.running_mean, 0.1 * h[0].mean(0), atol=1e-6)
+    per_replica = [model.out(F.batch_norm(hi, None, None, model.bn.weight, model.bn.bias, True)) for hi in h]
+    assert _rel(y, torch.cat(per_replica)) < 1e-5
     # one row for two devices: the module runs alone, nothing is exchanged
     model.eval()
     dp(x[:1], scale=scale[:1])

@@ -88,13 +88,14 @@ class _Scatter(torch.autograd.Function):
     def forward(ctx, devices, sizes, log, x):
         ctx.device, ctx.log = x.device, log
         pieces = torch.split(x, sizes)
+        ctx.shapes = [p.shape for p in pieces]
         out = [pieces[0]] + [_to(p, d) for p, d in zip(pieces[1:], devices[1:])]
         log.add("scatter_inputs", len(out) - 1, sum(_nbytes(p) for p in out[1:]))
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
-        grads = [torch.zeros(0, device=ctx.device) if g is None else g for g in grads]
+        grads = [torch.zeros(shape, device=ctx.device) if g is None else g for g, shape in zip(grads, ctx.shapes)]
         ctx.log.add("gather_input_grads", len(grads) - 1, sum(_nbytes(g) for g in grads[1:]))
         return None, None, None, torch.cat([g.to(ctx.device) for g in grads])
 
@@ -275,6 +276,10 @@ class SingleProcessDataParallel(nn.Module):
         pieces = self._scatter((args, kwargs), sizes, used)
         states = self._replica_state(used)
         grad_on = torch.is_grad_enabled()
+        modes = [m.training for m in self.module.modules()]
+        for replica in self._replicas[:len(used) - 1]:     # train() / eval() of the module: the replicas follow
+            for m, training in zip(replica.modules(), modes):
+                m.training = training
 
         def run(r):
             a, k = pieces[r]
