@@ -269,12 +269,14 @@ def _meta(snap: "UniversalSnapshot", files: List[str], manifests: List[dict]) ->
     return meta
 
 
-def _commit(directory: str, meta: dict) -> None:
+def _commit(directory: str, meta: dict, latest_root: Optional[str] = None, iteration: int = 0) -> None:
     """Rank 0, once every stage file is on disk: ``meta.json`` in one rename, then the earlier save's files
-    go."""
+    go; with ``latest_root``, its ``latest_checkpointed_iteration.txt`` then names ``iteration``."""
     _write_atomically(os.path.join(directory, META), _write_text(json.dumps(meta, indent=1)))
     _remove_stale(directory, meta["files"])
     _fsync_dir(os.path.dirname(os.path.abspath(directory)))
+    if latest_root is not None:
+        _write_atomically(os.path.join(latest_root, LATEST), _write_text(f"{iteration}\n"))
 
 
 @dataclasses.dataclass
@@ -313,12 +315,14 @@ def snapshot_universal(model, iteration: Optional[int] = None, resume: Optional[
     return UniversalSnapshot(host, step, iteration, save_id, m.pp_rank, m.pp, writer, _description(model), resume)
 
 
-def write_universal(snap: UniversalSnapshot, directory: str, group=None) -> None:
+def write_universal(snap: UniversalSnapshot, directory: str, group=None, latest_root: Optional[str] = None) -> None:
     """Write a :func:`snapshot_universal` into ``directory``: the writers their stage file, then global
     rank 0 ``meta.json`` (a collective over ``group``, default the world: every rank of it calls this; a
     background writer passes a group of its own so its collectives never interleave with training's).
     Every rank raises :class:`CheckpointError` if any rank's part failed; the checkpoint already in
-    ``directory`` is then left as it was, and nothing is published."""
+    ``directory`` is then left as it was, and nothing is published. ``latest_root``: rank 0 also points its
+    ``latest_checkpointed_iteration.txt`` at this iteration once ``meta.json`` is in place (in the same
+    step, so no collective more)."""
     files = [f"stage{k}-of-{snap.pp}.{snap.save_id}.pt" for k in range(snap.pp)]
     header = {"save": snap.save_id, "stage": snap.stage, "pp": snap.pp, "iteration": snap.iteration,
               "step": snap.step}
@@ -330,7 +334,7 @@ def write_universal(snap: UniversalSnapshot, directory: str, group=None) -> None
     committed = None
     if dist.get_rank() == 0:
         meta = _meta(snap, files, [w["ok"] for w in written if w is not None])
-        committed = _attempt(lambda: _commit(directory, meta))
+        committed = _attempt(lambda: _commit(directory, meta, latest_root, snap.iteration))
     _raise_failures(_gathered(committed, group), "writing meta.json", directory)
 
 

@@ -62,10 +62,10 @@ def body_async_save_and_resume(rank, world, root, fmt):
     gate, held = threading.Event(), {}
     write = async_save.write_universal if fmt == "universal" else async_save.write_per_rank
 
-    def held_back(snap, path, group):            # the write of iteration 2 waits until step 3 has finished
+    def held_back(snap, path, group, latest_root):   # the write of iteration 2 waits until step 3 has finished
         if snap.iteration == 2:
             gate.wait()
-        write(snap, path, group)
+        write(snap, path, group, latest_root)
     name = "write_universal" if fmt == "universal" else "write_per_rank"
     losses = []
     with mock.patch.object(async_save, name, held_back):
@@ -176,7 +176,7 @@ def _single_process(root: str, kill_during_write: bool) -> None:
             if i == 4 and kill_during_write:
                 ck.wait()                # step 2's write is published first; the kill is in step 4's
 
-                def killed(directory, meta):
+                def killed(directory, meta, latest_root, iteration):
                     os.kill(os.getpid(), signal.SIGKILL)
                 uc._commit = killed
             ck.save(i)

@@ -34,7 +34,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from ..universal_checkpoint import CheckpointError, iteration_dir, point_latest, snapshot_universal, write_universal
+from ..universal_checkpoint import CheckpointError, iteration_dir, snapshot_universal, write_universal
 from . import resume_state
 from .per_rank import snapshot_per_rank, write_per_rank
 from .run_dir import prune
@@ -130,10 +130,9 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         try:
             if self.format == "universal":
-                write_universal(snap, rec.path, self.group)
+                write_universal(snap, rec.path, self.group, latest_root=self.root)
             else:
-                write_per_rank(snap, rec.path, self.group)
-            point_latest(self.root, rec.iteration, self.group)
+                write_per_rank(snap, rec.path, self.group, latest_root=self.root)
             if dist.get_rank() == 0:
                 prune(self.root, self.keep)
         except Exception as exc:  # noqa: BLE001 - reported in the caller's thread (wait / the next save)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..universal_checkpoint import (
+    LATEST,
     META,
     CheckpointError,
     _attempt,
@@ -105,9 +106,10 @@ def _write_rank(directory: str, snap: PerRankSnapshot) -> dict:
     return {"file": name, "crc32": zlib.crc32(data), "bytes": len(data)}
 
 
-def write_per_rank(snap: PerRankSnapshot, directory: str, group=None) -> None:
+def write_per_rank(snap: PerRankSnapshot, directory: str, group=None, latest_root: Optional[str] = None) -> None:
     """Every rank writes its file, then global rank 0 ``meta.json`` (a collective over ``group``, default
-    the world). Every rank raises :class:`CheckpointError` if any rank failed; nothing is published then."""
+    the world) and, with ``latest_root``, points its ``latest_checkpointed_iteration.txt`` at it. Every rank
+    raises :class:`CheckpointError` if any rank failed; nothing is published then."""
     written = _gathered(_attempt(lambda: _write_rank(directory, snap)), group)
     _raise_failures(written, "writing the rank files", directory)
     committed = None
@@ -116,17 +118,19 @@ def write_per_rank(snap: PerRankSnapshot, directory: str, group=None) -> None:
         meta = {"format": FORMAT, "save": snap.save_id, "iteration": snap.iteration, "step": snap.step,
                 "world": snap.world, "files": files, "resume": {"data": snap.data}}
         meta["checksum"] = meta_checksum(meta)
-        committed = _attempt(lambda: _publish(directory, meta))
+        committed = _attempt(lambda: _publish(directory, meta, latest_root))
     _raise_failures(_gathered(committed, group), "writing meta.json", directory)
 
 
-def _publish(directory: str, meta: dict) -> None:
+def _publish(directory: str, meta: dict, latest_root: Optional[str]) -> None:
     _write_atomically(os.path.join(directory, META), _write_text(json.dumps(meta, indent=1)))
     keep = {f["file"] for f in meta["files"]}
     for name in os.listdir(directory):             # the files of an earlier or killed save into this directory
         if (_RANK_FILE.fullmatch(name) and name not in keep) or name == META + ".tmp":
             os.remove(os.path.join(directory, name))
     _fsync_dir(directory)
+    if latest_root is not None:
+        _write_atomically(os.path.join(latest_root, LATEST), _write_text(f"{meta['iteration']}\n"))
 
 
 def read_per_rank_meta(directory: str) -> dict:
