@@ -19,6 +19,12 @@ text in the same file order (a tenth as many, never trained on) give ``--eval-it
 Checkpoints (Megatron-LM's ``--save`` / ``--save-interval`` / ``--load``): universal ones
 (:mod:`parallel_layers.universal_checkpoint`) under ``DIR/iter_NNNNNNN``, so a run saved on one layout
 resumes on any other; a resumed run trains from the saved iteration to ``--steps`` on the same data.
+They are asynchronous by default (:mod:`parallel_layers.resilience`: training waits for the snapshot to
+host memory only; ``--save-mode sync`` waits for the write; ``--save-format per_rank``, ``--keep K``).
+A run started with ``--save DIR`` where DIR already holds a complete checkpoint resumes from the newest
+one by itself, so under ``torchrun --max-restarts N`` a run whose rank died comes back and ends where an
+uninterrupted run ends (every rank's random streams are restored on the same layout; the data position
+is the step, global, so another dp size continues the same sample order).
 
 Models (:mod:`parallel_layers.demo_models`): ``--model gpt`` builds the reference GPT as stages;
 ``--model llama`` builds a ``LlamaForCausalLM`` of the same sizes from a ``transformers`` config and hands
