@@ -61,8 +61,8 @@ def _rank(rank: int, world: int, size: dict, reps: int, warmup: int):
         model = _gpt(size, torch.bfloat16).to(dev)
         z = ZeroStage3(model, dist.group.WORLD, min_unit_numel=0, grad_dtype=torch.bfloat16)
         opt = ZeroStage3Optimizer(z, lr=LR, weight_decay=0.01, **options)
-        if opt._host is not None:
-            opt._host.timing = True
+        if opt.host_shard is not None:
+            opt.host_shard.timing = True
         runs[kind] = (z, opt)
     n_params = sum(u.numel for u in runs["memory"][0].units)
     times = {kind: [] for kind in runs}
@@ -82,18 +82,18 @@ def _rank(rank: int, world: int, size: dict, reps: int, warmup: int):
             torch.cuda.synchronize()
             if rep >= warmup:
                 times[kind].append((time.perf_counter() - t0) * 1e3)
-                if opt._host is not None:
-                    overlap[kind].append(opt._host.overlap_fraction(end))
-            elif opt._host is not None:
-                opt._host.overlap_fraction(end)        # drop the warm-up's records
+                if opt.host_shard is not None:
+                    overlap[kind].append(opt.host_shard.overlap_fraction(end))
+            elif opt.host_shard is not None:
+                opt.host_shard.overlap_fraction(end)        # drop the warm-up's records
     out = {"params": n_params, "threads": torch.get_num_threads(), "gpu": torch.cuda.get_device_name(dev),
            "memory": times["memory"]}
     for kind in ("offload", "offload_delayed"):
         z, opt = runs[kind]
-        st = opt._host.stats
+        st = opt.host_shard.stats
         out[kind] = dict(times=times[kind], overlap=overlap[kind], cpu_step_ms=st["cpu_step_s"] / st["steps"] * 1e3,
                          d2h=st["d2h_bytes"] / (warmup + reps), h2d=st["h2d_bytes"] / max(st["steps"], 1),
-                         host_mb=opt._host.host_bytes / 2**20)
+                         host_mb=opt.host_shard.host_bytes / 2**20)
         opt.close_offload()
     out["gpu_state_mb"] = runs["memory"][1].memory_report()["optimizer_bytes"] / 2**20
     return out

@@ -211,7 +211,8 @@ def _step_rank(rank: int, world: int, size: dict, reps: int, warmup: int, root: 
             t1 = time.perf_counter()
             opt.step()
             if kind != "memory" and VARIANTS[kind][1]:
-                _drop_cached(opt._stream.file.path)     # timed: the step's writes reach the disk, as O_DIRECT's do
+                # timed: the step's writes reach the disk, as O_DIRECT's do
+                _drop_cached(opt.offload_stream.file.path)
             t2 = time.perf_counter()
             opt.zero_grad()
             if rep >= warmup:
@@ -220,9 +221,9 @@ def _step_rank(rank: int, world: int, size: dict, reps: int, warmup: int, root: 
     out = {"memory": times["memory"], "params": sum(p.numel() for p in runs["memory"][0].parameters())}
     for kind in VARIANTS:
         opt = runs[kind][1]
-        st = opt._stream.stats
+        st = opt.offload_stream.stats
         out[kind] = times[kind] + (st["read_bytes"] / st["steps"], st["write_bytes"] / st["steps"],
-                                   opt._stream.file.io, opt.memory_report())
+                                   opt.offload_stream.file.io, opt.memory_report())
         opt.close_offload()
     return out
 
@@ -368,8 +369,8 @@ def _largest_rank(rank: int, world: int, size: dict, root: str, steps: int, slac
             t2 = time.perf_counter()
             step_ms.append((t2 - t0) * 1e3)
             opt_ms.append((t2 - t1) * 1e3)
-        stats = dict(opt._stream.stats)
-        io = opt._stream.file.io
+        stats = dict(opt.offload_stream.stats)
+        io = opt.offload_stream.file.io
         opt.close_offload()
     finally:
         resource.setrlimit(resource.RLIMIT_AS, old)

@@ -59,7 +59,7 @@ from ..distributed import collectives as C
 from . import full_state
 from . import memory as M
 from .host_offload import HostOffload, HostShard, LaunchedBuckets, segments_of
-from .offload import DEFAULT_BUFFER_MB, DiskOffload, resolve_offload
+from .offload import DEFAULT_BUFFER_MB, resolve_offload
 
 # Re-exported: other modules and users import these names from here.
 from .sharded_adamw import STATE_FORMAT, NoDecay, _ZeroAdamW, step_multipliers  # noqa: F401
@@ -73,6 +73,7 @@ from .sharded_grad import (  # noqa: F401
     sharded_grad_placeholder,
     sharded_grad_view,
 )
+from .state_storage import HostState, ResidentState, ShardState
 
 
 def _give_back_grad_buffer(hook, buffer, nbytes: int) -> None:
@@ -172,9 +173,7 @@ class ZeroOptimizer(_ZeroAdamW):
         self._callback_queued = False
         self._messages: Dict[int, str] = {}
         self._placeholders: Dict[int, torch.Tensor] = {}
-        self._build(buckets)
-        if isinstance(self._offload, DiskOffload):
-            self._stream, self._new_stream = self._new_stream, None
+        self._storage = self._build(buckets)
         self._register_grad_hooks()
         if stage == 2:
             # The grad buffer only needs to exist from forward to the step; see _release_grads. The hook
@@ -212,8 +211,7 @@ class ZeroOptimizer(_ZeroAdamW):
             opt = ref()
             if opt is not None:
                 opt._on_grad(p)
-                if opt._host is not None:
-                    opt._host_poll()
+                opt._storage.on_grad()
 
         def drop_placeholder(grad, pref):
             # before autograd accumulates into .grad: a placeholder holds nothing to add to
@@ -240,8 +238,7 @@ class ZeroOptimizer(_ZeroAdamW):
         (stage 1): there ``p.grad`` is the full averaged gradient and the step slices that very buffer, so
         ``torch.nn.utils.clip_grad_norm_`` is right and its clipping reaches the step."""
         self._callback_queued = False
-        if self._host is not None:
-            self._host_catch_up(after_backward=True)
+        self._storage.after_backward()
         for p in self.dp.buffer.params:
             g = p.grad
             if self._direct:
@@ -331,9 +328,9 @@ class ZeroOptimizer(_ZeroAdamW):
                                             for i, (p, o) in enumerate(zip(b.params, b.param_offsets))])
                 for b in buckets]
 
-    def _build(self, buckets) -> None:
-        """(Re)derive shard bookkeeping and buffers from the current bucket layout. Offloaded: a new state
-        file, left in ``self._new_stream`` for :meth:`_check_layout` to put in place."""
+    def _build(self, buckets) -> ShardState:
+        """(Re)derive shard bookkeeping and buffers from the current bucket layout and return a new state
+        for it (the caller puts it in place: a re-layout still reads the old one)."""
         self._bucket_list = buckets
         self._layout_key = self._key(buckets)
         self._layout = self._describe(buckets)
@@ -349,40 +346,33 @@ class ZeroOptimizer(_ZeroAdamW):
             # several buckets: the shards are not adjacent in the grad buffer; they are gathered here.
             own = not self._scattered() and len(buckets) > 1
             self._grad_flat = torch.zeros(pos, dtype=torch.float32, device=dev) if own else None
+            self._pieces_cache = None
             if isinstance(self._offload, HostOffload):
-                self._build_host(buckets, pos, low)
-                return
+                return self._build_host(buckets, pos, low)
             if self._offload is not None:
                 # Staging for the low-precision copy the kernel writes; fp32: the step writes param_data.
                 self.low = (self._own_params(0, pos, torch.empty(pos, dtype=self.param_dtype, device=dev)) if low
                             else None)
-                self._new_stream = self._offload_state(
+                return self._open_state_file(
                     self._offload, tag=f"stage{self.stage}", group=self.group, layout=self._layout, numel=pos,
                     resident_master=None, init_master=lambda lo, hi, out: self._own_params(lo, hi, out))
-                self._pieces_cache = None
-                return
             params = self._own_params(0, pos, torch.empty(pos, dtype=self.param_dtype, device=dev))
-            self.master = params.float() if low else params
             # Staging for the low-precision copy the kernel writes; it is what the all-gather sends.
             self.low = params if low else None
-            self.exp_avg = torch.zeros(pos, dtype=torch.float32, device=dev)
-            self.exp_avg_sq = torch.zeros(pos, dtype=torch.float32, device=dev)
-        self._pieces_cache = None
+            return ResidentState(self._owner, params.float() if low else params,
+                                 torch.zeros(pos, dtype=torch.float32, device=dev),
+                                 torch.zeros(pos, dtype=torch.float32, device=dev))
 
     # ------------------------------------------------------------------ ZeRO-Offload (offload="cpu")
-    def _build_host(self, buckets, pos: int, low: bool) -> None:
+    def _build_host(self, buckets, pos: int, low: bool) -> HostState:
         """The state in pinned host memory (:mod:`.host_offload`), one gradient segment per bucket; the
         device keeps the low-precision staging shard the all-gather sends (bf16/fp16 models)."""
-        old, dev = self._host, self.device
+        dev = self.device
         host = HostShard(self._owner, pos, dev, grad_dtype=self.dp.grad_dtype,
                          low_dtype=self.param_dtype if low else None, config=self._offload,
                          segments=segments_of([b.shard_numel for b in buckets]))
         self._own_params(0, pos, host.master)
-        self._host = host
-        self.master, self.exp_avg, self.exp_avg_sq = host.master, host.exp_avg, host.exp_avg_sq
         self.low = self._own_params(0, pos, torch.empty(pos, dtype=self.param_dtype, device=dev)) if low else None
-        if old is not None:          # a re-layout: _check_layout still holds the old tensors for the remap
-            old.close()
         self._h_launched = LaunchedBuckets(self.dp)
         self._h_early: set = set()   # buckets whose gradient backward copied as soon as it was reduced
         self._h_sync = self._h_launched.sync_token()
@@ -392,7 +382,8 @@ class ZeroOptimizer(_ZeroAdamW):
         nccl = self.dp_size > 1 and dist.get_backend(self.group) == "nccl"
         self._h_early_ok = self.dp_size == 1 or (
             nccl and self._scattered() and getattr(self.dp, "comm_dtype", None) == self.dp.grad_dtype)
-        self._pieces_cache = None
+        return HostState(self._owner, host, fetch_grads=self._fetch_host_grads, upload=self._upload_targets,
+                         on_grad=self._host_poll, after_backward=lambda: self._host_catch_up(after_backward=True))
 
     def _host_grad_src(self, i: int) -> torch.Tensor:
         b = self._bucket_list[i]
@@ -412,7 +403,7 @@ class ZeroOptimizer(_ZeroAdamW):
                 src, work = self._bucket_list[bi].grad_data[s:e], None
             else:
                 src = self.dp.bucket_grad_shard(self._bucket_list[bi])
-            self._host.copy_grad(bi, src, work)
+            self.host_shard.copy_grad(bi, src, work)
             self._h_early.add(bi)
 
     def _host_catch_up(self, after_backward: bool) -> None:
@@ -424,7 +415,7 @@ class ZeroOptimizer(_ZeroAdamW):
             return
         for i in range(len(self._bucket_list)):
             if not (after_backward and i in self._h_early):
-                self._host.copy_grad(i, self._host_grad_src(i))
+                self.host_shard.copy_grad(i, self._host_grad_src(i))
         self._h_early.clear()
         self._h_sync, self._h_fresh = token, True
 
@@ -432,7 +423,7 @@ class ZeroOptimizer(_ZeroAdamW):
         self._host_catch_up(after_backward=False)
         if not self._h_fresh:            # e.g. zero_grad() since: the device's shard as it is now
             for i in range(len(self._bucket_list)):
-                self._host.copy_grad(i, self._host_grad_src(i))
+                self.host_shard.copy_grad(i, self._host_grad_src(i))
         self._h_fresh = False            # consumed: stage 2 zeroes it, and the next backward changes it
 
     def _upload_targets(self, lo: int, hi: int):
@@ -473,27 +464,20 @@ class ZeroOptimizer(_ZeroAdamW):
         buckets = self._buckets()
         if self._key(buckets) == self._layout_key:
             return
-        if self._stream is not None:
-            self._stream.verify(self._owner)
+        self._verify_state()
         self.wait_for_step()
-        old_layout, old = self._layout, (self.master, self.exp_avg, self.exp_avg_sq)
-        self._build(buckets)
-        new_stream, self._new_stream = getattr(self, "_new_stream", None), None
-        if new_stream is None:
+        old_layout, old_storage = self._layout, self._storage
+        old = tuple(old_storage.tensor(k) for k in _STATES)     # a file: mapped
+        self._storage = self._build(buckets)
+        try:
             if self._started:       # else nothing learned yet: the new shards start from the params
                 self._remap(old_layout, old)
-            return
-        old_stream, self._stream = self._stream, new_stream
-        try:
-            if self._started and old_stream is not None:
-                self._remap(old_layout, old)        # old: the old file mapped; new: this one, mapped
         except BaseException:
-            self._stream = old_stream
-            new_stream.close()
+            self._storage, new_storage = old_storage, self._storage
+            new_storage.close()
             raise
-        del old
-        if old_stream is not None:
-            new_stream.replace(old_stream)
+        del old                     # (the old file's mapping goes before the new file takes its name)
+        self._storage.replace(old_storage)
 
     def _remap(self, old_layout: List[dict], old: Sequence[torch.Tensor]) -> None:
         """Move this rank's state from ``old_layout`` to the current one (a collective over the DP group).
@@ -596,7 +580,7 @@ class ZeroOptimizer(_ZeroAdamW):
         50 ms vs 12 ms), so there each rank broadcasts its shard into place instead (same result); our
         ring all-gather (``distributed.ring``) measured no faster than the broadcasts in the ZeRO-1 step."""
         # offloaded fp32 model: the step wrote the shard into param_data already (src None)
-        src = self.low if self.low is not None else None if (self._stream or self._host) is not None else self.master
+        src = self.low if self.low is not None else None if self._storage.writes_model_shard else self.master
         if self._use_broadcast:
             for b, off in zip(self._bucket_list, self._offsets):
                 mine = b.param_data[self.dp_rank * b.shard_numel:(self.dp_rank + 1) * b.shard_numel]

@@ -11,9 +11,10 @@ count (its bias correction) advances only with its own updates. A step consumes 
 The shard is stepped in *runs*: maximal stretches whose parameters share their group's lr/betas/eps and
 their step count (the common case is ONE fused ``adamw_step`` call; groups that differ only in weight decay
 share a run, their decay applied by one extra elementwise pass: decoupled decay does not depend on the
-moments). The state (``master``, ``exp_avg``, ``exp_avg_sq``: fp32, one element per shard element) is in
-memory, or, with ``offload="disk"``, in a file streamed through a few host buffers (:mod:`.offload`): the
-same runs are then cut at sub-group boundaries, which changes no result (the step is elementwise).
+moments). The state (``master``, ``exp_avg``, ``exp_avg_sq``: fp32, one element per shard element) lives
+where its storage object says (:mod:`.state_storage`: in memory, in a file streamed through a few host
+buffers, or in pinned host memory); the step hands the storage the runs and it walks them over the state
+(a file's sub-groups cut the runs, which changes no result: the step is elementwise).
 
 Gradient clipping: the gradients are shards, so :meth:`_ZeroAdamW.clip_grad_norm_` computes the global norm
 over every rank's shard and folds the coefficient into the next step.
@@ -21,6 +22,7 @@ over every rank's shard and folds the coefficient into the next step.
 from __future__ import annotations
 
 import bisect
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -30,11 +32,10 @@ from ..amp.clip import clip_grad_norm_ as _global_clip_grad_norm
 from ..distributed import collectives as C
 from ..ops._checks import scalar_tensor
 from ..ops.optimizer_step import adamw_step
-from . import memory as M
 from .host_offload import HostShard
 from .offload import DiskOffload, StreamedShard, open_streamed_shard
+from .state_storage import STATES, DiskState, HostState, ShardState, StepPlan
 
-STATES = ("master", "exp_avg", "exp_avg_sq")
 STATE_FORMAT = "parallel_layers.zero/2"      # state dicts before it: one group, one step count
 
 NoDecay = Union[None, Sequence[torch.nn.Parameter], Callable[[str, torch.nn.Parameter], bool]]
@@ -56,9 +57,8 @@ def step_multipliers(owner: str, device, grad_scale, clip_coef, found_inf):
 
 
 class _ShardState:
-    """``master`` / ``exp_avg`` / ``exp_avg_sq`` of a ``_ZeroAdamW``: a tensor in memory, or, for a state
-    offloaded to disk, the file mapped as a tensor (reading or writing it touches the file; the step itself
-    streams the file through its buffers instead)."""
+    """``master`` / ``exp_avg`` / ``exp_avg_sq`` of a ``_ZeroAdamW``, read from its storage (for a state
+    offloaded to disk: the file mapped as a tensor; the step itself streams the file through its buffers)."""
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -66,10 +66,13 @@ class _ShardState:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
-        return obj._state_tensor(self.name)
+        if obj._storage is None:
+            raise AttributeError(f"{type(obj).__name__} has no state {self.name!r} yet")
+        return obj._storage.tensor(self.name)
 
     def __set__(self, obj, value) -> None:
-        obj.__dict__.setdefault("_resident", {})[self.name] = value
+        raise AttributeError(f"{type(obj).__name__}.{self.name} lives in the optimizer's state storage; write "
+                             f"into it ({self.name}.copy_(...)) or load_state_dict()")
 
 
 def _check_hypers(owner: str, where: str, lr, betas, eps, weight_decay) -> None:
@@ -102,127 +105,89 @@ class _ZeroAdamW(torch.optim.Optimizer):
     """AdamW over a flat shard, as a ``torch.optim.Optimizer``: param groups, per-parameter step counts,
     one fused kernel call per run of the shard, clipping over the shards, group and step state by name.
 
-    A subclass sets ``device``, ``backend``, ``low`` and the state (``master``/``exp_avg``/``exp_avg_sq``
-    assigned, or :meth:`_offload_state`), and says where the shard's pieces and gradients are
-    (``_module_named_params``, ``_shard_pieces_raw``, ``_grad_source``, ``_local_had_grads``,
-    ``_consume_grads``, ``_agree_on_grads``, ``_grad_group``, ``_zero_grads``).
+    A subclass sets ``device``, ``backend``, ``low`` and ``_storage`` (a :class:`~.state_storage.ShardState`:
+    where ``master``/``exp_avg``/``exp_avg_sq`` live; :meth:`_open_state_file` for a file), and says where
+    the shard's pieces and gradients are (``_module_named_params``, ``_shard_pieces_raw``, ``_grad_source``,
+    ``_local_had_grads``, ``_consume_grads``, ``_agree_on_grads``, ``_grad_group``, ``_zero_grads``).
     """
 
     _owner = "ZeroOptimizer"
     master = _ShardState()
     exp_avg = _ShardState()
     exp_avg_sq = _ShardState()
-    _stream: Optional[StreamedShard] = None      # the offloaded state, when offload="disk"
-    _host: Optional[HostShard] = None            # the state in pinned host memory, when offload="cpu"
+    _storage: Optional[ShardState] = None        # where master / exp_avg / exp_avg_sq live
 
     @property
     def offload_stream(self) -> Optional[StreamedShard]:
         """The state streamed from disk (``offload="disk"``: its ``file``, ``stats``, ``buffer_bytes``), else None."""
-        return self._stream
+        return self._storage.stream if isinstance(self._storage, DiskState) else None
 
     @property
     def host_shard(self) -> Optional[HostShard]:
         """The state in pinned host memory (``offload="cpu"`` on a CUDA model), else None."""
-        return self._host
+        return self._storage.host if isinstance(self._storage, HostState) else None
 
     # ------------------------------------------------------------------ where the state lives
-    def _state_tensor(self, name: str) -> torch.Tensor:
-        stream = self._stream
-        if stream is not None and name in stream.states:
-            return stream.views()[name]
-        try:
-            return self.__dict__["_resident"][name]
-        except KeyError:
-            raise AttributeError(f"{type(self).__name__} has no state {name!r} yet") from None
-
-    def _offload_state(self, config: DiskOffload, *, tag: str, group, layout: object, numel: int,
-                       resident_master: Optional[torch.Tensor], init_master: Callable) -> StreamedShard:
+    def _open_state_file(self, config: DiskOffload, *, tag: str, group, layout: object, numel: int,
+                         resident_master: Optional[torch.Tensor], init_master: Callable) -> DiskState:
         """Create the state file (``init_master(lo, hi, out)``: the initial fp32 master of elements
-        ``[lo, hi)``; the moments start at zero) and return its stream; it becomes the state only when
-        the caller assigns it to ``_stream``. ``resident_master``: a master that stays in memory (ZeRO-3's
+        ``[lo, hi)``; the moments start at zero) and return it as a storage; it becomes the state only when
+        the caller assigns it to ``_storage``. ``resident_master``: a master that stays in memory (ZeRO-3's
         fp32 parameter shard), so the file holds the moments only."""
-        if resident_master is not None:
-            self.master = resident_master
         states = STATES[1:] if resident_master is not None else STATES
         init = {} if resident_master is not None else {"master": init_master}
-        suffix = ".new" if self._stream is not None else ""       # a re-layout: the old file is still read
-        return open_streamed_shard(config, owner=self._owner, tag=tag, group=group, layout=layout, numel=numel,
-                                   states=states, init=init, suffix=suffix)
+        # a re-layout: the old file is still read while the new one is written
+        suffix = ".new" if isinstance(self._storage, DiskState) else ""
+        stream = open_streamed_shard(config, owner=self._owner, tag=tag, group=group, layout=layout, numel=numel,
+                                     states=states, init=init, suffix=suffix)
+        resident = {} if resident_master is None else {"master": resident_master}
+        return DiskState(self._owner, stream, resident)
 
     def _verify_state(self) -> None:
-        if self._stream is not None:
-            self._stream.verify(self._owner)
+        self._storage.verify()
 
     def _checkpoint_states(self) -> Dict[str, torch.Tensor]:
-        """The state for ``state_dict()``: clones, or, offloaded, tensors mapped from a private copy of the
-        state file (no copy in memory; the copy's disk space is freed with the tensors)."""
+        """The state for ``state_dict()``: clones, or, offloaded to disk, tensors mapped from a private copy
+        of the state file (no copy in memory; the copy's disk space is freed with the tensors)."""
         self.wait_for_step()
-        if self._stream is None:
-            return {k: getattr(self, k).clone() for k in STATES}
-        out = self._stream.snapshot(self._owner)
-        out.update({k: getattr(self, k).clone() for k in STATES if k not in out})
-        return out
+        return self._storage.checkpoint()
 
     def _load_states(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy whole states (``master, exp_avg, exp_avg_sq`` of this shard's size) into the state, a
         sub-group at a time when offloaded; the low-precision copy follows the master."""
         named = dict(zip(STATES, tensors))
-        size = self._stream.numel if self._stream is not None else self.master.numel()
+        size = self._storage.numel
         for k, t in named.items():
             if t.numel() != size:
                 raise ValueError(f"{self._owner}.load_state_dict: state {k!r} has {t.numel()} elements, this "
                                  f"rank's shard {size}; was it saved from another model or layout?")
         self.wait_for_step()
-        if self._stream is None:
-            for k, t in named.items():
-                getattr(self, k).copy_(t)
-            if self._host is not None:         # the device's parameters follow the loaded master
-                self._host.upload_all(self._upload_targets)
-        else:
-            self._stream.load({k: t for k, t in named.items() if k in self._stream.states}, self._owner)
-            for k, t in named.items():
-                if k not in self._stream.states:
-                    getattr(self, k).copy_(t)
+        self._storage.load(named)
         if self.low is not None:
             self.low.copy_(named["master"])
 
     def _state_bytes(self) -> Dict[str, int]:
-        """``{"optimizer": bytes of state in memory, "offload": bytes in the state file}``; the memory of an
-        offloaded state is its streaming buffers (and a resident master)."""
-        if self._host is not None:
-            return {"optimizer": 0, "offload": self._host.host_bytes}
-        if self._stream is None:
-            return {"optimizer": M.storage_bytes([self.master, self.exp_avg, self.exp_avg_sq]), "offload": 0}
-        resident = [getattr(self, k) for k in STATES if k not in self._stream.states]
-        return {"optimizer": self._stream.buffer_bytes + M.storage_bytes(resident),
-                "offload": self._stream.file.nbytes}
+        """``{"optimizer": bytes of state in memory, "offload": bytes held elsewhere}``; the memory of a state
+        offloaded to disk is its streaming buffers (and a resident master)."""
+        return self._storage.nbytes()
 
     def close_offload(self) -> None:
         """Stop the offload I/O threads and remove the state file now; the optimizer cannot step afterwards.
         Garbage collection does it too, but an optimizer lives as long as its wrapper's hooks reach it
         (``ZeroOptimizer(stage=2)`` registers a forward hook), so a script that is done with one calls this."""
-        if self._stream is not None:
-            self._stream.close()
-            self._stream.failed = f"{self._owner}: close_offload() was called; build a new optimizer"
-        if self._host is not None:
-            self.wait_for_step()
-            self._host.close()
+        self.wait_for_step()
+        self._storage.close()
 
     def wait_for_step(self) -> None:
         """``offload="cpu", offload_delayed_update=True``: apply the step whose CPU work is still in flight
         (upload its parameters; stages 1 and 2 all-gather them: a collective over the dp group). Until then
         the model holds the parameters of one step before. Called by every checkpoint and state read; a
         no-op otherwise."""
-        if self._host is not None and self._host.finish():
+        if self._storage is not None and self._storage.finish():
             self._after_host_upload()
 
     def _after_host_upload(self) -> None:
         """Subclass hook: a delayed step's parameters were uploaded (stages 1 and 2 gather them)."""
-
-    def _upload_targets(self, lo: int, hi: int):
-        """Subclass hook, ``offload="cpu"``: ``(a, b, device tensor)`` where shard elements ``[a, b)`` of
-        ``[lo, hi)`` go after a step (the low-precision copy, or an fp32 model's parameter shard)."""
-        raise NotImplementedError
 
     def _init_groups(self, params, *, lr, betas, eps, weight_decay, no_decay: NoDecay) -> None:
         named = self._module_named_params()
@@ -446,14 +411,10 @@ class _ZeroAdamW(torch.optim.Optimizer):
         grad = self._grad_source()
         runs = self._runs(had)
         mixed = any(r[4] is None for r in runs)
-        if self._host is not None:
-            self._step_host(runs, mixed, scale, inf)
-        elif self._stream is None:
-            wd_vec = self._wd_vector() if mixed else None
-            self._step_span(runs, 0, self.master.numel(), (self.master, self.exp_avg, self.exp_avg_sq), grad,
-                            (lambda a, b: wd_vec[a:b]) if mixed else None, scale, inf, keep)
-        elif inf.item() == 0:             # on the CPU the check is free; a skipped step reads and writes nothing
-            self._step_streamed(runs, grad, (self._wd_chunk if mixed else None), scale, inf, keep)
+        self._storage.step(StepPlan(spans=[(r[1], r[2]) for r in runs], step_span=partial(self._step_span, runs),
+                                    grad=grad, wd_vector=self._wd_vector if mixed else None,
+                                    wd_fill=self._wd_fill if mixed else None, scale=scale, inf=inf, keep=keep,
+                                    steps=self._steps, after_chunk=self._after_chunk))
         self._after_step(stepped=True)
         return loss
 
@@ -481,55 +442,15 @@ class _ZeroAdamW(torch.optim.Optimizer):
                        maximize=maximize, grad_scale=scale, found_inf=inf,
                        param_copy=None if low is None else low[a:b], backend=self.backend)
 
-    def _step_streamed(self, runs, grad, wd_of, scale, inf, keep) -> None:
-        """The runs over the offloaded state: each sub-group that a run touches is read, stepped in its
-        buffers (resident states, e.g. ZeRO-3's fp32 master, sliced in place) and written back."""
-        stream = self._stream
-        resident = {k: getattr(self, k) for k in STATES if k not in stream.states}
-
-        def step_chunk(lo, hi, chunks):
-            states = [chunks[k] if k in chunks else resident[k][lo:hi] for k in STATES]
-            self._step_span(runs, lo, hi, states, grad, wd_of, scale, inf, keep)
-            self._after_chunk(lo, hi, states[0])
-
-        stream.stream(stream.groups([(r[1], r[2]) for r in runs]), step_chunk, self._owner)
-
-    def _step_host(self, runs, mixed: bool, scale, inf) -> None:
-        """The runs over the state in host memory (:mod:`.host_offload`): the gradients copied to the host
-        (the ones backward could not copy yet now), the CPU kernel chunk by chunk, each chunk's parameters
-        copied back while the next is stepped."""
-        host = self._host
-        self._fetch_host_grads()
-        # the scalars the kernel reads, on the host: one small copy (the step waits for the gradients anyway)
-        scalars = torch.stack([scale.reshape(()), inf.reshape(())]).float().cpu()
-        if scalars[1].item() != 0:        # found_inf: skipped, nothing stepped or copied back
-            host.finish()                 # (a delayed step still in flight is applied as usual)
-            return
-        scale_h, inf_h, keep_h = scalars[0:1], torch.zeros(1), torch.ones(1)
-        steps_h = self._steps.to("cpu", copy=True)       # a copy: a delayed step reads it after _advance moved on
-        wd_vec = self._wd_vector() if mixed else None      # the master lives on the host, so does this
-
-        def step_chunk(lo, hi, grad, low):
-            states = [t[lo:hi] for t in (host.master, host.exp_avg, host.exp_avg_sq)]
-            self._step_span(runs, lo, hi, states, grad, (lambda a, b: wd_vec[a:b]) if mixed else None,
-                            scale_h, inf_h, keep_h, steps=steps_h, low=low)
-
-        # (delayed update: the previous step's parameters are uploaded first; _after_step gathers them)
-        host.step([(r[1], r[2]) for r in runs], step_chunk, self._upload_targets)
-
-    def _fetch_host_grads(self) -> None:
-        """Subclass hook, ``offload="cpu"``: queue the gradient copies backward did not queue."""
-        raise NotImplementedError
-
-    def _wd_chunk(self, a: int, b: int) -> torch.Tensor:
-        """``_wd_vector()[a:b]`` without the whole vector: filled from the pieces into a sub-group buffer."""
+    def _wd_fill(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """``_wd_vector()[a:b]`` without the whole vector: filled from the pieces into ``out`` (a sub-group
+        buffer of ``b - a`` elements)."""
         wds = tuple(float(g["weight_decay"]) for g in self.param_groups)
         if self._wd_segs is None or self._wd_segs[0] != wds:
             segs = [(start, start + n, wds[self._group_of[idx]]) for idx, start, n in self._pieces()
                     if idx is not None]
             self._wd_segs = (wds, segs, [sg[1] for sg in segs])
         _, segs, ends = self._wd_segs
-        out = self._stream.scratch()[:b - a]
         out.zero_()
         for i in range(bisect.bisect_right(ends, a), len(segs)):
             s, e, wd = segs[i]
@@ -539,7 +460,8 @@ class _ZeroAdamW(torch.optim.Optimizer):
         return out
 
     def _after_chunk(self, lo: int, hi: int, master: torch.Tensor) -> None:
-        """Subclass hook, offloaded steps: sub-group ``[lo, hi)`` was stepped (``master``: its fp32 values)."""
+        """Subclass hook, a state offloaded to disk: sub-group ``[lo, hi)`` was stepped (``master``: its
+        fp32 values)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients (and a clip coefficient not yet used). Cleared gradients count as absent

@@ -30,6 +30,7 @@ from .host_offload import HostOffload, HostShard, ReducedUnits, segments_of
 from .offload import DEFAULT_BUFFER_MB, resolve_offload
 from .sharded_adamw import STATE_FORMAT, NoDecay, _ZeroAdamW
 from .stage3 import ZeroStage3
+from .state_storage import HostState, ResidentState
 
 
 class ZeroStage3Optimizer(_ZeroAdamW):
@@ -85,20 +86,20 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         self.low = shard if low else None
         where = resolve_offload(self._owner, offload, offload_dir, self.device, offload_buffer_mb, offload_io,
                                offload_delayed_update)
+        self._h_copied: set = set()     # offload="cpu": units whose gradient shard the host holds as the device does
         if isinstance(where, HostOffload):
-            self._build_host(where, shard, low)
+            self._storage = self._build_host(where, shard, low)
         elif where is not None:
-            self._stream = self._offload_state(where, tag="stage3", group=zmodule.dp_group, layout=zmodule._layout(),
-                                               numel=shard.numel(), resident_master=None if low else shard,
-                                               init_master=lambda lo, hi, out: out.copy_(shard[lo:hi]))
+            self._storage = self._open_state_file(
+                where, tag="stage3", group=zmodule.dp_group, layout=zmodule._layout(), numel=shard.numel(),
+                resident_master=None if low else shard, init_master=lambda lo, hi, out: out.copy_(shard[lo:hi]))
         else:
-            self.master = shard.float() if low else shard       # fp32: the shard is the master
-            self.exp_avg = torch.zeros_like(self.master)
-            self.exp_avg_sq = torch.zeros_like(self.master)
+            master = shard.float() if low else shard       # fp32: the shard is the master
+            self._storage = ResidentState(self._owner, master, torch.zeros_like(master), torch.zeros_like(master))
         self._init_groups(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
 
     # ------------------------------------------------------------------ ZeRO-Offload (offload="cpu")
-    def _build_host(self, config: HostOffload, shard: torch.Tensor, low: bool) -> None:
+    def _build_host(self, config: HostOffload, shard: torch.Tensor, low: bool) -> HostState:
         """The state in pinned host memory (:mod:`.host_offload`), one gradient segment per unit; the
         device keeps the parameter shard (which the step's upload updates) and the gradient shard."""
         z = self.z
@@ -106,10 +107,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
                          low_dtype=shard.dtype if low else None, config=config,
                          segments=segments_of([u.shard_numel for u in z.units]))
         host.master.copy_(shard)
-        self._host = host
-        self.master, self.exp_avg, self.exp_avg_sq = host.master, host.exp_avg, host.exp_avg_sq
         self._h_reduced = ReducedUnits(z)
-        self._h_copied: set = set()     # units whose gradient shard the host holds as the device does
         ref = weakref.ref(self)
 
         def poll(p):
@@ -120,21 +118,22 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         for p in z.module.parameters():
             if p.requires_grad:       # after ZeroStage3's own hooks: they reduce the unit before it
                 p.register_post_accumulate_grad_hook(poll)
+        return HostState(self._owner, host, fetch_grads=self._fetch_host_grads, upload=self._upload_targets)
 
     def _host_poll(self) -> None:
         """In backward (and at the step): queue the host copy of every unit reduced since the last look."""
         if self.z._held:              # gather_all(): reduced later, by reduce_scatter_and_free()
             return
         for i in self._h_reduced.new():
-            lo, hi = self._host.segments[i]
-            self._host.copy_grad(i, self.z.grad_buffer[lo:hi])
+            lo, hi = self.host_shard.segments[i]
+            self.host_shard.copy_grad(i, self.z.grad_buffer[lo:hi])
             self._h_copied.add(i)
 
     def _fetch_host_grads(self) -> None:
         self._host_poll()
-        for i, (lo, hi) in enumerate(self._host.segments):
+        for i, (lo, hi) in enumerate(self.host_shard.segments):
             if i not in self._h_copied:   # reduced without a hook seeing it, or no gradient (zeros)
-                self._host.copy_grad(i, self.z.grad_buffer[lo:hi])
+                self.host_shard.copy_grad(i, self.z.grad_buffer[lo:hi])
         self._h_copied.clear()        # consumed (and with a delayed update the next backward fills the other buffer)
 
     def _upload_targets(self, lo: int, hi: int):
@@ -175,8 +174,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
 
     def _zero_grads(self, set_to_none: bool) -> None:
         self.z.zero_grad(set_to_none)
-        if self._host is not None:
-            self._h_copied.clear()
+        self._h_copied.clear()
 
     def _before_step(self) -> None:
         unreduced = self.z._unreduced_units()
@@ -208,8 +206,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         parameters, masters and moments, the step counts, and ``param_groups`` when the dict has them."""
         self.wait_for_step()
         full_state.load_full_state_dict(self, state, self._named_params, "ZeroStage3Optimizer")
-        if self._host is not None:
-            self._host.upload_all(self._upload_targets)
+        self._storage.state_written()
 
     def _named_params(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return list(self.z.module.named_parameters())
@@ -259,7 +256,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
                "grad_bytes": z.grad_nbytes,
                # an fp32 model's master is its parameter shard (param_bytes)
                "optimizer_bytes": state["optimizer"] - (M.storage_bytes([self.master])
-                                                        if self.low is None and self._host is None else 0),
+                                                        if self.low is None and self.host_shard is None else 0),
                "offload_bytes": state["offload"],
                "gathered_bytes": sum(M.storage_bytes([u.full]) + M.storage_bytes([u.grad_full])
                                      for u in z.units),
