@@ -123,8 +123,10 @@ def disk_write_gbps(directory: str, nbytes: int) -> float:
     return size / seconds / 1e9
 
 
-def collect(mode: str, large_params: float, progress=print) -> List[Dict[str, object]]:
+def collect(mode: str, device=None, progress=print, large_params: float = None) -> List[Dict[str, object]]:
+    """The rows of one run (``benchmarks/suite.py`` calls it; ``device`` is unused: gloo ranks on the CPU)."""
     prof = dict(PROFILES[mode])
+    large_params = large_params or prof["large_params"]
     common = harness.common_fields(mode, torch.device("cpu"), 1)
     rows = []
     for name, spec in (("demo", DEMO), ("large", large_model(large_params))):
@@ -138,7 +140,7 @@ def collect(mode: str, large_params: float, progress=print) -> List[Dict[str, ob
         finally:
             shutil.rmtree(root, ignore_errors=True)
         r0 = res[0]
-        sizes = f"{r0['params'] * 4 // 4:,} params/4 ranks; step {r0['step_ms']:.0f} ms; window {prof['window']} steps"
+        sizes = f"{r0['params']:,} params on rank 0; step {r0['step_ms']:.0f} ms; window {prof['window']} steps"
         for fmt in FORMATS:
             sync = r0[(fmt, "sync")]
             asyn = r0[(fmt, "async")]
@@ -169,8 +171,7 @@ def main(argv=None) -> int:
     harness.add_csv_args(ap, CSV_PATH)
     args = ap.parse_args(argv)
     mode = harness.profile_of(args)
-    large = args.large_params or PROFILES[mode]["large_params"]
-    rows = collect(mode, large, lambda text: print(f"  {text} ...", flush=True))
+    rows = collect(mode, None, lambda text: print(f"  {text} ...", flush=True), large_params=args.large_params)
     print(f"{'case':<18} {'sync lost ms':>13} {'async lost ms':>14} {'async/sync':>11} {'write GB/s':>11} "
           f"{'disk GB/s':>10}  notes")
     for r in rows:
