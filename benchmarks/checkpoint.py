@@ -59,14 +59,24 @@ def large_model(params: float) -> dict:
                 dims=(4, 1, 1), zero=3)
 
 
+def _config(spec: dict):
+    from parallel_layers.models.gpt import GPTConfig
+    return GPTConfig(vocab_size=spec["vocab"], n_layer=spec["layers"], n_head=spec["heads"], d_model=spec["d"],
+                     max_seq_len=spec["seq"], dropout=0.0, bias=False)
+
+
+def parameter_count(spec: dict) -> int:
+    """The whole GPT's parameters (built on the meta device: no memory)."""
+    from parallel_layers.models.gpt import GPT
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(_config(spec)).parameters())
+
+
 def _model(spec: dict):
     from parallel_layers.mesh import ParallelMesh
-    from parallel_layers.models.gpt import GPTConfig
     from parallel_layers.parallel3d import Parallel3D
-    cfg = GPTConfig(vocab_size=spec["vocab"], n_layer=spec["layers"], n_head=spec["heads"], d_model=spec["d"],
-                    max_seq_len=spec["seq"], dropout=0.0, bias=False)
-    return Parallel3D(cfg, ParallelMesh(*spec["dims"]), zero=spec["zero"], num_microbatches=spec["microbatches"],
-                      lr=1e-4, weight_decay=0.1)
+    return Parallel3D(_config(spec), ParallelMesh(*spec["dims"]), zero=spec["zero"],
+                      num_microbatches=spec["microbatches"], lr=1e-4, weight_decay=0.1)
 
 
 def body(rank: int, world: int, spec: dict, prof: dict, root: str) -> Dict[str, object]:
@@ -79,7 +89,7 @@ def body(rank: int, world: int, spec: dict, prof: dict, root: str) -> Dict[str, 
     for _ in range(prof["warmup"]):
         step()
     step_ms = statistics.median(harness.slowest_rank_ms(step) for _ in range(prof["reps"]))
-    n, out = prof["window"], {"step_ms": step_ms, "params": sum(p.numel() for p in model.model.parameters())}
+    n, out = prof["window"], {"step_ms": step_ms}
     iteration = 0
     for fmt in FORMATS:
         for mode in ("sync", "async"):
@@ -140,7 +150,7 @@ def collect(mode: str, device=None, progress=print, large_params: float = None) 
         finally:
             shutil.rmtree(root, ignore_errors=True)
         r0 = res[0]
-        sizes = f"{r0['params']:,} params on rank 0; step {r0['step_ms']:.0f} ms; window {prof['window']} steps"
+        sizes = f"{parameter_count(spec):,} params; step {r0['step_ms']:.0f} ms; window {prof['window']} steps"
         for fmt in FORMATS:
             sync = r0[(fmt, "sync")]
             asyn = r0[(fmt, "async")]
