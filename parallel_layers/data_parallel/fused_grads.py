@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..grad_needed import grad_needed
+
 
 def grad_sink(weight: torch.Tensor):
     """The DataParallel that takes ``weight``'s gradient writes, or None (plain torch autograd). A copy of
@@ -50,13 +52,16 @@ class _LinearWeightGradIntoBuffer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         h, weight = ctx.saved_tensors
-        grad_h = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        # a zero-bubble pipeline runs B (grad_h) and W (the weight's write) as two backward calls: each does
+        # its own part once (grad_needed.py)
+        grad_h = grad_y.matmul(weight) if ctx.needs_input_grad[0] and grad_needed(h) else None
         g2, h2 = grad_y.reshape(-1, grad_y.shape[-1]), h.reshape(-1, h.shape[-1])
 
         def write(out, beta, alpha):   # beta = 0: out's stale contents are ignored (NaN included)
             torch.addmm(out, g2.t(), h2, beta=beta, alpha=alpha, out=out)
 
-        grad_sink(weight).write_grad(weight, write)
+        if grad_needed(weight):
+            grad_sink(weight).write_grad(weight, write)
         return grad_h, None
 
 
@@ -78,7 +83,8 @@ class _EmbeddingGradIntoBuffer(torch.autograd.Function):
                 out.zero_()
             out.index_add_(0, idx.reshape(-1), rows, alpha=alpha)
 
-        grad_sink(weight).write_grad(weight, write)
+        if grad_needed(weight):
+            grad_sink(weight).write_grad(weight, write)
         return None, None
 
 

@@ -38,6 +38,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..grad_needed import grad_needed
 from . import _backend, linear_dispatch
 
 ACTIVATIONS = (None, "gelu", "silu")
@@ -137,6 +138,10 @@ class _FusedLinear(torch.autograd.Function):
         elif ctx.activation == "silu":
             grad_z = torch.ops.aten.silu_backward(grad_z, pre)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # a zero-bubble pipeline's B wants only grad_x, its W only grad_w and grad_b (grad_needed.py)
+        # (the bias goes with the weight: not saved, and W's call wants both)
+        w_wanted = grad_needed(weight)
+        need_x, need_w, need_b = need_x and grad_needed(x), need_w and w_wanted, need_b and w_wanted
         grad_x = grad_z.mm(weight) if need_x else None
         grad_w = grad_z.t().mm(x) if need_w else None
         grad_b = grad_z.sum(0) if (need_b and ctx.has_bias) else None
