@@ -43,14 +43,14 @@ def _env():
                 TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
-def _demo(*args, timeout=300):
+def _demo(*args, timeout=900):
     proc = subprocess.run([sys.executable, "-m", "parallel_layers", "demo", *TINY, *args], capture_output=True,
                           text=True, timeout=timeout, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
 
-def _two_agents(demo_args, timeout=420):
+def _two_agents(demo_args, timeout=900):
     """Two torchrun agents of 4 workers each, one c10d rendezvous on localhost; their joined output."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
