@@ -11,12 +11,14 @@ Per-rank checkpoints load on the same mesh only.
 """
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from typing import Optional
 
 import torch.distributed as dist
 
-from ..universal_checkpoint import CheckpointError, load_universal, read_meta
+from ..universal_checkpoint import META, CheckpointError, load_universal
 from . import resume_state
 from .per_rank import FORMAT as PER_RANK_FORMAT
 from .per_rank import load_per_rank
@@ -24,9 +26,7 @@ from .run_dir import complete_checkpoints
 
 
 def _format_of(path: str) -> str:
-    import json
-    import os
-    with open(os.path.join(path, "meta.json")) as f:
+    with open(os.path.join(path, META)) as f:
         return json.load(f).get("format", "")
 
 
@@ -37,7 +37,6 @@ def load_checkpoint(model, path: str) -> dict:
         meta = load_per_rank(model, path)
         restored = True                       # the per-rank state holds the random streams
     else:
-        read_meta(path)
         meta = load_universal(model, path)
         restored = resume_state.restore(model, meta.get("resume"))
     data = (meta.get("resume") or {}).get("data")
