@@ -13,11 +13,13 @@ from the package's own objects and operations rather than from a formula.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
 from typing import Dict, Iterable, List
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -143,4 +145,34 @@ class OpTally(TorchDispatchMode):
         return out
 
 
-__all__ = ["tensors_reachable", "held_bytes", "OpTally"]
+def _flash_on_meta(original):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "meta":
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        # grouped kv heads: the flash kernel takes them as they are (no repeat)
+        out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return out
+    sdpa.original = original
+    return sdpa
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta():
+    """``F.scaled_dot_product_attention`` on meta tensors through the fused (flash) kernel, as it runs on
+    a real device: torch picks its kernel by device, and on meta it takes the math path, which keeps the
+    whole [s, s] attention matrix for backward where the flash kernel keeps the output and one
+    log-sum-exp per row (the CPU flash kernel stands for every device's here: the same tensors kept).
+    The attribute is swapped for the ``with`` block, not a torch function mode: activation
+    checkpointing recomputes with the modes switched off, and must recompute what the forward ran.
+    Calls on real tensors go to torch's function unchanged."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _flash_on_meta(original)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+__all__ = ["tensors_reachable", "held_bytes", "OpTally", "fused_attention_on_meta"]

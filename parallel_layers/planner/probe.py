@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from .accounting import OpTally, held_bytes, tensors_reachable
+from .accounting import OpTally, fused_attention_on_meta, held_bytes, tensors_reachable
 from .spec import Layout, Request
 
 META = torch.device("meta")
@@ -51,18 +51,19 @@ def fake_world(rank: int, world: int):
         dist.destroy_process_group()
 
 
-def build_rank(req: Request, layout: Layout, pp_rank: int):
-    """``Parallel3D`` of ``layout``'s pipeline rank ``pp_rank`` on meta (call inside :func:`fake_world`)."""
+def build_rank(req: Request, layout: Layout, pp_rank: int, device: torch.device = META):
+    """``Parallel3D`` of ``layout``'s pipeline rank ``pp_rank`` on meta (call inside :func:`fake_world`;
+    ``device``: another one to check the probe against real tensors)."""
     from ..mesh import ParallelMesh
     from ..parallel3d import Parallel3D
     mesh = ParallelMesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, timeout=60)
     kw = layout.parallel3d_kwargs()
     if req.is_gpt:
-        return Parallel3D(req.model, mesh, dtype=req.dtype, device=META, **kw)
+        return Parallel3D(req.model, mesh, dtype=req.dtype, device=device, **kw)
     from transformers import AutoModelForCausalLM
-    with torch.device(META):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(req.model, torch_dtype=req.dtype)
-    return Parallel3D(model, mesh, dtype=req.dtype, device=META, **kw)
+    return Parallel3D(model, mesh, dtype=req.dtype, device=device, **kw)
 
 
 def global_rank(layout: Layout, pp_rank: int) -> int:
@@ -146,6 +147,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
     under cp) forward and backward each, on meta. ``hidden_shape``: (shape, dtype) of what stage 0 sends
     (None when this rank holds stage 0: it is found here)."""
     costs = []
+    dev = next(p3d.model.parameters()).device       # meta when planning; a real device to check the probe itself
     p3d.mode.begin_step()            # ZeRO-3 gathers its parameters here (outside the tally: held, not activations)
     import torch.fx.experimental._config as fx_config
     # nonzero on meta (the ignore-index rows of the loss): assume every row counts, the most memory
@@ -154,7 +156,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
             is_first, is_last = bool(getattr(chunk, "is_first", False)), bool(getattr(chunk, "is_last", False))
             tally, flops = OpTally(), FlopCounterMode(display=False)
             phases = []
-            with flops, tally:
+            with fused_attention_on_meta(), flops, tally:
                 for _mb in range(2):
                     for phase in ("F", "B"):
                         gc.collect(0)           # what the last phase dropped in young cycles is gone before we count
@@ -163,10 +165,10 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
                         before_coll = {k: len(v) for k, v in tally.collectives.items()}
                         tally.reset_peak()
                         if phase == "F":
-                            x = (torch.zeros(b, s, dtype=torch.long, device=META) if is_first
-                                 else torch.zeros(hidden_shape[0], dtype=hidden_shape[1], device=META,
+                            x = (torch.zeros(b, s, dtype=torch.long, device=dev) if is_first
+                                 else torch.zeros(hidden_shape[0], dtype=hidden_shape[1], device=dev,
                                                   requires_grad=True))
-                            y = torch.zeros(b, s, dtype=torch.long, device=META)
+                            y = torch.zeros(b, s, dtype=torch.long, device=dev)
                             start = tally.live
                             out = _run_forward(chunk, x, y, is_last)
                             del y
