@@ -18,7 +18,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn as nn
 
-from .optimizer import is_metadata, sharded_grad_message, sharded_grad_placeholder
+from .sharded_grad import is_metadata, sharded_grad_message, sharded_grad_placeholder
 
 _GRAD_GET = torch.Tensor.grad.__get__
 _GRAD_SET = torch.Tensor.grad.__set__
@@ -39,9 +39,10 @@ def set_raw_grad(p: torch.Tensor, g: Optional[torch.Tensor]) -> None:
 class ParamInfo:
     """What a :class:`_ShardedParameter` knows of its place: wrapper, unit, name, this rank's piece.
 
-    ``wrapper`` is held weakly (the parameters outlive nothing of it) and must offer ``_grad_seen``, the
-    ids of the parameters a backward reached since the last step; ``unit`` must offer ``name``, ``lo``,
-    ``hi``, ``full`` (the gathered flat buffer) and ``gather_work`` (its all-gather in flight, or None)."""
+    ``wrapper`` is held weakly (the parameters outlive nothing of it) and must offer ``grad_reached(p)`` and
+    ``forget_grads_reached(p)`` (did a backward reach ``p`` since the last step; a dropped gradient did
+    not); ``unit`` must offer ``name``, ``lo``, ``hi``, ``full`` (the gathered flat buffer) and
+    ``gather_work`` (its all-gather in flight, or None)."""
 
     def __init__(self, wrapper, unit, name: str, offset: int, numel: int, shape):
         self.wrapper_ref = weakref.ref(wrapper)
@@ -66,12 +67,12 @@ class ParamInfo:
 
     def grad_pending(self, p) -> bool:
         w = self.wrapper_ref()
-        return w is not None and id(p) in w._grad_seen
+        return w is not None and w.grad_reached(p)
 
     def drop_grad(self, p) -> None:
         w = self.wrapper_ref()
         if w is not None:
-            w._grad_seen.discard(id(p))
+            w.forget_grads_reached(p)
 
     def grad_guard(self, p) -> torch.Tensor:
         if self.placeholder is None:

@@ -639,9 +639,31 @@ class ZeroStage3(nn.Module):
         finally:
             self._sync = old
 
-    def _unreduced_units(self) -> List[str]:
+    # ------------------------------------------------------------------ what an optimizer asks
+    @property
+    def gathered_all(self) -> bool:
+        """Between :meth:`gather_all` and :meth:`reduce_scatter_and_free` (or :meth:`release_gathered`): every
+        unit gathered, the per-unit hooks off, the gradients reduced only at the end."""
+        return self._held
+
+    def grad_reached(self, p: torch.nn.Parameter) -> bool:
+        """Whether a backward reached ``p`` since the last step or :meth:`zero_grad`."""
+        return id(p) in self._grad_seen
+
+    def forget_grads_reached(self, p: Optional[torch.nn.Parameter] = None) -> None:
+        """A step consumed the gradients (of ``p`` only, when given): no parameter counts as reached."""
+        if p is None:
+            self._grad_seen.clear()
+        else:
+            self._grad_seen.discard(id(p))
+
+    def unreduced_units(self) -> List[str]:
         """Units holding gradients accumulated under :meth:`no_sync` and not reduced yet."""
         return [u.name or "<root>" for u in self.units if u.accumulated]
+
+    def unit_layout(self) -> list:
+        """``[unit name, parameter names, padded numel]`` per unit: what a saved shard belongs to."""
+        return [[u.name, list(u.names), u.padded] for u in self.units]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient shards (and gradients accumulated under :meth:`no_sync`); ``set_to_none``
@@ -689,18 +711,15 @@ class ZeroStage3(nn.Module):
         with self.summon_full_params():
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
-    def _layout(self) -> list:
-        return [[u.name, list(u.names), u.padded] for u in self.units]
-
     def state_dict(self, *args, **kwargs) -> dict:   # nn.Module's would read freed parameters
         """This rank's parameter shard, the layout it belongs to and the module's buffers."""
         return {"dp_size": self.dp_size, "dp_rank": self.dp_rank, "shard": self.shard_buffer.clone(),
-                "layout": self._layout(),
+                "layout": self.unit_layout(),
                 "buffers": {n: b.clone() for n, b in self.module.named_buffers()}}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, strict: bool = True):
-        layout = self._layout()
+        layout = self.unit_layout()
         if state.get("dp_size") != self.dp_size or state.get("dp_rank") != self.dp_rank:
             raise ValueError(f"ZeroStage3.load_state_dict: shard of dp rank {state.get('dp_rank')} of "
                              f"{state.get('dp_size')}, loading into rank {self.dp_rank} of {self.dp_size}; resume "

@@ -91,7 +91,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
             self._storage = self._build_host(where, shard, low)
         elif where is not None:
             self._storage = self._open_state_file(
-                where, tag="stage3", group=zmodule.dp_group, layout=zmodule._layout(), numel=shard.numel(),
+                where, tag="stage3", group=zmodule.dp_group, layout=zmodule.unit_layout(), numel=shard.numel(),
                 resident_master=None if low else shard, init_master=lambda lo, hi, out: out.copy_(shard[lo:hi]))
         else:
             master = shard.float() if low else shard       # fp32: the shard is the master
@@ -122,7 +122,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
 
     def _host_poll(self) -> None:
         """In backward (and at the step): queue the host copy of every unit reduced since the last look."""
-        if self.z._held:              # gather_all(): reduced later, by reduce_scatter_and_free()
+        if self.z.gathered_all:       # gather_all(): reduced later, by reduce_scatter_and_free()
             return
         for i in self._h_reduced.new():
             lo, hi = self.host_shard.segments[i]
@@ -160,8 +160,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         return self.z.grad_buffer
 
     def _local_had_grads(self) -> List[bool]:
-        seen = self.z._grad_seen
-        return [id(p) in seen for p in self._all_params]
+        return [self.z.grad_reached(p) for p in self._all_params]
 
     def _agree_on_grads(self) -> bool:
         return self.z.find_unused_parameters and self.z.dp_size > 1
@@ -170,14 +169,14 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         return self.z.dp_group
 
     def _consume_grads(self) -> None:
-        self.z._grad_seen.clear()
+        self.z.forget_grads_reached()
 
     def _zero_grads(self, set_to_none: bool) -> None:
         self.z.zero_grad(set_to_none)
         self._h_copied.clear()
 
     def _before_step(self) -> None:
-        unreduced = self.z._unreduced_units()
+        unreduced = self.z.unreduced_units()
         if unreduced:
             raise RuntimeError(f"ZeroStage3Optimizer: the gradients of {len(unreduced)} unit(s) (e.g. "
                                f"{unreduced[0]!r}) were accumulated under ZeroStage3.no_sync() and never reduced "
@@ -216,7 +215,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         parameter's step count. Save it with the module's ``state_dict()``, per rank. Offloaded: the states
         are mapped from a private copy of the state file, as ``ZeroOptimizer.state_dict``."""
         return {"format": STATE_FORMAT, "dp_size": self.z.dp_size, "dp_rank": self.z.dp_rank,
-                "layout": self.z._layout(), "param_groups": self._named_param_groups(), "step": self._step.clone(),
+                "layout": self.z.unit_layout(), "param_groups": self._named_param_groups(), "step": self._step.clone(),
                 "steps": self._steps_by_name(), **self._checkpoint_states()}
 
     @torch.no_grad()
@@ -227,7 +226,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
             raise ValueError(f"ZeroStage3Optimizer.load_state_dict: state of dp rank {state.get('dp_rank')} of "
                              f"{state.get('dp_size')}, loading into rank {self.z.dp_rank} of {self.z.dp_size}; "
                              f"resume with the same data-parallel size")
-        if state["layout"] != self.z._layout():
+        if state["layout"] != self.z.unit_layout():
             raise ValueError("ZeroStage3Optimizer.load_state_dict: the saved unit layout differs from the module's")
         self._verify_state()
         self._load_param_groups(state["param_groups"], "ZeroStage3Optimizer.load_state_dict")
