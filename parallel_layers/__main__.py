@@ -1,4 +1,5 @@
-"""``python -m parallel_layers demo|bench [flags]``: see :mod:`parallel_layers.demo` and ``benchmarks/suite.py``."""
+"""``python -m parallel_layers demo|bench|plan [flags]``: see :mod:`parallel_layers.demo`, ``benchmarks/suite.py``
+ and :mod:`parallel_layers.planner.cli`."""
 import os
 import sys
 
@@ -8,6 +9,8 @@ USAGE = ("usage: python -m parallel_layers demo [--model gpt|llama --dp 2 --tp 2
          "       python -m parallel_layers bench [--only kernels|tp|dp|zero|pipeline|demo|scaling] "
          "[--quick|--smoke] [--readme]\n"
          "       python3 -m parallel_layers gpu-check [--out DIR] [--dry-run] [--budget S] [--only STEP]\n"
+         "       python -m parallel_layers plan [--gpt L,D,H,V | --hf-config F] --world N --memory-gib G "
+         "[--profile h100|a100|h200|FILE] [--json F] [--png F] | plan --calibrate FILE\n"
          "       python -m parallel_layers demo --help | bench --help | gpu-check --help   (all flags)")
 
 
@@ -32,11 +35,14 @@ def _bench_main(argv) -> int:
 
 def _main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("demo", "bench", "gpu-check"):
+    if not argv or argv[0] not in ("demo", "bench", "gpu-check", "plan"):
         print(USAGE)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "bench":
         return _bench_main(argv[1:])
+    if argv[0] == "plan":
+        from .planner.cli import main as plan
+        return plan(argv[1:])
     if argv[0] == "gpu-check":
         from .gpu_check import main as gpu_check
         return gpu_check(argv[1:])
