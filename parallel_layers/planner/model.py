@@ -167,8 +167,8 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
         worst = max(range(len(memory)), key=lambda r: totals[r])
         term = max(memory[worst], key=memory[worst].get)
         pred.feasible = False
-        pred.reason = (f"pipeline rank {worst} needs {peak / 2**30:.2f} GiB > {req.memory_bytes / 2**30:.2f} GiB "
-                       f"(largest term: {term} {memory[worst][term] / 2**30:.2f} GiB)")
+        pred.reason = (f"pipeline rank {worst} needs {peak / 2**20:.1f} MiB > {req.memory_bytes / 2**20:.1f} MiB "
+                       f"(largest term: {term} {memory[worst][term] / 2**20:.1f} MiB)")
     return pred
 
 

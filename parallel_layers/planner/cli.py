@@ -1,0 +1,103 @@
+"""``python -m parallel_layers plan``: rank every layout of a model on a cluster, or calibrate a profile.
+
+    python -m parallel_layers plan --gpt 12,768,12,50257 --world 64 --devices-per-node 8 --memory-gib 80 \\
+        --global-batch 512 --seq-len 2048 --precision bf16 --profile h100 [--json out.json] [--png out.png]
+    python -m parallel_layers plan --hf-config path/config.json ...     # a Hugging Face causal LM's config
+    python -m parallel_layers plan --calibrate profile.json [--world 2]  # measure this machine, save a profile
+
+Prints the feasible layouts fastest first (tokens/s, MFU, step time, bubble, the largest rank's memory
+by term), then the infeasible ones with the term that overflowed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .hardware import BUILTIN, load_profile
+from .search import candidate_layouts, draw, plan, to_json
+from .spec import Request
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m parallel_layers plan", description=__doc__.splitlines()[0])
+    model = ap.add_mutually_exclusive_group()
+    model.add_argument("--gpt", help="the reference GPT: n_layer,d_model,n_head,vocab (d_ff = 4 d_model)")
+    model.add_argument("--hf-config", help="a Hugging Face config.json (a causal LM's)")
+    ap.add_argument("--world", type=int, default=8, help="ranks (default 8)")
+    ap.add_argument("--devices-per-node", type=int, default=8)
+    ap.add_argument("--memory-gib", type=float, default=80.0, help="memory per rank, GiB")
+    ap.add_argument("--global-batch", type=int, default=32, help="sequences per step")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--profile", default="h100", help=f"built-in ({', '.join(BUILTIN)}) or a calibrated JSON file")
+    ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    ap.add_argument("--checkpoint", default="off,on", help="activation checkpointing: off, on or off,on")
+    ap.add_argument("--top", type=int, default=10, help="feasible layouts to print")
+    ap.add_argument("--json", help="write every layout's prediction here")
+    ap.add_argument("--png", help="draw the memory bars and step times here")
+    ap.add_argument("--calibrate", metavar="PATH", help="measure this machine over --world gloo ranks, save the "
+                                                        "profile to PATH, and stop")
+    return ap
+
+
+def request_of(args) -> Request:
+    if args.hf_config:
+        from transformers import AutoConfig
+        model = AutoConfig.from_pretrained(args.hf_config)
+    else:
+        from ..models.gpt import GPTConfig
+        n_layer, d, h, v = (int(x) for x in (args.gpt or "4,64,4,256").split(","))
+        model = GPTConfig(vocab_size=v, n_layer=n_layer, n_head=h, d_model=d, max_seq_len=args.seq_len)
+    return Request(model, world=args.world, global_batch=args.global_batch, seq_len=args.seq_len,
+                   memory_bytes=args.memory_gib * 2**30, devices_per_node=args.devices_per_node,
+                   precision=args.precision)
+
+
+def _row(p) -> str:
+    worst = max(p.memory, key=lambda t: sum(t.values()))
+    mem = " ".join(f"{k[:5]} {v / 2**20:.1f}" for k, v in worst.items())
+    return (f"{p.layout.name():44s} {p.tokens_per_s:12,.0f} {p.mfu:6.1%} {p.step_s * 1e3:9.2f} {p.bubble:6.1%} "
+            f"{p.peak_bytes / 2**20:9.1f}  {mem}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.calibrate:
+        from .calibrate import calibrate
+        prof = calibrate(world=args.world)
+        prof.save(args.calibrate)
+        print(f"calibrated profile saved to {args.calibrate}: matmul {prof.flops['fp32'] / 1e9:.1f} GFLOP/s fp32, "
+              f"memory {prof.mem_bw / 1e9:.1f} GB/s, all-reduce alpha {prof.intra['all_reduce'].alpha * 1e6:.0f} us "
+              f"beta {1 / prof.intra['all_reduce'].beta / 1e9:.2f} GB/s, {prof.compute_slots} cores")
+        return 0
+    req = request_of(args)
+    prof = load_profile(args.profile)
+    zero = [int(z) for z in args.zero.split(",")]
+    ck = [{"off": False, "on": True}[c] for c in args.checkpoint.split(",")]
+    layouts = list(candidate_layouts(req, zero=zero, schedules=args.schedules.split(","), checkpoint=ck))
+    print(f"{req.describe_model()} on {req.world} ranks ({req.devices_per_node} per node, "
+          f"{args.memory_gib:g} GiB each), batch {req.global_batch} x {req.seq_len}, {req.precision}; profile "
+          f"{prof.name} ({'measured' if prof.measured else 'assumed efficiencies: ' + prof.notes}); "
+          f"{sum(r is None for _, r in layouts)} layouts to predict", file=sys.stderr)
+    ranked = plan(req, prof, layouts)
+    print(f"{'layout':44s} {'tokens/s':>12s} {'MFU':>6s} {'step ms':>9s} {'bubble':>6s} {'MiB/rank':>9s}  "
+          f"largest rank, MiB by term")
+    feasible = [p for p in ranked if p.feasible]
+    for p in feasible[:args.top]:
+        print(_row(p))
+    dropped = [p for p in ranked if not p.feasible]
+    if dropped:
+        print(f"\n{len(dropped)} layouts dropped:")
+        for p in dropped[:args.top]:
+            print(f"  {p.layout.name():44s} {p.reason}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(to_json(req, prof, ranked), fh, indent=1, default=str)
+    if args.png:
+        draw(ranked, args.png, req.memory_bytes)
+    return 0 if feasible else 1
+
+
+__all__ = ["main", "build_parser", "request_of"]
