@@ -197,7 +197,11 @@ class Parallel3D:
     not count in the loss (None: every label counts). ``autocast=torch.bfloat16``: an fp32 model's
     forward under ``torch.autocast`` (fp32 weights and optimizer, bf16 matmuls), at every layout and ZeRO
     stage. ``cp_method``: ``"ring"`` or ``"ulysses"``, the attention of a mesh with ``cp > 1`` (each rank
-    holds a zigzag shard of every sequence: :mod:`parallel_layers.context_parallel`).
+    holds a zigzag shard of every sequence: :mod:`parallel_layers.context_parallel`). ``layout``:
+    ``"auto"`` (or ``planner.Auto(global_batch=..., seq_len=..., memory_gib=..., profile=...)``) picks the
+    fastest layout that fits with the layout planner (:mod:`parallel_layers.planner`; rank 0 plans in a child
+    process, every rank gets its choice), or a ``planner.Layout``; it sets the mesh when ``mesh`` is None,
+    and ``zero``, ``schedule``, ``num_microbatches``, ``num_chunks`` and ``checkpoint`` (``self.layout``).
 
     Defaults that differ from ``torch.optim.AdamW``'s: ``betas=(0.9, 0.95)`` (GPT-3's, Megatron-LM's and
     Llama's, against torch's ``(0.9, 0.999)``) and ``max_grad_norm=1.0`` (the global gradient norm is
@@ -214,7 +218,21 @@ class Parallel3D:
                  loss_fn: Optional[Callable] = None, recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
                  boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
                  optimizer_options: Optional[dict] = None, ignore_index: Optional[int] = IGNORE_INDEX,
-                 autocast: Optional[torch.dtype] = None, cp_method: str = "ring"):
+                 autocast: Optional[torch.dtype] = None, cp_method: str = "ring", layout=None):
+        if layout is not None:
+            # the layout planner's choice (parallel_layers.planner): "auto" / planner.Auto(...) plans on rank 0
+            # and broadcasts; a planner.Layout is used as given. It sets the mesh (when mesh is None) and these:
+            from .planner.auto import resolve_layout
+            chosen = resolve_layout(layout, model)
+            if mesh is None:
+                mesh = ParallelMesh(dp=chosen.dp, tp=chosen.tp, pp=chosen.pp, cp=chosen.cp)
+            elif (mesh.dp, mesh.tp, mesh.pp, getattr(mesh, "cp", 1)) != (chosen.dp, chosen.tp, chosen.pp, chosen.cp):
+                raise ValueError(f"Parallel3D: layout {chosen.name()} does not match the mesh (dp={mesh.dp}, "
+                                 f"tp={mesh.tp}, pp={mesh.pp}, cp={getattr(mesh, 'cp', 1)}); pass mesh=None to "
+                                 f"let the layout build it")
+            zero, schedule, num_microbatches = chosen.zero, chosen.schedule, chosen.num_microbatches
+            num_chunks, checkpoint = chosen.num_chunks, chosen.checkpoint
+            self.layout = chosen
         is_gpt = isinstance(model, GPTConfig)
         if not is_gpt and not isinstance(model, nn.Module):
             raise TypeError(f"Parallel3D: model must be a GPTConfig or an nn.Module, not {type(model).__name__}")
