@@ -11,11 +11,12 @@ Memory comes from the package's own code run on the meta device (:mod:`.probe`),
 counts at a hardware profile's rates (:mod:`.model`, :mod:`.hardware`, :mod:`.calibrate`);
 :mod:`.measure` is how ``benchmarks/planner.py`` checks both against real runs.
 """
+from .auto import Auto, resolve_layout
 from .calibrate import calibrate
 from .hardware import BUILTIN, Link, Profile, load_profile
 from .model import Prediction, predict
 from .search import candidate_layouts, plan, to_json
 from .spec import Layout, Request
 
-__all__ = ["Layout", "Request", "Profile", "Link", "BUILTIN", "load_profile", "calibrate", "predict", "Prediction",
-           "plan", "candidate_layouts", "to_json"]
+__all__ = ["Auto", "resolve_layout", "Layout", "Request", "Profile", "Link", "BUILTIN", "load_profile", "calibrate",
+           "predict", "Prediction", "plan", "candidate_layouts", "to_json"]

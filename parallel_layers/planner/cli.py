@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--gpt", help="the reference GPT: n_layer,d_model,n_head,vocab (d_ff = 4 d_model)")
     model.add_argument("--hf-config", help="a Hugging Face config.json (a causal LM's)")
+    model.add_argument("--model-json", help="a model as planner.spec.model_to_json writes it (GPTConfig or HF)")
     ap.add_argument("--world", type=int, default=8, help="ranks (default 8)")
     ap.add_argument("--devices-per-node", type=int, default=8)
     ap.add_argument("--memory-gib", type=float, default=80.0, help="memory per rank, GiB")
@@ -46,6 +47,10 @@ def request_of(args) -> Request:
     if args.hf_config:
         from transformers import AutoConfig
         model = AutoConfig.from_pretrained(args.hf_config)
+    elif args.model_json:
+        from .spec import model_from_json
+        with open(args.model_json) as fh:
+            model = model_from_json(fh.read())
     else:
         from ..models.gpt import GPTConfig
         n_layer, d, h, v = (int(x) for x in (args.gpt or "4,64,4,256").split(","))

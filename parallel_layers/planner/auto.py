@@ -1,0 +1,99 @@
+"""``Parallel3D(model, layout="auto")``: the planner's best feasible layout, agreed by every rank.
+
+Global rank 0 runs the planner in a child process (``python -m parallel_layers plan --json``: the planner
+plays every rank under a fake process group, which cannot share a process with the real one) and the
+chosen layout is broadcast over the world group, so every rank builds the same mesh and settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .spec import Layout, model_to_json
+
+
+@dataclasses.dataclass
+class Auto:
+    """What ``layout="auto"`` plans for. ``global_batch`` (default 8 x world) sequences of ``seq_len`` tokens
+    (default: the model's maximum length); ``memory_gib`` per rank (default: the GPU's, or the host's
+    memory shared by the ranks); ``profile``: a built-in name or a calibrated JSON file (default: h100 on
+    a GPU; on CPU this machine's, calibrated first: ``--calibrate``, some seconds)."""
+    global_batch: Optional[int] = None
+    seq_len: Optional[int] = None
+    memory_gib: Optional[float] = None
+    profile: Optional[str] = None
+    devices_per_node: int = 8
+    precision: str = "fp32"
+
+
+def _defaults(auto: Auto, model, world: int) -> Auto:
+    from ..models.gpt import GPTConfig
+    cfg = model if isinstance(model, GPTConfig) else getattr(model, "config", None)
+    seq = auto.seq_len or (cfg.max_seq_len if isinstance(cfg, GPTConfig) else cfg.max_position_embeddings)
+    if auto.memory_gib is not None:
+        mem = auto.memory_gib
+    elif torch.cuda.is_available():
+        mem = torch.cuda.get_device_properties(0).total_memory / 2**30
+    else:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / world
+    return dataclasses.replace(auto, global_batch=auto.global_batch or 8 * world, seq_len=seq, memory_gib=mem)
+
+
+def plan_in_child(model, world: int, auto: Auto) -> Layout:
+    """Run the planner in a child process; the best feasible layout (``ValueError`` when none fits)."""
+    from ..models.gpt import GPTConfig
+    auto = _defaults(auto, model, world)
+    cfg = model if isinstance(model, GPTConfig) else getattr(model, "config", None)
+    if cfg is None:
+        raise ValueError(f"Parallel3D(layout='auto'): {type(model).__name__} has no config to plan from; pass a "
+                         f"GPTConfig, a Hugging Face model, or a planner.Layout")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path, out = os.path.join(tmp, "model.json"), os.path.join(tmp, "plan.json")
+        with open(model_path, "w") as fh:
+            json.dump(model_to_json(cfg), fh, default=str)
+        cmd = [sys.executable, "-m", "parallel_layers", "plan", "--model-json", model_path, "--world", str(world),
+               "--global-batch", str(auto.global_batch), "--seq-len", str(auto.seq_len),
+               "--memory-gib", str(auto.memory_gib), "--devices-per-node", str(auto.devices_per_node),
+               "--precision", auto.precision, "--json", out]
+        profile = auto.profile or ("h100" if torch.cuda.is_available() else None)
+        if profile is None:
+            profile = os.path.join(tmp, "profile.json")
+            subprocess.run([sys.executable, "-m", "parallel_layers", "plan", "--calibrate", profile, "--world", "2"],
+                           check=True, capture_output=True, text=True)
+        proc = subprocess.run(cmd + ["--profile", profile], capture_output=True, text=True)
+        if not os.path.exists(out):
+            raise RuntimeError(f"Parallel3D(layout='auto'): the planner failed:\n{proc.stdout[-2000:]}\n"
+                               f"{proc.stderr[-3000:]}")
+        with open(out) as fh:
+            result = json.load(fh)
+    if result["best"] is None:
+        reasons = "; ".join(f"{p['name']}: {p['reason']}" for p in result["layouts"][:3])
+        raise ValueError(f"Parallel3D(layout='auto'): no layout of {world} ranks fits {auto.memory_gib:.1f} GiB per "
+                         f"rank (e.g. {reasons}); lower the batch or sequence, add ranks, or pass more memory_gib")
+    return Layout(**result["best"]["layout"])
+
+
+def resolve_layout(layout: Union[str, Auto, Layout], model) -> Layout:
+    """The layout every rank uses: a ``Layout`` as given, ``"auto"``/``Auto(...)`` planned on global rank
+    0 and broadcast over the world (a collective: every rank calls it)."""
+    if isinstance(layout, Layout):
+        return layout
+    if layout == "auto":
+        layout = Auto()
+    if not isinstance(layout, Auto):
+        raise ValueError(f"Parallel3D: layout={layout!r} must be 'auto', a planner.Auto or a planner.Layout")
+    world = dist.get_world_size()
+    box = [plan_in_child(model, world, layout) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+__all__ = ["Auto", "resolve_layout", "plan_in_child"]
