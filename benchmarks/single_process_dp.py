@@ -16,8 +16,7 @@ repetition (median of the timed repetitions after warm-up):
 * ``single_process_1thread``: the same with ``torch.set_num_threads(cores // n)`` while it runs (the
   replicas' threads split the cores instead of oversubscribing them);
 * ``processes``: our :class:`~parallel_layers.DataParallel` on ``n`` gloo processes of one intra-op thread
-  each, ``batch / n`` rows each (the slowest rank's step); its baseline is one device's step timed in the
-  same processes, alternating with it (rank 0, the process's intra-op threads, the other ranks waiting);
+  each, ``batch / n`` rows each (the slowest rank's step);
 * ``torch.nn.DataParallel``: on ``n`` CUDA devices only (on CPU it does not replicate: with no CUDA device it
   runs the module alone), so on a CPU machine its row says "needs CUDA" and has no time.
 
@@ -67,10 +66,8 @@ def _loss(logits, tgt):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
-def _processes_rank(rank: int, world: int, prof: dict, cores: int):
-    """One gloo rank of our process-per-device DataParallel: its step times (slowest rank's), buckets, bytes,
-    and, timed back to back with them, one device's whole-batch step on rank 0 with ``cores`` intra-op
-    threads while the other ranks wait (the baseline of this row: a drifting machine load hits both)."""
+def _processes_rank(rank: int, world: int, prof: dict):
+    """One gloo rank of our process-per-device DataParallel: its step times (slowest rank's), buckets, bytes."""
     import torch.distributed as dist
 
     from parallel_layers.data_parallel import DataParallel
@@ -78,27 +75,18 @@ def _processes_rank(rank: int, world: int, prof: dict, cores: int):
     per = prof["batch"] // world
     model = DataParallel(_gpt(prof, "cpu"), dist.group.WORLD)
     idx, tgt = _batch(prof, "cpu", slice(rank * per, (rank + 1) * per))
-    one = _gpt(prof, "cpu") if rank == 0 else None
-    whole = _batch(prof, "cpu")
 
     def step():
         model.zero_grad()
         _loss(model(idx)[0], tgt).backward()   # DataParallel averages over ranks: the global batch's mean
 
-    def one_step():
-        if one is not None:
-            one.zero_grad()
-            _loss(one(whole[0])[0], whole[1]).backward()
-
-    times, base = [], []
+    times = []
     for i in range(prof["warmup"] + prof["reps"]):
         t = harness.slowest_rank_ms(step)
-        b = harness.slowest_rank_ms(_with_threads(cores, one_step))
         if i >= prof["warmup"]:
             times.append(t)
-            base.append(b)
     grad_bytes = sum(b.numel for b in model.buffer.buckets) * 4
-    return times, len(model.buffer.buckets), grad_bytes, base
+    return times, len(model.buffer.buckets), grad_bytes
 
 
 def _with_threads(n: Optional[int], fn: Callable[[], object]) -> Callable[[], object]:
@@ -147,9 +135,9 @@ def measure(prof: dict, device: torch.device, processes: bool = True) -> Dict[st
     variants["single_process"]["exchanges"] = spdp.exchanges.summary()
     spdp.close()
     if device.type == "cpu" and processes:
-        times, buckets, grad_bytes, base = harness.run_ranks(_processes_rank, n, (prof, torch.get_num_threads()),
-                                                             timeout_s=1800, retain_memory=True)[0]
-        variants["processes"] = dict(times=times, buckets=buckets, grad_bytes=grad_bytes, base=base)
+        times, buckets, grad_bytes = harness.run_ranks(_processes_rank, n, (prof,), timeout_s=1800,
+                                                       retain_memory=True)[0]
+        variants["processes"] = dict(times=times, buckets=buckets, grad_bytes=grad_bytes)
     return variants
 
 
@@ -185,8 +173,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
             backend = f"cuda x{n}"
             text = "torch.nn.DataParallel: 5 exchanges per batch (broadcast, scatter, gather, reduce-add)"
         rows.append(harness.comparison_row(dict(common, backend=backend), f"dp_{name}_vs_one_device",
-                                           run["times"], run.get("base", base),
-                                           baseline=f"one device, whole batch; {text}"))
+                                           run["times"], base, baseline=f"one device, whole batch; {text}"))
     return rows
 
 

@@ -143,6 +143,6 @@ def test_benchmark_smoke_rows(dist_pools):
     assert rows["dp_single_process_vs_one_device"]["baseline"].startswith("one device, whole batch; 5 exchanges")
     assert all(r["ours_median_ms"] > 0 and r["base_median_ms"] > 0 for r in rows.values())
     prof = bench.PROFILES["smoke"]
-    for times, buckets, grad_bytes, base in dist_pools(2).run(bench._processes_rank, prof, 1):
-        assert len(times) == len(base) == prof["reps"] and min(times) > 0 and min(base) > 0 and buckets == 1
+    for times, buckets, grad_bytes in dist_pools(2).run(bench._processes_rank, prof):
+        assert len(times) == prof["reps"] and min(times) > 0 and buckets == 1
         assert grad_bytes >= sum(p.numel() * 4 for p in bench._gpt(prof, "cpu").parameters())
