@@ -82,6 +82,7 @@ UNDER_NCCL_RULES = {
     "test_context_parallel_3d.py": {"test_context_parallel_in_4d_matches_single_process": ("qwen2",),
                                     "test_hf_model_with_context_parallel_matches_single_process": ("ulysses",)},
     "test_precision_3d.py": {"test_low_precision_model_through_the_pipeline": ("dp2-pp2-zero1",)},
+    "test_partitioned_checkpoint.py": {"test_partitioned_and_offloaded_inputs_equal_plain_checkpointing": ("",)},
 }
 
 
@@ -130,6 +131,9 @@ SLOW = {
     "test_bench_context_parallel.py": "*",
     "test_sync_batchnorm.py": ("test_benchmark_smoke_rows", "test_inside_data_parallel_trains_like_one_process"),
     "test_checkpoint_policy.py": ("test_benchmark_smoke",),
+    "test_single_process_dp.py": ("test_benchmark_smoke_rows",
+                                  "test_gpt_over_three_threads_equals_one_device_on_the_whole_batch"),
+    "test_partitioned_checkpoint.py": ("test_partitioned_and_offloaded_inputs_equal_plain_checkpointing",),
     "test_bench_kernels_tp.py": ("test_tp_smoke_rows", "test_cross_entropy_smoke_rows_and_environment_restored"),
     "test_benchmarks_smoke.py": ("test_kernels_smoke_prints_a_row_per_case",
                                  "test_bench_cli_rejects_unknown_group_and_lists_groups",
