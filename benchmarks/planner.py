@@ -96,7 +96,9 @@ def _ranks(rank: int, world: int, todo: list, steps: int):
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=gen)
     y = torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=gen)
+    from parallel_layers.planner.measure import live_tensor_bytes
     for name, layout in todo:
+        before = live_tensor_bytes()       # what earlier layouts left in this process is not this one's
         mesh = ParallelMesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp)
         torch.manual_seed(0)
         if name == "gpt":
@@ -104,7 +106,7 @@ def _ranks(rank: int, world: int, todo: list, steps: int):
         else:
             from transformers import LlamaForCausalLM
             p3d = Parallel3D(LlamaForCausalLM(_llama()), mesh, **layout.parallel3d_kwargs())
-        out.append(measure_layout(p3d, (x, y), steps))
+        out.append(measure_layout(p3d, (x, y), steps, baseline=before))
         del p3d
         gc.collect()
     return out

@@ -97,6 +97,7 @@ class OpTally(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.traffic = 0                      # bytes read + written by non-matmul ops
+        self.ops = 0                          # operator calls (each costs a launch / dispatch overhead)
         self.collectives: Dict[str, List[int]] = defaultdict(list)   # op name -> bytes per call
         self._count: Dict[int, int] = {}      # storage -> tensors alive that own it here
         self._size: Dict[int, int] = {}
@@ -126,6 +127,7 @@ class OpTally(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.__name__.split(".")[0]
+        self.ops += 1
         if name == "_local_scalar_dense" and args[0].device.type == "meta":
             # a host read of a meta tensor (a bounds check, an inf flag): there is no value; reading
             # 0 takes the normal path (ids in range, no overflow), which is the path whose memory counts

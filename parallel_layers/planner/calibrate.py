@@ -45,6 +45,15 @@ def memory_bandwidth(nbytes: int = 128 << 20, reps: int = 5) -> float:
     return 2 * nbytes / _median_time(lambda: dst.copy_(src), reps)
 
 
+def op_overhead(reps: int = 200) -> float:
+    """Seconds of one small operator call (dispatch and a tiny kernel: what every op pays at least)."""
+    a, b = torch.ones(8, 8), torch.ones(8, 8)
+    def ops():
+        for _ in range(reps):
+            torch.add(a, b)
+    return _median_time(ops, 5) / reps
+
+
 def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]:
     """On every rank: the median time of each collective kind at SMALL and LARGE bytes (the slowest rank's)."""
     import torch.distributed as dist
@@ -91,6 +100,7 @@ def calibrate(world: int = 2, reps: int = 5, name: str = "this machine") -> Prof
     torch.set_num_threads(1)
     flops = {"fp32": matmul_flops(), "bf16": matmul_flops(dtype=torch.bfloat16)}
     bw = memory_bandwidth()
+    overhead = op_overhead()
     with WorkerPool(world, pg_timeout_s=120) as pool:
         times = pool.run(_collective_rank, reps, timeout=600)[0]
     links = {kind: _solve(kind, world, *ts) for kind, ts in times.items()}
@@ -102,7 +112,7 @@ def calibrate(world: int = 2, reps: int = 5, name: str = "this machine") -> Prof
         slots = os.cpu_count() or 1
     return Profile(name=name, flops=flops, peak_flops=dict(flops), mem_bw=bw, intra=links,
                    inter={k: Link(v.alpha, v.beta) for k, v in links.items()}, compute_slots=slots,
-                   fragmentation=0.0, measured=True,
+                   fragmentation=0.0, op_overhead=overhead, measured=True,
                    notes=f"calibrated: one-thread matmul and copy, collectives over {world} gloo ranks; "
                          f"{slots} cores shared by the ranks")
 

@@ -44,6 +44,7 @@ class Profile:
     between nodes, per collective kind (``"*"``: every kind); ``compute_slots``: ranks that compute at
     once on the machine (None: one device per rank; a CPU host with fewer cores than ranks shares them);
     ``fragmentation``: fraction added to the predicted peak for the allocator's unusable gaps;
+    ``op_overhead``: seconds each operator call costs besides its work (kernel launch, host dispatch);
     ``measured``: whether the figures were measured here (``--calibrate``) or assumed."""
     name: str
     flops: Dict[str, float]
@@ -53,6 +54,7 @@ class Profile:
     inter: Dict[str, Link]
     compute_slots: Optional[int] = None
     fragmentation: float = 0.05
+    op_overhead: float = 5e-6
     measured: bool = False
     notes: str = ""
 

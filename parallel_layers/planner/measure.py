@@ -49,13 +49,14 @@ def step_growth(fn) -> int:
     return top
 
 
-def measure_layout(p3d, batch, steps: int = 3) -> Dict[str, object]:
+def measure_layout(p3d, batch, steps: int = 3, baseline: int = 0) -> Dict[str, object]:
     """On every rank of ``p3d``'s mesh (a collective): one warm-up step, one step under the memory
-    profiler, then ``steps`` timed steps. Returns this rank's figures."""
+    profiler, then ``steps`` timed steps. Returns this rank's figures; ``baseline``: the live tensor
+    bytes before the model was built (what the process held already), taken off the start."""
     import torch.distributed as dist
     x, y = batch
     p3d.train_step(x, y)                                   # warm-up: lazy optimizer state, bucket rebuilds
-    start = live_tensor_bytes()
+    start = live_tensor_bytes() - baseline
     growth = step_growth(lambda: p3d.train_step(x, y))
     times: List[float] = []
     for _ in range(steps):

@@ -11,7 +11,8 @@ Memory of pipeline rank ``r`` (every dp/cp/tp coordinate of it holds the same):
 and ``fragmentation`` of the profile on top for the feasibility check (the allocator's gaps).
 
 Step time: every forward and backward of the schedule costs its FLOPs at the profile's matmul rate,
-its non-matmul bytes at the memory bandwidth and its tensor/context-parallel collectives at their
+its non-matmul bytes at the memory bandwidth, its operator calls at the per-op overhead (launch or
+host dispatch: what dominates small models) and its tensor/context-parallel collectives at their
 alpha-beta cost (ranks beyond ``compute_slots`` share the compute); ``simulate_timing`` walks the
 schedule with those costs and the activation send's cost as latency (the bubble). The package reduces
 gradients once per step after the pipeline has drained (no overlap with backward in ``Parallel3D``), so
@@ -101,8 +102,8 @@ def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
     return stride * size > req.devices_per_node if size > 1 else False
 
 
-def _phase_s(req, layout, prof: Profile, flops, traffic, colls, slow: float) -> float:
-    t = (flops / prof.matmul_rate(req.precision) + traffic / prof.mem_bw) * slow
+def _phase_s(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float) -> float:
+    t = (flops / prof.matmul_rate(req.precision) + traffic / prof.mem_bw + ops * prof.op_overhead) * slow
     for name, sizes in colls.items():
         kind = _COLL_KIND.get(name, "all_reduce")
         if kind is None:
@@ -135,8 +136,8 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     durations = {}
     for r, pr in enumerate(probes):
         for c, cc in enumerate(pr.chunks):
-            f = _phase_s(req, layout, prof, cc.flops_f, cc.traffic_f, cc.coll_f, slow)
-            b = _phase_s(req, layout, prof, cc.flops_b, cc.traffic_b, cc.coll_b, slow)
+            f = _phase_s(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow)
+            b = _phase_s(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow)
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b

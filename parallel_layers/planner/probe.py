@@ -107,6 +107,8 @@ class ChunkCost:
     flops_b: float
     traffic_f: int             # bytes read + written by the non-matmul ops
     traffic_b: int
+    ops_f: int                 # operator calls of a forward / backward (their launch or dispatch overhead)
+    ops_b: int
     coll_f: Dict[str, List[int]]   # collective -> bytes per call
     coll_b: Dict[str, List[int]]
     out_shape: tuple
@@ -161,7 +163,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
                     for phase in ("F", "B"):
                         gc.collect(0)           # what the last phase dropped in young cycles is gone before we count
                         before_flops = flops.get_total_flops()
-                        before_traffic = tally.traffic
+                        before_traffic, before_ops = tally.traffic, tally.ops
                         before_coll = {k: len(v) for k, v in tally.collectives.items()}
                         tally.reset_peak()
                         if phase == "F":
@@ -184,14 +186,15 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
                                 if len(v) > before_coll.get(k, 0)}
                         phases.append(dict(peak=tally.peak - start, live=tally.live - start, saved=saved,
                                            flops=flops.get_total_flops() - before_flops,
-                                           traffic=tally.traffic - before_traffic, coll=coll))
+                                           traffic=tally.traffic - before_traffic, coll=coll,
+                                           ops=tally.ops - before_ops))
             f1, b1, f2, b2 = phases
             if not is_last:
                 hidden_shape = shape
             costs.append(ChunkCost(
                 saved=f2["saved"], peak=max(f1["peak"], b1["peak"], f2["peak"] + b1["live"], b2["peak"] + b1["live"]),
                 persist=b1["live"], flops_f=f2["flops"], flops_b=b2["flops"], traffic_f=f2["traffic"],
-                traffic_b=b2["traffic"], coll_f=f2["coll"], coll_b=b2["coll"],
+                traffic_b=b2["traffic"], ops_f=f2["ops"], ops_b=b2["ops"], coll_f=f2["coll"], coll_b=b2["coll"],
                 out_shape=hidden_shape[0] if hidden_shape else (),
                 out_bytes=(torch.Size(hidden_shape[0]).numel() * torch.empty(0, dtype=hidden_shape[1]).element_size()
                            if hidden_shape else 0)))

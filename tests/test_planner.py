@@ -1,0 +1,124 @@
+"""The layout planner (issue 33): its pieces against the package's own allocations, in one process.
+
+The planner runs the package's code on the meta device under a fake process group; these tests run
+the same probes on real CPU tensors (the same fake group: one process plays the rank) and against the
+package's own memory reports, so a probe that drifts from what the code allocates fails here. The
+24-layout accuracy proof against real multi-process runs is benchmarks/planner.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parallel_layers.models.gpt import GPTConfig
+from parallel_layers.planner import BUILTIN, Layout, Request, candidate_layouts, predict
+from parallel_layers.planner.model import probe_layout
+from parallel_layers.planner.probe import build_rank, fake_world, global_rank, microbatch_probe, static_terms
+from parallel_layers.zero.memory import expected_bytes
+
+GPT = GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=64, max_seq_len=64)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _req(world, model=GPT, batch=8):
+    return Request(model, world=world, global_batch=batch, seq_len=64, memory_bytes=1e12)
+
+
+def _probe(layout, device, pp_rank=0, hidden=None, model=GPT):
+    req = _req(layout.world, model)
+    with fake_world(global_rank(layout, pp_rank), layout.world):
+        p3d = build_rank(req, layout, pp_rank, torch.device(device))
+        b = req.global_batch // (layout.dp * layout.num_microbatches)
+        return microbatch_probe(p3d, b, req.seq_len // layout.cp, hidden)
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(tp=2, checkpoint=True), Layout(pp=2, num_microbatches=2)],
+                         ids=["dp2", "tp2-ckpt", "pp2"])
+def test_meta_microbatch_equals_real_tensors(layout):
+    """A micro-batch probed on meta keeps, peaks at and computes exactly what the same code does on
+    real CPU tensors (bytes, FLOPs, collectives), for every pipeline stage."""
+    hidden_meta = hidden_cpu = None
+    for r in range(layout.pp):
+        meta, hidden_meta = _probe(layout, "meta", r, hidden_meta)
+        cpu, hidden_cpu = _probe(layout, "cpu", r, hidden_cpu)
+        for m, c in zip(meta, cpu):
+            assert m.flops_f == c.flops_f > 0 and m.flops_b == c.flops_b > 0
+            assert {k: len(v) for k, v in m.coll_f.items()} == {k: len(v) for k, v in c.coll_f.items()}
+            if not layout.checkpoint:
+                # bytes kept and the peak: equal to the byte up to the few scalars the CPU loss keeps
+                assert abs(m.saved - c.saved) <= 64 and abs(m.peak - c.peak) <= 64, (r, m, c)
+            else:
+                assert m.saved < _probe(Layout(tp=2), "meta")[0][0].saved   # checkpointing keeps less
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_static_terms_are_the_package_accounting(zero):
+    """ZeRO 1/2: the planner's parameter, gradient and optimizer bytes are zero/memory.py's
+    ``expected_bytes`` for the rank's padded buffer (its size from the optimizer's report), plus what a
+    step brings back: stage 2's full gradient buffer (``transient_grad_bytes``)."""
+    layout = Layout(dp=2, zero=zero)
+    with fake_world(0, 2):
+        p3d = build_rank(_req(2), layout, 0)
+        rep = p3d.memory_report()
+        terms = static_terms(p3d)
+    exp = expected_bytes(zero, 2, rep["padded_numel"], param_dtype=torch.float32)
+    assert terms["parameters"] == rep["param_bytes"] == exp["param_bytes"]
+    scalars = 8            # DataParallel's 1/dp scale and its one: two float32 scalars on the rank
+    assert terms["gradients"] == exp["grad_bytes"] + rep["transient_grad_bytes"] + scalars
+    # plus the optimizer's few scalars (step count, flags, clip coefficient): a couple of hundred bytes
+    assert 0 <= terms["optimizer"] - exp["optimizer_bytes"] <= 256
+
+
+def test_schedule_in_flight_and_zero3():
+    """GPipe keeps all m micro-batches in flight, 1F1B at most p - r: the predicted activations of
+    pipeline rank 0 differ by exactly (m - p) micro-batches' saved bytes; ZeRO-3 holds 1/dp of the
+    parameters between steps but the full ones once gathered; a memory cap names the overflowing term."""
+    m, p = 4, 2
+    cache: dict = {}
+    gp = predict(_req(2), Layout(pp=p, schedule="gpipe", num_microbatches=m), BUILTIN["h100"], cache)
+    fb = predict(_req(2), Layout(pp=p, schedule="1f1b", num_microbatches=m), BUILTIN["h100"], cache)
+    saved = probe_layout(_req(2), Layout(pp=p, num_microbatches=m), cache)[0].chunks[0].saved
+    assert gp.memory[0]["activations"] - fb.memory[0]["activations"] == (m - p) * saved
+    assert 0 < fb.bubble < 1 and 0 < gp.bubble < 1 and gp.step_s > 0
+    z0, z3 = (predict(_req(2), Layout(dp=2, zero=z), BUILTIN["a100"]) for z in (0, 3))
+    assert z3.memory[0]["optimizer"] < z0.memory[0]["optimizer"] / 1.9
+    small = Request(GPT, world=2, global_batch=8, seq_len=64, memory_bytes=z0.peak_bytes - 1)
+    cut = predict(small, Layout(dp=2, zero=0), BUILTIN["a100"])
+    assert not cut.feasible and "pipeline rank 0 needs" in cut.reason and "largest term" in cut.reason
+
+
+def test_candidates_name_why_a_layout_cannot_run():
+    req = Request(GPTConfig(vocab_size=256, n_layer=3, n_head=6, d_model=48, max_seq_len=64), world=4,
+                  global_batch=4, seq_len=60, memory_bytes=1e12)
+    reasons = {lay.name(): r for lay, r in candidate_layouts(req, zero=(1,), checkpoint=(False,))}
+    assert "does not divide the heads" in reasons["tp4 z1 m1"]
+    assert "zigzag" in reasons["cp4 z1 m1"]
+    assert "layers do not fill" in reasons["pp4 z1 gpipe m4"]
+    assert "does not split into dp=1 x 8" in reasons["tp2xpp2 z1 gpipe m8"]
+    assert reasons["dp2xtp2 z1 m1"] is None
+
+
+def test_cli_json_and_png(tmp_path):
+    """``python -m parallel_layers plan``: the JSON's best layout is the fastest feasible one, every
+    dropped layout says why, and the picture is drawn."""
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    cmd = [sys.executable, "-m", "parallel_layers", "plan", "--gpt", "4,64,4,256", "--world", "2",
+           "--memory-gib", "0.006", "--global-batch", "8", "--seq-len", "64", "--precision", "fp32",
+           "--zero", "0,3", "--schedules", "1f1b", "--checkpoint", "off", "--profile", "h100",
+           "--json", str(out), "--png", str(png)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    feasible = [p for p in data["layouts"] if p["feasible"]]
+    dropped = [p for p in data["layouts"] if not p["feasible"]]
+    assert feasible and dropped and data["best"]["name"] == feasible[0]["name"]
+    assert all(p["tokens_per_s"] <= feasible[0]["tokens_per_s"] for p in feasible)
+    assert all(p["reason"] for p in dropped)
+    assert all(max(sum(t.values()) for t in p["memory"]) * 1.05 <= 0.006 * 2**30 + 1 for p in feasible)
+    assert png.stat().st_size > 1000
+    assert feasible[0]["name"] in proc.stdout
