@@ -122,3 +122,27 @@ def test_cli_json_and_png(tmp_path):
     assert all(max(sum(t.values()) for t in p["memory"]) * 1.05 <= 0.006 * 2**30 + 1 for p in feasible)
     assert png.stat().st_size > 1000
     assert feasible[0]["name"] in proc.stdout
+
+
+def _auto_body(rank, world):
+    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.planner import Auto
+    p3d = Parallel3D(GPT, None, layout=Auto(global_batch=8, seq_len=64, memory_gib=0.006, profile="h100"))
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 256, (8, 64), generator=gen), torch.randint(0, 256, (8, 64), generator=gen)
+    out = p3d.train_step(x, y)
+    m = p3d.mesh
+    return p3d.layout, (m.dp, m.tp, m.pp, getattr(m, "cp", 1)), p3d.zero, p3d.engine.m, out["loss"]
+
+
+def test_parallel3d_layout_auto():
+    """``Parallel3D(config, None, layout=Auto(...))`` on 2 gloo ranks: rank 0 plans, both ranks build the
+    same mesh and settings from its choice, and the step trains (loss of an untrained byte model)."""
+    from parallel_layers.testing import WorkerPool
+    with WorkerPool(2, pg_timeout_s=300) as pool:
+        results = pool.run(_auto_body, timeout=600)
+    (layout, dims, zero, m, loss), other = results[0], results[1]
+    assert other[:4] == (layout, dims, zero, m)
+    assert dims == (layout.dp, layout.tp, layout.pp, layout.cp) and zero == layout.zero
+    assert m == layout.num_microbatches
+    assert 4.5 < loss < 6.5 and other[4] == loss            # ~ ln 256, the same on both ranks
