@@ -1,6 +1,6 @@
 """Pipeline parallelism on CPU gloo ranks (1 thread each): bubble, activation memory, step time vs torch.
 
-    python -m benchmarks.pipeline            # full: p = 2 and 4, m = 4 and 8, GPT d 256 seq 128 (+ d 128 at p = 2)
+    python -m benchmarks.pipeline            # full: p = 2 and 4, m = 4, 8, 16, GPT d 256 seq 128 (+ d 128 at p = 2)
     python -m benchmarks.pipeline --quick    # p = 2, GPT d 256 seq 64, few reps (~30 s)
     python -m benchmarks.pipeline --smoke    # tiny, seconds; never writes CSV
 
@@ -14,6 +14,11 @@ For each (p, m), in the same processes on the same data, timed steps interleaved
 * step time against ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B,
   ScheduleInterleaved1F1B) on the same split and microbatches (target ours/torch <= 1.0). Ours runs
   with ``broadcast_loss=False``: torch's schedules leave the loss on the last stage only, too;
+* the zero-bubble schedules (issue 36), ZB-H1 and ZBV (two chunks per rank in a V): their measured bubble
+  against 1F1B's and interleaved 1F1B's (targets at m = 8: ZB-H1 <= 0.5x 1F1B, ZBV below ZB-H1), ZB-H1's
+  step time against 1F1B's (<= 0.95x) and peak activation memory (<= 1.1x; saved tensors held until W
+  plus the gradients kept between B and W), and the step time against torch's
+  ScheduleInterleavedZeroBubble (one stage per rank) and ScheduleZBVZeroBubble on the same model;
 * forward-only evaluation of the same batch: ``PipelineEngine.evaluate`` against the same torch
   schedule's ``eval`` (called as a user would for validation: chunks in eval mode, under
   ``torch.no_grad``), timed interleaved after the training reps (reported: evaluation has no target).
@@ -57,7 +62,9 @@ from . import harness
 CSV_NAME = "pipeline.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 QUICK_BUDGET_S = 30
-SCHEDS = ("gpipe", "1f1b", "interleaved")
+SCHEDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+ZB = ("zb-h1", "zbv")                 # zero-bubble schedules (issue 36): B/W split
+MEMORY_SCHEDS = ("gpipe", "1f1b", "zb-h1", "zbv")
 MODELS = {
     # per-stage compute of real training (tens of ms per microbatch and stage on one core): the targets
     "representative": dict(vocab=256, n_layer=8, n_head=4, d_model=256, seq=128, mbs=2),
@@ -70,7 +77,7 @@ MODELS = {
 PROFILES = {
     "smoke": dict(runs=[("smoke", [2])], ms=[4], reps=1, warmup=1, png=False),
     "quick": dict(runs=[("quick", [2])], ms=[4, 8], reps=3, warmup=1, png=False),
-    "full": dict(runs=[("representative", [2, 4]), ("small", [2])], ms=[4, 8], reps=7, warmup=2, png=True),
+    "full": dict(runs=[("representative", [2, 4]), ("small", [2])], ms=[4, 8, 16], reps=7, warmup=2, png=True),
 }
 
 
@@ -124,11 +131,19 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
     from parallel_layers.cpu_affinity import available_cores
     from parallel_layers.models.gpt import GPTConfig
     from parallel_layers.pipeline import PipelineEngine, build_gpt_stages
+    from parallel_layers.pipeline.schedules import layout_of
 
     # untied: torch.distributed.pipelining has no tied-weight support; same split for both
     cfg = GPTConfig(vocab_size=cfgd["vocab"], n_layer=cfgd["n_layer"], n_head=cfgd["n_head"],
@@ -155,28 +170,36 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
         idx = torch.randint(0, cfg.vocab_size, (B, cfgd["seq"]), generator=g)
         tgt = torch.randint(0, cfg.vocab_size, (B, cfgd["seq"]), generator=g)
         variants = {}
+        ends = {}                 # variant -> (this rank holds the first stage, holds the last)
         for sched in SCHEDS:
-            v = 2 if sched == "interleaved" else 1
+            v = 2 if sched in ("interleaved", "zbv") else 1
+            layout = layout_of(sched)
             torch.manual_seed(0)
-            chunks = build_gpt_stages(cfg, rank, world, num_chunks=v)
+            chunks = build_gpt_stages(cfg, rank, world, num_chunks=v, layout=layout)
             variants[f"ours_{sched}"] = (PipelineEngine(chunks, group, schedule=sched, num_microbatches=m,
                                                         broadcast_loss=False), chunks)
             torch.manual_seed(0)
-            tchunks = build_gpt_stages(cfg, rank, world, num_chunks=v)
+            tchunks = build_gpt_stages(cfg, rank, world, num_chunks=v, layout=layout)
             stages = [PipelineStage(TorchChunk(c), c.stage_index, world * v, torch.device("cpu"), group=group)
                       for c in tchunks]
-            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[sched]
-            schedule = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=loss_fn)
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                   "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[sched]
+            schedule = cls(stages if (v > 1 or sched in ZB) else stages[0], n_microbatches=m, loss_fn=loss_fn)
             variants[f"torch_{sched}"] = (schedule, tchunks)
+            here = {c.stage_index for c in chunks}
+            ends[f"ours_{sched}"] = ends[f"torch_{sched}"] = (0 in here, world * v - 1 in here)
 
         def call(name, ours_method, torch_method):
             """One step or evaluation of a variant, each rank passing what its stage takes."""
             obj = variants[name][0]
+            first, last = ends[name]
             if name.startswith("ours"):
-                getattr(obj, ours_method)(idx if rank == 0 else None, tgt if rank == world - 1 else None)
-            elif rank == 0:
+                getattr(obj, ours_method)(idx if first else None, tgt if last else None)
+            elif first and last:      # ZBV: the V's two ends on rank 0
+                getattr(obj, torch_method)(idx, target=tgt, losses=[])
+            elif first:
                 getattr(obj, torch_method)(idx)
-            elif rank == world - 1:
+            elif last:
                 getattr(obj, torch_method)(target=tgt, losses=[])
             else:
                 getattr(obj, torch_method)()
@@ -222,19 +245,21 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                 eval_ms = harness.slowest_rank_ms(lambda: run_eval(n))
                 if i >= warmup:
                     eval_times[n].append(eval_ms)
-        # activation memory of one step, GPipe vs 1F1B, this rank's stage
+        # activation memory of one step, this rank's stages: saved tensors alive at once (for B/W split
+        # schedules until W), plus the gradients kept between B and W at their peak (an upper bound: the
+        # two peaks need not coincide)
         mem = {}
-        for n in ("ours_gpipe", "ours_1f1b"):
+        for n in (f"ours_{s}" for s in MEMORY_SCHEDS):
             engine, chunks = variants[n]
             meter = SavedBytes([p for c in chunks for p in c.parameters()] + [idx, tgt])
             with meter.hooks():
                 run(n)
-            mem[n] = meter.peak
+            mem[n] = meter.peak + engine.peak_pending_w_bytes
         mems = [None] * world
         dist.all_gather_object(mems, mem)
         png = None
         if png_base and m == max(ms):
-            for n in ("ours_1f1b", "ours_interleaved"):
+            for n in ("ours_1f1b", "ours_interleaved", "ours_zb-h1", "ours_zbv"):
                 run(n)
                 path = png_base.replace(".png", f"_{n[5:]}_p{world}_m{m}.png")
                 out = variants[n][0].draw_timeline(path)
@@ -355,10 +380,51 @@ def _rows(common: dict, r: dict, p: int, m: int, cfgd: dict, judged: bool = True
                      target=f"<= p/m = {p / m:.3f}", met=_judge(p, max(ratios) <= p / m + 1e-9, judged),
                      baseline="per stage " + " ".join(f"{x:.3f}" for x in ratios),
                      mem_mb=max(mm["ours_1f1b"] for mm in r["mem"]) / 2**20))
+    rows += _zero_bubble_rows(common, r, p, m, sizes, bub, judged)
     _note(f"pipeline {sizes}: bubble " + ", ".join(f"{s} {bub[s]:.1%}" for s in SCHEDS) +
           f" (1F1B ideal {ideal:.1%}); 1F1B {bub['1f1b']:.3f} {_breakdown_text(r['parts']['ours_1f1b'])}"
           f"; 1F1B compute per rank ms " + "/".join(f"{x:.0f}" for x in stage_ms) +
           "; act 1F1B/GPipe per stage " + " ".join(f"{x:.3f}" for x in ratios))
+    return rows
+
+
+# Issue 36's targets for the zero-bubble schedules, judged at this microbatch count (reported at the others)
+ZB_TARGET_M = 8
+
+
+def _zero_bubble_rows(common: dict, r: dict, p: int, m: int, sizes: str, bub: dict, judged: bool) -> List[dict]:
+    """ZB-H1 against 1F1B (bubble <= 0.5x, step time <= 0.95x, peak activation memory <= 1.1x, paired rep
+    by rep where it is a time) and ZBV's bubble below ZB-H1's, each with where the bubble came from; the
+    step-time rows against torch's zero-bubble schedules are the ``step_zb-h1`` / ``step_zbv`` rows."""
+    at_target = judged and m == ZB_TARGET_M
+    rows = []
+    zb, f1b = r["times"]["ours_zb-h1"], r["times"]["ours_1f1b"]
+    step_ratio = statistics.median(zb) / statistics.median(f1b)
+    paired = harness.Stats.of([a / b for a, b in zip(zb, f1b)])
+    rows.append(dict(common, case="bubble_zb-h1_over_1f1b", sizes=sizes, target="<= 0.5",
+                     met=_judge(p, bub["zb-h1"] <= 0.5 * bub["1f1b"], at_target),
+                     baseline=f"zb-h1 {bub['zb-h1']:.4f} {_breakdown_text(r['parts']['ours_zb-h1'])} vs 1f1b "
+                              f"{bub['1f1b']:.4f} {_breakdown_text(r['parts']['ours_1f1b'])}; ratio "
+                              f"{bub['zb-h1'] / max(bub['1f1b'], 1e-12):.3f}; interleaved {bub['interleaved']:.4f}"))
+    rows.append(dict(common, case="step_zb-h1_over_1f1b", sizes=sizes, target="<= 0.95",
+                     met=_judge(p, step_ratio <= 0.95, at_target),
+                     baseline=f"median {statistics.median(zb):.1f} / {statistics.median(f1b):.1f} ms = "
+                              f"{step_ratio:.3f}; paired per rep {paired.median_ms:.3f} "
+                              f"(p20-p80 {paired.p20_ms:.3f}-{paired.p80_ms:.3f}); "
+                              f"interleaved {statistics.median(r['times']['ours_interleaved']):.1f} ms, zbv "
+                              f"{statistics.median(r['times']['ours_zbv']):.1f} ms"))
+    peak = {s: max(mm[f"ours_{s}"] for mm in r["mem"]) for s in MEMORY_SCHEDS}
+    rows.append(dict(common, case="act_memory_zb-h1_over_1f1b", sizes=sizes, target="<= 1.1",
+                     met=_judge(p, peak["zb-h1"] <= 1.1 * peak["1f1b"], at_target),
+                     baseline="peak over ranks, MB: " + ", ".join(f"{s} {peak[s] / 2**20:.2f}" for s in MEMORY_SCHEDS)
+                              + "; per rank zb-h1 " + " ".join(f"{mm['ours_zb-h1'] / 2**20:.2f}" for mm in r["mem"])
+                              + ", zbv " + " ".join(f"{mm['ours_zbv'] / 2**20:.2f}" for mm in r["mem"])
+                              + ", 1f1b " + " ".join(f"{mm['ours_1f1b'] / 2**20:.2f}" for mm in r["mem"]),
+                     mem_mb=peak["zb-h1"] / 2**20))
+    rows.append(dict(common, case="bubble_zbv_vs_zb-h1", sizes=sizes, target="below ZB-H1",
+                     met=_judge(p, bub["zbv"] < bub["zb-h1"], at_target),
+                     baseline=f"zbv {bub['zbv']:.4f} {_breakdown_text(r['parts']['ours_zbv'])} vs zb-h1 "
+                              f"{bub['zb-h1']:.4f}", mem_mb=peak["zbv"] / 2**20))
     return rows
 
 

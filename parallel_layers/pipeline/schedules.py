@@ -354,8 +354,9 @@ def build_schedule(schedule: str, num_stages: int, num_microbatches: int, rank: 
         order = interleaved_order(p, m, rank, v)
     # Megatron's pairing in interleaved 1F1B's steady state (none when every forward warms up, m == p)
     paired = schedule == "interleaved" and not forward_only and m != p
-    if schedule == "zbv" and not forward_only:
-        return lockstep_communication([zbv_order(p, m, r) for r in range(p)], p, v, layout)[rank]
+    if schedule == "zbv":     # evaluation too: rank 0 sends chunk 0's output down while waiting for chunk 1's
+        orders = [forward_only_order(p, m, r, v, layout) if forward_only else zbv_order(p, m, r) for r in range(p)]
+        return lockstep_communication(orders, p, v, layout)[rank]
     return add_communication(order, p, rank, v, paired, layout)
 
 
