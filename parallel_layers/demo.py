@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-method", default="ring", choices=("ring", "ulysses"),
                    help="with --cp: ring attention or Ulysses (all-to-all over heads)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"))
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--steps", type=int, default=30)
@@ -219,7 +219,7 @@ def world_size(args) -> int:
 
 def check_args(args) -> None:
     world = world_size(args)
-    chunks = 2 if args.schedule == "interleaved" else 1
+    chunks = 2 if args.schedule in ("interleaved", "zbv") else 1
     errs = []
     if args.batch_size % (args.dp * args.microbatches):
         errs.append(f"--batch-size {args.batch_size} must be a multiple of dp x microbatches = "
