@@ -10,12 +10,15 @@ Per model and checkpoint format (universal: the dense model gathered over dp and
 per pipeline stage; per_rank: every rank its own shard), on 4 gloo ranks, after warm-up:
 
 * the step time: the slowest rank's, median of ``reps`` steps;
-* time lost per checkpoint, sync: a window of ``save + n steps`` (slowest rank, from a barrier) minus ``n``
-  median steps: the save's whole write stalls training;
+* time lost per checkpoint, sync: a window of ``save + n steps`` (slowest rank, from a barrier) minus the
+  window of ``n`` plain steps timed just before it (paired, so drift hits both): the save's whole write
+  stalls training;
 * time lost per checkpoint, async: the same window with the asynchronous save, and the write waited for at
   the window's end (a write still in flight then is time the next save would have waited): the snapshot
   to host memory, plus whatever the background write slows the ``n`` steps down on shared cores.
-  ``speedup`` = sync lost / async lost; the target (issue 35): async lost <= 15% of sync lost;
+  ``speedup`` = sync lost / async lost; the target (issue 35): async lost <= 15% of sync lost (a
+  negative median, noise around zero, counts as none); beside it, in ``x``, the training thread's wait in
+  ``save()`` alone: the snapshot against the whole synchronous save;
 * the write bandwidth (all ranks' snapshot bytes / the slowest write) against the disk's sequential write
   bandwidth (a file of the checkpoint's size, written and fsynced in the same directory): ``bw_fraction``.
 
@@ -96,22 +99,28 @@ def body(rank: int, world: int, spec: dict, prof: dict, root: str) -> Dict[str, 
             ck = AsyncCheckpointer(model, os.path.join(root, f"{fmt}-{mode}"), format=fmt, keep=1,
                                    asynchronous=mode == "async")
 
-            def window():
-                ck.save(iteration)
+            def steps():
                 for _ in range(n):
                     step()
+
+            def window():
+                ck.save(iteration)
+                steps()
                 ck.wait()
-            lost, snapshot, write, nbytes = [], [], [], []
-            for _ in range(prof["reps"]):
+            lost, snapshot, write, nbytes, stall = [], [], [], [], []
+            for _ in range(prof["reps"]):         # paired: n plain steps, then n steps with a save
                 iteration += 1
-                lost.append(harness.slowest_rank_ms(window) - n * step_ms)
+                plain = harness.slowest_rank_ms(steps)
+                lost.append(harness.slowest_rank_ms(window) - plain)
                 rec = ck.records[-1]
+                stall.append(rec.stall_s * 1e3)
                 if rec.error is not None:
                     raise RuntimeError(rec.error)
                 snapshot.append(rec.snapshot_s * 1e3)
                 write.append(rec.write_s)
                 nbytes.append(rec.nbytes)
-            out[(fmt, mode)] = {"lost_ms": lost, "snapshot_ms": snapshot, "write_s": write, "bytes": nbytes[-1]}
+            out[(fmt, mode)] = {"lost_ms": lost, "snapshot_ms": snapshot, "write_s": write, "bytes": nbytes[-1],
+                                "stall_ms": stall}
     return out
 
 
@@ -159,12 +168,16 @@ def collect(mode: str, device=None, progress=print, large_params: float = None) 
                                         for i in range(prof["reps"]))
             gbps = total[(fmt, "async")] / write_s / 1e9
             ours, base = harness.Stats.of(asyn["lost_ms"]), harness.Stats.of(sync["lost_ms"])
-            ratio = ours.median_ms / base.median_ms if base.median_ms > 0 else math.nan
+            # a negative loss is noise around zero: counted as none
+            ratio = max(ours.median_ms, 0.0) / base.median_ms if base.median_ms > 0 else math.nan
+            # the training thread's own wait in save(): the snapshot against the whole synchronous save
+            stall_ratio = statistics.median(asyn["stall_ms"]) / statistics.median(sync["stall_ms"])
             rows.append(harness.comparison_row(
                 common, f"{name}-{fmt}", ours, base, sizes=sizes, dtype="float32", backend="gloo",
                 gbps=gbps, copy_gbps=disk, bw_fraction=gbps / disk,
                 target="async lost <= 15% of sync lost", met=bool(ratio <= 0.15),
-                x=f"async/sync {ratio:.3f}; snapshot {statistics.median(asyn['snapshot_ms']):.1f} ms; "
+                x=f"lost async/sync {ratio:.3f}; save() stall async/sync {stall_ratio:.3f} "
+                  f"({statistics.median(asyn['stall_ms']):.1f} / {statistics.median(sync['stall_ms']):.1f} ms); "
                   f"checkpoint {total[(fmt, 'async')] / 1e6:.1f} MB",
                 baseline="synchronous save (same code, written in the training thread)",
                 mem_mb=total[(fmt, "async")] / 2**20))
@@ -182,12 +195,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     mode = harness.profile_of(args)
     rows = collect(mode, None, lambda text: print(f"  {text} ...", flush=True), large_params=args.large_params)
-    print(f"{'case':<18} {'sync lost ms':>13} {'async lost ms':>14} {'async/sync':>11} {'write GB/s':>11} "
-          f"{'disk GB/s':>10}  notes")
+    print(f"{'case':<18} {'sync lost ms':>13} {'async lost ms':>14} {'write GB/s':>11} {'disk GB/s':>10}  notes")
     for r in rows:
-        print(f"{r['case']:<18} {r['base_median_ms']:>13.1f} {r['ours_median_ms']:>14.1f} "
-              f"{r['ours_median_ms'] / r['base_median_ms']:>11.3f} {r['gbps']:>11.3f} {r['copy_gbps']:>10.3f}  "
-              f"{r['x']}; {'met' if r['met'] else 'NOT met'}")
+        print(f"{r['case']:<18} {r['base_median_ms']:>13.1f} {r['ours_median_ms']:>14.1f} {r['gbps']:>11.3f} "
+              f"{r['copy_gbps']:>10.3f}  {r['x']}; {'met' if r['met'] else 'NOT met'}")
     harness.append_and_report(rows, harness.csv_target(args, args.csv))
     return 0
 
