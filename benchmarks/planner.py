@@ -134,7 +134,15 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     rows, mem_err, pred_t, meas_t, names = [], [], [], [], []
     for name, layout in todo:
         req = Request(_model(name), world=layout.world, global_batch=GLOBAL_BATCH, seq_len=SEQ, memory_bytes=1e12)
-        pred = predict(req, layout, profile)
+        label = f"{name} {layout.name()}"
+        try:
+            pred = predict(req, layout, profile)
+        except Exception as exc:  # noqa: BLE001 - a case the planner cannot probe is reported, not fatal
+            print(f"planner {label}: prediction failed: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+            rows.append(dict(common, case="planner_memory", sizes=label, baseline=f"prediction failed: "
+                             f"{type(exc).__name__}", met=False))
+            mem_err.append(1.0)
+            continue
         ranks = measured[id(layout)]
         errs = []
         for r in ranks:
@@ -142,7 +150,6 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
             errs.append((r["peak_bytes"] - want) / r["peak_bytes"])
         worst = max(errs, key=abs)
         mem_err.extend(abs(e) for e in errs)
-        label = f"{name} {layout.name()}"
         meas_peak = max(r["peak_bytes"] for r in ranks) / 2**20
         pred_peak = max(sum(t.values()) for t in pred.memory) / 2**20
         step = ranks[0]["step_s"]

@@ -115,11 +115,23 @@ class ChunkCost:
     out_bytes: int
 
 
-def _run_forward(chunk, x, y, is_last):
+def _run_forward(chunk, x, y, is_last, side):
     if is_last:
-        out = chunk(x, y)
+        out = chunk(x, y, **side)
         return out[0] if isinstance(out, (tuple, list)) else out
-    return chunk(x)
+    return chunk(x, **side)
+
+
+def _cp_side(p3d, b: int, s: int, dev) -> dict:
+    """A Hugging Face model under cp takes its shard's positions and the sequence's segment ids as side
+    inputs: made by the same function ``Parallel3D`` cuts a batch with (the reference GPT needs none)."""
+    from ..models.gpt import GPTConfig
+    cp = getattr(p3d, "cp", 1)
+    if cp == 1 or isinstance(p3d.config, GPTConfig):
+        return {}
+    from ..context_parallel.batch import shard_batch
+    full = torch.zeros(b, s * cp, dtype=torch.long, device=dev)
+    return shard_batch(full, None, {}, cp, 0)[2]
 
 
 def sync_bytes(p3d) -> Dict[str, int]:
@@ -150,6 +162,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
     (None when this rank holds stage 0: it is found here)."""
     costs = []
     dev = next(p3d.model.parameters()).device       # meta when planning; a real device to check the probe itself
+    side = _cp_side(p3d, b, s, dev)
     p3d.mode.begin_step()            # ZeRO-3 gathers its parameters here (outside the tally: held, not activations)
     import torch.fx.experimental._config as fx_config
     # nonzero on meta (the ignore-index rows of the loss): assume every row counts, the most memory
@@ -161,7 +174,9 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
             with fused_attention_on_meta(), flops, tally:
                 for _mb in range(2):
                     for phase in ("F", "B"):
-                        gc.collect(0)           # what the last phase dropped in young cycles is gone before we count
+                        # what the last phase dropped in cycles is gone before we count (a full pass before a
+                        # forward: a checkpointed backward leaves its recomputation's tensors to the collector)
+                        gc.collect() if phase == "F" else gc.collect(0)
                         before_flops = flops.get_total_flops()
                         before_traffic, before_ops = tally.traffic, tally.ops
                         before_coll = {k: len(v) for k, v in tally.collectives.items()}
@@ -172,7 +187,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
                                                   requires_grad=True))
                             y = torch.zeros(b, s, dtype=torch.long, device=dev)
                             start = tally.live
-                            out = _run_forward(chunk, x, y, is_last)
+                            out = _run_forward(chunk, x, y, is_last, side)
                             del y
                             saved = tally.live - start
                             if not is_last:
@@ -189,11 +204,17 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
                                            traffic=tally.traffic - before_traffic, coll=coll,
                                            ops=tally.ops - before_ops))
             f1, b1, f2, b2 = phases
+            # what stays for the step: ZeRO-3's full gradients (autograd's .grad, held across micro-batches);
+            # other stages' gradients live in the data-parallel buffers, counted with the rank's tensors.
+            # (Read off the parameters: after a checkpointed backward the tally still lists some recomputed
+            # tensors that the allocator has freed, so its live count after backward is not used.)
+            persist = (held_bytes([q.grad for q in chunk.parameters() if q.grad is not None])
+                       if p3d.zero == 3 else 0)
             if not is_last:
                 hidden_shape = shape
             costs.append(ChunkCost(
-                saved=f2["saved"], peak=max(f1["peak"], b1["peak"], f2["peak"] + b1["live"], b2["peak"] + b1["live"]),
-                persist=b1["live"], flops_f=f2["flops"], flops_b=b2["flops"], traffic_f=f2["traffic"],
+                saved=f2["saved"], peak=max(f1["peak"], b1["peak"], f2["peak"] + persist, b2["peak"] + persist),
+                persist=persist, flops_f=f2["flops"], flops_b=b2["flops"], traffic_f=f2["traffic"],
                 traffic_b=b2["traffic"], ops_f=f2["ops"], ops_b=b2["ops"], coll_f=f2["coll"], coll_b=b2["coll"],
                 out_shape=hidden_shape[0] if hidden_shape else (),
                 out_bytes=(torch.Size(hidden_shape[0]).numel() * torch.empty(0, dtype=hidden_shape[1]).element_size()
