@@ -332,7 +332,8 @@ def _check_parity(outs, cases, tol=1e-5):
 # ZeRO-1 and ZeRO-3, with and without checkpointing, spread over three pool calls (make test's budget)
 CASES_DP2_TP2_PP2 = [("gpt", 1, "zb-h1", 2, True, 4), ("llama", 3, "zbv", 2, True, 4),
                      ("gpt", 3, "zbv", 2, False, 4), ("llama", 1, "zb-h1", 2, False, 4)]
-CASES_TP2_PP4 = [("gpt", 1, "zbv", 4, True, 8), ("llama", 3, "zb-h1", 4, True, 4)]
+CASES_TP2_PP4 = [("gpt", 1, "zbv", 4, True, 8), ("llama", 3, "zb-h1", 4, True, 4),
+                 ("gpt", 3, "zb-h1", 4, False, 4), ("llama", 1, "zbv", 4, True, 8)]
 CASES_NCCL_RULES = [("gpt", 3, "zb-h1", 2, True, 4), ("llama", 1, "zbv", 2, False, 4)]
 
 
