@@ -44,10 +44,12 @@ FORMATS = ("universal", "per_rank")
 
 @dataclasses.dataclass
 class SaveRecord:
-    """One save: how long training waited (``stall_s``: for the previous write, then the snapshot), how
-    long the write took (``write_s``), the bytes this rank snapshotted, and the error if it failed."""
+    """One save: how long training waited (``stall_s``: for the previous write, then the snapshot, and in a
+    synchronous save the write too), how long the write took (``write_s``), the bytes this rank
+    snapshotted, and the error if it failed."""
     iteration: int
     path: str
+    asynchronous: bool = True
     wait_s: float = 0.0
     snapshot_s: float = 0.0
     write_s: Optional[float] = None
@@ -56,7 +58,7 @@ class SaveRecord:
 
     @property
     def stall_s(self) -> float:
-        return self.wait_s + self.snapshot_s
+        return self.wait_s + self.snapshot_s + (0.0 if self.asynchronous else (self.write_s or 0.0))
 
 
 class AsyncCheckpointer:
@@ -83,7 +85,7 @@ class AsyncCheckpointer:
         """Checkpoint the model's current state as ``iteration`` (every rank calls it at the same step);
         ``data``: the caller's position in its data (JSON-able; ``meta["resume"]["data"]`` on resume).
         Returns once the state is in host memory (asynchronous) or on disk."""
-        rec = SaveRecord(iteration, iteration_dir(self.root, iteration))
+        rec = SaveRecord(iteration, iteration_dir(self.root, iteration), self.asynchronous)
         t0 = time.perf_counter()
         self.wait()
         t1 = time.perf_counter()
