@@ -45,13 +45,20 @@ def memory_bandwidth(nbytes: int = 128 << 20, reps: int = 5) -> float:
     return 2 * nbytes / _median_time(lambda: dst.copy_(src), reps)
 
 
-def op_overhead(reps: int = 200) -> float:
-    """Seconds of one small operator call (dispatch and a tiny kernel: what every op pays at least)."""
-    a, b = torch.ones(8, 8), torch.ones(8, 8)
-    def ops():
-        for _ in range(reps):
-            torch.add(a, b)
-    return _median_time(ops, 5) / reps
+def op_overhead(reps: int = 20) -> float:
+    """Seconds per operator call of a training step's small ops, with everything around them (Python
+    module calls, autograd's graph, hooks): a tiny block (LayerNorm, Linear, GELU, Linear) forward and
+    backward, timed, divided by the operator calls the planner's tally counts for it."""
+    from .accounting import OpTally
+    block = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step():
+        block(x).sum().backward()
+    with OpTally() as tally:
+        step()
+    return _median_time(lambda: [step() for _ in range(reps)], 5) / (reps * tally.ops)
 
 
 def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]:
