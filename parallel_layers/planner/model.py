@@ -81,7 +81,9 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
     z3 = layout.zero == 3
     akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.num_chunks, layout.checkpoint, b, z3)
     if akey not in cache:
-        one = dataclasses.replace(layout, dp=1, zero=3 if z3 else 0, num_microbatches=layout.pp,
+        # dp 1; ZeRO 0 (1 for bf16/fp16, which need fp32 master weights) or 3: a micro-batch is the same
+        plain = 0 if req.precision == "fp32" else 1
+        one = dataclasses.replace(layout, dp=1, zero=3 if z3 else plain, num_microbatches=layout.pp,
                                   schedule="interleaved" if layout.num_chunks > 1 else "gpipe")
         ranks, hidden = [], None
         for r in range(layout.pp):
