@@ -35,6 +35,7 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("demo", ("demo_layouts", "generic_3d", "torch_native_3d", "freeze_training")),
     ("scaling", ("scaling",)),
     ("cp", ("context_parallel",)),
+    ("resilience", ("checkpoint",)),
 ])
 
 

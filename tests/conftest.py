@@ -134,6 +134,8 @@ SLOW = {
     "test_single_process_dp.py": ("test_benchmark_smoke_rows",
                                   "test_gpt_over_three_threads_equals_one_device_on_the_whole_batch"),
     "test_partitioned_checkpoint.py": ("test_partitioned_and_offloaded_inputs_equal_plain_checkpointing",),
+    "test_async_checkpoint.py": "*",
+    "test_torchrun_restart.py": "*",
     "test_bench_kernels_tp.py": ("test_tp_smoke_rows", "test_cross_entropy_smoke_rows_and_environment_restored"),
     "test_benchmarks_smoke.py": ("test_kernels_smoke_prints_a_row_per_case",
                                  "test_bench_cli_rejects_unknown_group_and_lists_groups",
