@@ -86,7 +86,8 @@ def main(argv=None) -> int:
           f"{args.memory_gib:g} GiB each), batch {req.global_batch} x {req.seq_len}, {req.precision}; profile "
           f"{prof.name} ({'measured' if prof.measured else 'assumed efficiencies: ' + prof.notes}); "
           f"{sum(r is None for _, r in layouts)} layouts to predict", file=sys.stderr)
-    ranked = plan(req, prof, layouts)
+    ranked = plan(req, prof, layouts, progress=lambda name: print(f"  predicting {name}", file=sys.stderr,
+                                                                  flush=True))
     print(f"{'layout':44s} {'tokens/s':>12s} {'MFU':>6s} {'step ms':>9s} {'bubble':>6s} {'MiB/rank':>9s}  "
           f"largest rank, MiB by term")
     feasible = [p for p in ranked if p.feasible]
