@@ -37,7 +37,15 @@ SECTIONS = [("kernels.csv", "Fused kernels", f"{BENCH} --only kernels"),
              f"{BENCH} --only demo"),
             ("matmul.csv", "Fused matmul epilogue (GPU)", f"{BENCH} --only kernels"),
             ("context_parallel.csv", "Context parallelism: activation memory and step time against cp 1 (Llama)",
-             f"{BENCH} --only cp")]
+             f"{BENCH} --only cp"),
+            ("single_process_dp.csv", "Single-process multi-device data parallelism: five exchanges against one",
+             f"{BENCH} --only dp"),
+            ("checkpoint_policy.csv", "Activation checkpoint placement, partitioned and offloaded checkpoint inputs",
+             f"{BENCH} --only pipeline"),
+            ("checkpoint.csv", "Checkpoints: time lost per save, asynchronous against synchronous",
+             f"{BENCH} --only resilience"),
+            ("planner.csv", "Layout planner: predicted against measured memory and step time (26 layouts, 2-8 ranks)",
+             f"{BENCH} --only plan")]
 SCALING = ("scaling.csv", "Scaling curves", f"{BENCH} --only scaling")
 PLOTS = [("ratios.png", "every case against its baseline"),
          ("speedup.png", "kernel speedup per backend"),

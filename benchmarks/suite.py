@@ -36,6 +36,7 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("scaling", ("scaling",)),
     ("cp", ("context_parallel",)),
     ("resilience", ("checkpoint",)),
+    ("plan", ("planner",)),
 ])
 
 
