@@ -55,7 +55,10 @@ whose global gradient norm is inf or NaN is skipped on every rank, with everythi
 ``checkpoint``: activation checkpointing, True for every block, an int ``n`` for the first ``n`` blocks
 of each stage, ``"sqrt"`` or a policy such as ``MemoryBudget(bytes)``
 (:mod:`parallel_layers.models.checkpoint_policy`); backward recomputes them with the forward's RNG state, so
-dropout masks replay exactly.
+dropout masks replay exactly. ``checkpoint_inputs``: how a checkpointed block keeps its input until
+backward: None (whole), ``"partition"`` (a 1/tp slice per TP rank, all-gathered for the recomputation:
+ZeRO-R's partitioned activations), ``"offload"`` (in host memory) or ``"partition+offload"``; the gradients
+are plain checkpointing's, bit for bit (:mod:`parallel_layers.models.partitioned_checkpoint`).
 ``no_decay(name, p)``: parameters without weight decay (biases and norms: ``lambda n, p: p.ndim < 2``);
 ``optimizer`` is a ``torch.optim.Optimizer`` whose groups torch LR schedulers drive.
 
@@ -84,7 +87,9 @@ from .amp.scaler import DynamicLossScaler
 from .distributed import collectives as C
 from .mesh import ParallelMesh
 from .models.gpt import GPTConfig
-from .pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
+from .models.gpt_stages import build_gpt_stages
+from .models.partitioned_checkpoint import SavedInputs
+from .pipeline import PipelineEngine, tied_embedding_group
 from .pipeline.any_model import split_model
 from .pipeline.recipes import Recipe, recipe_for
 from .pipeline.schedules import layout_of
@@ -119,14 +124,14 @@ def _check_modes(zero: int, dtype: torch.dtype, loss_scaler, skip_nonfinite: boo
 
 
 def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, num_chunks, schedule,
-                checkpoint, dtype, device, seed, cp_method):
+                checkpoint, dtype, device, seed, cp_method, saved_inputs=None):
     torch.manual_seed(seed)
     # build_gpt_stages draws fp16/bf16 weights in fp32 and rounds them (models/gpt.py: draw_dtype), so
     # every dtype starts from the fp32 model's weights.
     chunks = build_gpt_stages(config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=tp_group,
                               require_divisible=schedule in ("interleaved", "zbv"), checkpoint=checkpoint,
                               dtype=dtype, device=device, cp_group=getattr(mesh, "cp_group", None),
-                              cp_method=cp_method, layout=layout_of(schedule))
+                              cp_method=cp_method, layout=layout_of(schedule), saved_inputs=saved_inputs)
     tied, duplicates = [], set()
     for chunk in chunks:                  # the copies: first stage (counted in the norm), last stage (duplicate)
         if tied_group is not None and hasattr(chunk, "wte"):
@@ -137,7 +142,7 @@ def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, 
 
 
 def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_plan, loss_fn, num_chunks,
-                  boundaries, block_costs, checkpoint, layout="loop"):
+                  boundaries, block_costs, checkpoint, layout="loop", saved_inputs=None):
     if loss_fn is None:
         raise ValueError(f"Parallel3D: pass loss_fn(logits, targets) for {type(model).__name__} (the last stage "
                          f"computes it)")
@@ -154,7 +159,7 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
     tied_group = tied_embedding_group(mesh.pp_group) if mesh.pp > 1 and layout == "loop" else None
     chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
                          block_costs=block_costs, loss_fn=loss_fn, tied_group=tied_group, checkpoint=checkpoint,
-                         sum_tied_grads_in_stage=False, layout=layout)
+                         sum_tied_grads_in_stage=False, layout=layout, saved_inputs=saved_inputs)
     tied, duplicates = [], set()
     for chunk in chunks:
         tied.extend(chunk.tied)
@@ -218,7 +223,8 @@ class Parallel3D:
                  loss_fn: Optional[Callable] = None, recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
                  boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
                  optimizer_options: Optional[dict] = None, ignore_index: Optional[int] = IGNORE_INDEX,
-                 autocast: Optional[torch.dtype] = None, cp_method: str = "ring", layout=None):
+                 autocast: Optional[torch.dtype] = None, cp_method: str = "ring", layout=None,
+                 checkpoint_inputs: Optional[str] = None):
         if layout is not None:
             # the layout planner's choice (parallel_layers.planner): "auto" / planner.Auto(...) plans on rank 0
             # and broadcasts; a planner.Layout is used as given. It sets the mesh (when mesh is None) and these:
@@ -261,6 +267,12 @@ class Parallel3D:
             recipe = with_context_parallel(recipe if recipe is not None else recipe_for(model), mesh.cp_group,
                                            cp_method)
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
+        if checkpoint_inputs not in (None, "keep") and not checkpoint:
+            raise ValueError(f"Parallel3D: checkpoint_inputs={checkpoint_inputs!r} applies to checkpointed blocks, "
+                             f"and checkpoint={checkpoint!r} checkpoints none; pass checkpoint=True (or a policy)")
+        # the HF path has no sequence parallelism: a stage's hidden states are whole on every TP rank
+        saved_inputs = SavedInputs.from_mode(checkpoint_inputs, self.tp_group,
+                                             bool(is_gpt and model.sequence_parallel), "Parallel3D: checkpoint_inputs")
         if is_gpt:
             self.config = model
             self.description = dataclasses.asdict(model)
@@ -269,7 +281,8 @@ class Parallel3D:
                                                                       and layout_of(schedule) == "loop") else None
             chunks, tied, duplicates = _gpt_stages(model, mesh, self.tp_group, self.tied_group, num_chunks=num_chunks,
                                                    schedule=schedule, checkpoint=checkpoint, dtype=dtype,
-                                                   device=device, seed=seed, cp_method=cp_method)
+                                                   device=device, seed=seed, cp_method=cp_method,
+                                                   saved_inputs=saved_inputs)
         else:
             self.config = getattr(model, "config", None)
             if device is not None or next(model.parameters()).dtype != dtype:
@@ -279,7 +292,8 @@ class Parallel3D:
                 loss_fn = _default_loss(ignore_index)
             chunks, tied, duplicates, self.tied_group = _model_stages(
                 model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
-                boundaries=boundaries, block_costs=block_costs, checkpoint=checkpoint, layout=layout_of(schedule))
+                boundaries=boundaries, block_costs=block_costs, checkpoint=checkpoint, layout=layout_of(schedule),
+                saved_inputs=saved_inputs)
             # dropout draws from the default generator: the same stream on every rank, so tensor-parallel
             # ranks drop the same elements of the activations they hold replicated
             torch.manual_seed(seed)

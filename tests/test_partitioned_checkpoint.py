@@ -130,3 +130,65 @@ def test_one_process_offload_and_bad_modes():
         GPT(cfg, checkpoint=False, checkpoint_inputs="offload")
     with pytest.raises(ValueError, match="choose one of"):
         SavedInputs.from_mode("sliced")
+
+
+# ------------------------------------------------------------------------------------------- in Parallel3D
+def _train_3d(mesh, model, mode, **opts):
+    from parallel_layers.parallel3d import Parallel3D
+
+    p3d = Parallel3D(model, mesh, zero=1, num_microbatches=2, checkpoint=True, checkpoint_inputs=mode, lr=1e-2,
+                     **opts)
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(2):
+        idx, tgt = torch.randint(0, 64, (4, 8), generator=gen), torch.randint(0, 64, (4, 8), generator=gen)
+        losses.append(p3d.train_step(idx, tgt)["loss"])
+    parts = {c.saved_inputs.parts if c.saved_inputs is not None else 1 for c in p3d.chunks}
+    return losses, [p.detach().clone() for p in p3d.model.parameters()], parts
+
+
+def body_parallel3d(rank, world):
+    """tp 2 x pp 2, ZeRO-1: the reference GPT (dropout 0.1) and HF Llama through Parallel3D(checkpoint_inputs=)."""
+    import copy
+
+    from hf_models import hf_model, loss_fn
+
+    from parallel_layers.models.gpt import GPTConfig
+
+    mesh = cached_mesh(1, 2, 2)
+    cfg = GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=8, dropout=0.1)
+    llama = hf_model("llama", tie=False)
+    cases = {"gpt": (lambda: cfg, {}), "llama": (lambda: copy.deepcopy(llama), {"loss_fn": loss_fn})}
+    out = {}
+    for name, (make, opts) in cases.items():
+        plain_losses, plain_params, _ = _train_3d(mesh, make(), None, **opts)
+        for mode in (("partition+offload", "partition") if name == "gpt" else ("partition",)):
+            losses, params, parts = _train_3d(mesh, make(), mode, **opts)
+            out[f"{name}-{mode}"] = dict(
+                parts=parts, losses=[float(x) for x in losses],
+                same=all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
+                and len(params) == len(plain_params) and all(torch.equal(a, b) for a, b in zip(params, plain_params)))
+    return out
+
+
+def test_parallel3d_checkpoint_inputs_equal_plain_checkpointing(dist_pools):
+    for rank, out in enumerate(dist_pools(4).run(body_parallel3d)):
+        assert set(out) == {"gpt-partition+offload", "gpt-partition", "llama-partition"}, out
+        for case, got in out.items():
+            assert got["same"], (rank, case, got)           # losses and every weight after 2 steps: bit for bit
+            assert got["parts"] == {2}, (rank, case, got)   # the inputs really were cut over the 2 TP ranks
+
+
+def test_parallel3d_checkpoint_inputs_need_checkpointing():
+    from parallel_layers.models.gpt import GPTConfig
+    from parallel_layers.parallel3d import Parallel3D
+
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, max_seq_len=8)
+    with pytest.raises(ValueError, match="checkpoint_inputs='partition' applies to checkpointed blocks"):
+        Parallel3D(cfg, _mesh_stub(), checkpoint_inputs="partition")
+
+
+def _mesh_stub():
+    """A stand-in mesh for an argument check that fails before any group is used."""
+    from types import SimpleNamespace
+    return SimpleNamespace(dp=1, tp=1, pp=1, cp=1, tp_group=None, dp_group=None, pp_group=None)

@@ -44,7 +44,7 @@ class ModelStage(nn.Module):
 
     def __init__(self, model: nn.Module, recipe: Recipe, blocks: List[nn.Module], is_first: bool, is_last: bool,
                  loss_fn: Optional[Callable], tied_group=None, *, dense_names: Optional[Dict[int, str]] = None,
-                 checkpoint: Union[bool, int] = False, sums_tied_grads: bool = True):
+                 checkpoint: Union[bool, int] = False, sums_tied_grads: bool = True, saved_inputs=None):
         super().__init__()
         self._model = [model]              # in a list: not a submodule, its dropped parts stay out of parameters()
         self.recipe, self.is_first, self.is_last, self.loss_fn = recipe, is_first, is_last, loss_fn
@@ -57,6 +57,7 @@ class ModelStage(nn.Module):
         self.sums_tied_grads = sums_tied_grads
         self.checkpointing = checkpoint_placement(checkpoint, len(blocks), "split_model")
         self.checkpoint_blocks = self.checkpointing.static_count
+        self.saved_inputs = saved_inputs     # how a checkpointed block keeps its input (models.partitioned_checkpoint)
         ids = dense_names or {}
         self._dense = {n: ids[id(p)] for n, p in self.named_parameters(remove_duplicate=False) if id(p) in ids}
 
@@ -70,7 +71,7 @@ class ModelStage(nn.Module):
                             f"{sorted(side)} ({exc}); pass only what its embed/context functions accept, or "
                             f"write a Recipe whose context carries them to the blocks") from exc
         fns = [lambda t, block=block: self.recipe.block(block, t, ctx) for block in self.blocks]
-        h = run_blocks(fns, h, self.checkpointing if self.training else 0)
+        h = run_blocks(fns, h, self.checkpointing if self.training else 0, None, self.saved_inputs)
         if not self.is_last:
             return h
         logits = self.recipe.head(model, h)
@@ -164,7 +165,7 @@ def _boundaries(model: nn.Module, recipe: Recipe, blocks: nn.ModuleList, S: int,
 def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
                 boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
                 loss_fn: Optional[Callable] = None, tied_group=None, checkpoint: Union[bool, int] = False,
-                sum_tied_grads_in_stage: bool = True, layout: str = "loop") -> List[ModelStage]:
+                sum_tied_grads_in_stage: bool = True, layout: str = "loop", saved_inputs=None) -> List[ModelStage]:
     """This rank's stages (one per chunk) of ``model``; the parts no stage of this rank needs are dropped
     from ``model``. Every rank passes the same model (built from the same seed or loaded from the same
     weights). ``boundaries``: block split points, ``"parameters"`` (balanced by parameter count) or None
@@ -174,7 +175,8 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     ``checkpoint``: activation checkpointing (see :class:`ModelStage`); ``sum_tied_grads_in_stage``:
     False when the caller sums the tied gradients itself (``Parallel3D``); ``layout``: ``"v"`` for the ZBV
     schedule (:func:`~parallel_layers.pipeline.stage.stage_ids`; the first and last stage are both on rank
-    0, where tied weights stay one module)."""
+    0, where tied weights stay one module); ``saved_inputs``: how a checkpointed block keeps its input
+    (:class:`~parallel_layers.models.partitioned_checkpoint.SavedInputs`; None: whole)."""
     blocks = _get(model, recipe.blocks)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise ValueError(f"split_model: {type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks at "
@@ -199,7 +201,8 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     dense_names = {id(p): n for n, p in model.named_parameters()}
     stages = [ModelStage(model, recipe, [blocks[i] for i in range(*ranges[s])], s == 0, s == S - 1, loss_fn,
                          tied_group if (has_first or has_last) and tied else None, dense_names=dense_names,
-                         checkpoint=checkpoint, sums_tied_grads=sum_tied_grads_in_stage) for s in mine]
+                         checkpoint=checkpoint, sums_tied_grads=sum_tied_grads_in_stage,
+                         saved_inputs=saved_inputs) for s in mine]
     owned = {i for s in mine for i in range(*ranges[s])}
     for i in range(len(blocks)):           # free what this rank does not run
         if i not in owned:

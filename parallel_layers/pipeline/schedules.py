@@ -112,7 +112,8 @@ def check_schedule_args(schedule: str, num_stages: int, num_microbatches: int, n
         raise ValueError(f"pipeline: schedule {schedule!r} runs one chunk per rank, got num_chunks={num_chunks}; "
                          f"use schedule='interleaved' (or 'zbv', two chunks) for virtual stages")
     if schedule in ("1f1b", "zb-h1") and num_microbatches < num_stages:
-        raise ValueError(f"pipeline: {'1F1B' if schedule == '1f1b' else 'ZB-H1'} needs at least as many microbatches as stages, got "
+        name = "1F1B" if schedule == "1f1b" else "ZB-H1"
+        raise ValueError(f"pipeline: {name} needs at least as many microbatches as stages, got "
                          f"num_microbatches={num_microbatches} < {num_stages} stages; use >= {num_stages} "
                          f"microbatches (or schedule='gpipe')")
     if schedule == "interleaved" and num_microbatches % num_stages:
