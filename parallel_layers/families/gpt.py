@@ -1,7 +1,7 @@
 """The reference GPT (:class:`parallel_layers.models.gpt.GPT`) as any other model: its recipe.
 
 (The hand-written pipeline stages of this GPT, ``GPTStage`` / ``build_gpt_stages``, are in
-:mod:`parallel_layers.pipeline.stage`; this recipe cuts the same model through the generic path.)
+:mod:`parallel_layers.models.gpt_stages`; this recipe cuts the same model through the generic path.)
 """
 from __future__ import annotations
 
