@@ -100,13 +100,5 @@ def tied_embedding_group(pp_group, timeout=None):
     return result
 
 
-def __getattr__(name):
-    # GPTStage and build_gpt_stages live in models/gpt_stages.py; the old import path keeps working
-    if name in ("GPTStage", "build_gpt_stages"):
-        from ..models import gpt_stages
-        return getattr(gpt_stages, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["partition_layers", "stage_ids", "tied_embedding_group", "start_tied_equal", "sum_tied_grads",
            "checkpointed"]
