@@ -267,12 +267,10 @@ class Parallel3D:
             recipe = with_context_parallel(recipe if recipe is not None else recipe_for(model), mesh.cp_group,
                                            cp_method)
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
-        if checkpoint_inputs not in (None, "keep") and not checkpoint:
-            raise ValueError(f"Parallel3D: checkpoint_inputs={checkpoint_inputs!r} applies to checkpointed blocks, "
-                             f"and checkpoint={checkpoint!r} checkpoints none; pass checkpoint=True (or a policy)")
         # the HF path has no sequence parallelism: a stage's hidden states are whole on every TP rank
         saved_inputs = SavedInputs.from_mode(checkpoint_inputs, self.tp_group,
-                                             bool(is_gpt and model.sequence_parallel), "Parallel3D: checkpoint_inputs")
+                                             bool(is_gpt and model.sequence_parallel), "Parallel3D: checkpoint_inputs",
+                                             checkpointed=bool(checkpoint), checkpoint=checkpoint)
         if is_gpt:
             self.config = model
             self.description = dataclasses.asdict(model)

@@ -303,10 +303,8 @@ class GPT(nn.Module):
         self.checkpoint_blocks = self.checkpointing.static_count
         group = _resolve_group(tp_group)
         tp = _Parallel(group, config, draw_dtype(dtype), device)
-        if checkpoint_inputs not in (None, "keep") and self.checkpoint_blocks == 0:
-            raise ValueError(f"GPT: checkpoint_inputs={checkpoint_inputs!r} applies to checkpointed blocks, and "
-                             f"checkpoint={checkpoint!r} checkpoints none; pass checkpoint=True (or a policy)")
-        self.saved_inputs = SavedInputs.from_mode(checkpoint_inputs, group, tp.sp, "GPT: checkpoint_inputs")
+        self.saved_inputs = SavedInputs.from_mode(checkpoint_inputs, group, tp.sp, "GPT: checkpoint_inputs",
+                                                  checkpointed=self.checkpoint_blocks > 0, checkpoint=checkpoint)
         tp.context_parallel(cp_group, cp_method, config.dropout)
         for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
             if size % tp.size:

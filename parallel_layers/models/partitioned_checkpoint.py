@@ -68,11 +68,17 @@ class SavedInputs:
 
     @classmethod
     def from_mode(cls, mode: Optional[str], tp_group=None, sequence_parallel: bool = False,
-                  where: str = "checkpoint_inputs") -> Optional["SavedInputs"]:
+                  where: str = "checkpoint_inputs", *, checkpointed: bool = True,
+                  checkpoint=None) -> Optional["SavedInputs"]:
         """``mode`` one of :data:`MODES` (None or ``"keep"``: plain checkpointing, returns None). Under
-        sequence parallelism the input is already sharded: ``partition`` keeps it as it is."""
+        sequence parallelism the input is already sharded: ``partition`` keeps it as it is.
+        ``checkpointed``: whether the caller checkpoints any block (``checkpoint``: its setting, named in
+        the error when it does not)."""
         if mode is None or mode == "keep":
             return None
+        if not checkpointed:
+            raise ValueError(f"{where}={mode!r} applies to checkpointed blocks, and checkpoint={checkpoint!r} "
+                             f"checkpoints none; pass checkpoint=True (or a policy)")
         if mode not in MODES:
             raise ValueError(f"{where}={mode!r}: choose one of {MODES} (or None)")
         partition = "partition" in mode and not sequence_parallel
