@@ -304,7 +304,7 @@ class GPT(nn.Module):
         group = _resolve_group(tp_group)
         tp = _Parallel(group, config, draw_dtype(dtype), device)
         self.saved_inputs = SavedInputs.from_mode(checkpoint_inputs, group, tp.sp, "GPT: checkpoint_inputs",
-                                                  checkpointed=self.checkpoint_blocks > 0, checkpoint=checkpoint)
+                                                  checkpointed=self.checkpoint_blocks != 0, checkpoint=checkpoint)
         tp.context_parallel(cp_group, cp_method, config.dropout)
         for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
             if size % tp.size:
