@@ -76,8 +76,8 @@ def parameter_count(spec: dict) -> int:
 
 
 def _model(spec: dict):
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.mesh import ParallelMesh
-    from parallel_layers.parallel3d import Parallel3D
     return Parallel3D(_config(spec), ParallelMesh(*spec["dims"]), zero=spec["zero"],
                       num_microbatches=spec["microbatches"], lr=1e-4, weight_decay=0.1)
 

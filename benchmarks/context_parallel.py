@@ -46,8 +46,8 @@ def _rank(rank, world, seq, model_size, reps, try_torch):
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.mesh import ParallelMesh
-    from parallel_layers.parallel3d import Parallel3D
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**model_size, max_position_embeddings=seq, tie_word_embeddings=False))

@@ -57,14 +57,14 @@ OPTIONS = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0, 
 
 
 def _halves():
-    from parallel_layers.demo import load_corpus
+    from parallel_layers.cli.demo import load_corpus
     corpus = load_corpus(CORPUS_BYTES)
     return corpus[:corpus.numel() // 2], corpus[corpus.numel() // 2:]
 
 
 def pretrained(size: dict, steps: int, batch: int) -> Dict[str, torch.Tensor]:
     """The GPT's weights after ``steps`` single-process AdamW steps on random windows of the first half."""
-    from parallel_layers.demo import get_batch
+    from parallel_layers.cli.demo import get_batch
     from parallel_layers.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(**size, dropout=0.0, bias=False, tie_embeddings=False))
@@ -114,10 +114,10 @@ def _interleaved(models: Dict[str, object], data) -> Dict[str, dict]:
 
 
 def _bench_rank(rank, world, size, weights, batch, microbatches, samples, steps, auto, static_dp2):
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.elastic import AutoFreeze, FreezeTrainer
     from parallel_layers.mesh import ParallelMesh
     from parallel_layers.models.gpt import GPT, GPTConfig
-    from parallel_layers.parallel3d import Parallel3D
 
     cfg = GPTConfig(**size, dropout=0.0, bias=False, tie_embeddings=False)
     meshes: Dict[tuple, ParallelMesh] = {}

@@ -9,7 +9,7 @@ Both are ``Parallel3D``; what differs is how the stages come to be:
 * GPT-specific (baseline): ``Parallel3D(config, mesh)``: every rank builds only its own ``GPTStage``s
   (``build_gpt_stages``);
 * generic (ours): ``Parallel3D(GPT(config, tp_group=...), mesh, loss_fn=gpt.loss)``: the whole model as a
-  user would hand it over, cut by its recipe (``pipeline.recipes.gpt_recipe``) into ``ModelStage``s.
+  user would hand it over, cut by its recipe (``families.gpt_recipe``) into ``ModelStage``s.
 
 Same seed, so the same weights; the first losses are printed side by side. Each step is timed on every
 rank from a common barrier and the slowest rank counts (``harness.slowest_rank_ms``); the two runs are
@@ -48,9 +48,9 @@ PROFILES = {
 
 
 def _bench_rank(rank, world, dims, size, batch, microbatches, reps, warmup, zero):
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.mesh import ParallelMesh
     from parallel_layers.models.gpt import GPT, GPTConfig
-    from parallel_layers.parallel3d import Parallel3D
 
     dp, tp, pp = dims
     mesh = ParallelMesh(dp=dp, tp=tp, pp=pp)
@@ -81,10 +81,10 @@ def _stage_times(size, batch, reps):
     Untied embeddings: the tied weight's gradient sum runs after backward, outside what is timed here."""
     import time
 
+    from parallel_layers.families import gpt_recipe
     from parallel_layers.models.gpt import GPT, GPTConfig
     from parallel_layers.pipeline import build_gpt_stages
     from parallel_layers.pipeline.any_model import split_model
-    from parallel_layers.pipeline.recipes import gpt_recipe
 
     cfg = GPTConfig(**size, dropout=0.0, bias=False, tie_embeddings=False)
     threads = torch.get_num_threads()

@@ -89,8 +89,8 @@ def _ranks(rank: int, world: int, todo: list, steps: int):
     """On every rank: each layout of ``todo`` built, measured, dropped (so the next starts clean)."""
     import gc
 
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.mesh import ParallelMesh
-    from parallel_layers.parallel3d import Parallel3D
     from parallel_layers.planner.measure import measure_layout
     out = []
     gen = torch.Generator().manual_seed(1)

@@ -65,7 +65,7 @@ class _TorchStage(nn.Module):
 
     def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
-        from parallel_layers.pipeline.recipes import LLAMA
+        from parallel_layers.families import LLAMA
         self._model = [model]                 # config and rotary tables; not a submodule
         self._context = LLAMA.context
         self.embed_tokens = model.model.embed_tokens if first else None
@@ -139,8 +139,8 @@ def _bench_rank(rank, world, size, reps, warmup):
     import copy
     import warnings
 
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.mesh import ParallelMesh
-    from parallel_layers.parallel3d import Parallel3D
 
     # FSDP2 warns that the stage returns a view; the schedule never writes into a stage's output
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")

@@ -5,12 +5,12 @@ with one warning that says why.
 """
 from . import _checkout, ops, pipeline  # noqa: F401  (_checkout: parallel_layers.triton_kernels in place)
 from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
+from .composition.parallel3d import Parallel3D
 from .cpu_affinity import bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
 from .data_parallel import DataParallel, SingleProcessDataParallel, SyncBatchNorm, convert_sync_batchnorm
 from .mesh import ParallelMesh
 from .optim import FusedAdamW, FusedSGD
-from .parallel3d import Parallel3D
 from .tensor_parallel import (
                               ColumnParallelLinear,
                               RNGStatesTracker,

@@ -1,4 +1,4 @@
-"""``python -m parallel_layers demo|bench|plan [flags]``: see :mod:`parallel_layers.demo`, ``benchmarks/suite.py``
+"""``python -m parallel_layers demo|bench|plan [flags]``: see :mod:`parallel_layers.cli.demo`, ``benchmarks/suite.py``
  and :mod:`parallel_layers.planner.cli`."""
 import os
 import sys
@@ -44,9 +44,9 @@ def _main(argv=None) -> int:
         from .planner.cli import main as plan
         return plan(argv[1:])
     if argv[0] == "gpu-check":
-        from .gpu_check import main as gpu_check
+        from .cli.gpu_check import main as gpu_check
         return gpu_check(argv[1:])
-    from .demo import main
+    from .cli.demo import main
     return main(argv[1:])
 
 

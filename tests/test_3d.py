@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from parallel_layers.composition.parallel3d import Parallel3D
 from parallel_layers.models.gpt import GPT, GPTConfig
-from parallel_layers.parallel3d import Parallel3D
 from parallel_layers.testing import WorkerPool, cached_mesh
 from parallel_layers.testing.compare import worst
 

@@ -79,7 +79,7 @@ INIT_STD = {"llama": 0.02, "gpt2": 0.1}
 
 
 def body_parity(rank, world, kind, dims, zero, schedule, tie, mask, checkpoint):
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     mesh = cached_mesh(*dims)
     dense = hf_model(kind, tie, init_std=INIT_STD[kind])
@@ -150,7 +150,7 @@ BERT_STEPS = 3
 
 def body_bert(rank, world, zero):
     """Each rank's losses, norms and (dense-layout) weights; the reference runs once, in the test."""
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     mesh = cached_mesh(2, 2, 2)
     model = _bert()
@@ -175,8 +175,8 @@ def test_bert_real_weights_mlm_in_3d_matches_single_process(dist_pools):
 def body_universal_resume(rank, world, directory):
     """Llama trained 2 steps at dp2 x tp2 x pp2 with ZeRO-1, saved, resumed at dp2 x tp1 x pp4 with ZeRO-3 and GPipe
     for 2 more: the single-process run of 4 steps, within 1e-5."""
-    from parallel_layers.parallel3d import Parallel3D
-    from parallel_layers.universal_checkpoint import load_universal, save_universal
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.composition.universal_checkpoint import load_universal, save_universal
 
     dense = hf_model("llama", True)
     ref_opt = _reference_optimizer(dense)
@@ -207,7 +207,7 @@ def test_llama_universal_checkpoint_resumes_at_another_layout(dist_pools, tmp_pa
 def body_checkpoint_replays_dropout(rank, world):
     """GPT-2 with dropout 0.1 at dp2 x tp2 x pp2: activation checkpointing recomputes every block with
     the forward's RNG state, so losses, norms and weights equal the run without it, bit for bit."""
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     runs = []
     for checkpoint, seed in ((False, 5), (True, 5), (False, 6)):
@@ -229,7 +229,7 @@ def test_checkpointing_replays_dropout_bit_identically(dist_pools):
 def body_skip_nonfinite(rank, world):
     """fp32 with skip_nonfinite: an inf in one rank's gradient skips the step on every rank, leaving the
     weights and optimizer state bit-identical; the next step trains normally."""
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     mesh = cached_mesh(2, 2, 2)
     p3d = Parallel3D(hf_model("llama", False), mesh, loss_fn=loss_fn, zero=1, num_microbatches=2, lr=LR,
@@ -343,7 +343,7 @@ def test_demo_trains_llama_through_the_same_path(tmp_path):
 def body_offload_bit_identical(rank, world, directory):
     """ZeRO-1 and ZeRO-3 with the optimizer state on disk (ZeRO-Infinity) train Llama at dp2 x tp2 x pp2
     bit-identically to the same stage in memory."""
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     same = {}
     for zero in (1, 3):

@@ -49,8 +49,8 @@ def _batches(kind):
 
 
 def body_matrix(rank, world, dims, zero, schedule, kinds):
-    from parallel_layers.parallel3d import Parallel3D
-    from parallel_layers.pipeline.infer_recipe import infer_recipe
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.families.infer_recipe import infer_recipe
 
     mesh = cached_mesh(*dims)
     out = {}

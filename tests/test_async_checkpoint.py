@@ -41,8 +41,8 @@ def _batches(n=5):
 
 
 def _model(mesh, seed):
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPTConfig
-    from parallel_layers.parallel3d import Parallel3D
     return Parallel3D(GPTConfig(**CFG), mesh, zero=1, num_microbatches=2, lr=1e-2, weight_decay=0.1,
                       max_grad_norm=0.5, bucket_cap_mb=0.002, seed=seed)
 
@@ -134,7 +134,7 @@ def test_async_save_runs_behind_training_and_resumes_bit_identically(_pools, tmp
         assert r["step 5 again"] == r["losses"][4], (rank, r["step 5 again"], r["losses"])      # bit for bit
         assert r["weights equal after step 5"], rank
     if fmt == "universal":                      # the held-back write wrote step 2's snapshot, not step 3's state
-        from parallel_layers.universal_checkpoint import read_universal
+        from parallel_layers.composition.universal_checkpoint import read_universal
         a = read_universal(str(tmp_path / "sync" / "iter_0000004"))
         b = read_universal(str(tmp_path / "async" / "iter_0000004"))
         for state in ("model", "exp_avg", "exp_avg_sq"):

@@ -22,8 +22,8 @@ from parallel_layers.models.checkpoint_policy import (
     resolve_policy,
     saved_bytes,
 )
-from parallel_layers.models.checkpointing import checkpoint_placement
 from parallel_layers.models.gpt import GPT, GPTConfig
+from parallel_layers.models.recompute import checkpoint_placement
 
 
 @pytest.mark.parametrize("n", range(1, 17))

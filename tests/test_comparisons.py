@@ -7,7 +7,7 @@ import math
 import pytest
 
 from benchmarks import harness
-from parallel_layers.demo import build_parser, relative_difference, summarize, within_tolerance
+from parallel_layers.cli.demo import build_parser, relative_difference, summarize, within_tolerance
 
 NAN, INF = math.nan, math.inf
 

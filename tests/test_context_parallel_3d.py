@@ -94,8 +94,8 @@ def _reference_loss(dense, x, y, side):
 
 
 def body_cp_train(rank, world, kind, dims, zero, method, case, n_steps=STEPS):
-    from parallel_layers.parallel3d import Parallel3D
-    from parallel_layers.universal_checkpoint import dense_states
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.composition.universal_checkpoint import dense_states
 
     dp, cp, tp, pp = dims
     mesh = cached_mesh(dp=dp, tp=tp, pp=pp, cp=cp)
@@ -165,8 +165,8 @@ def test_context_parallel_in_4d_matches_single_process(dist_pools, kind, dims, z
 def body_cp_checkpoint_then_resume(rank, world, path):
     """Train 2 steps at dp2 x cp2 (ring, ZeRO-1, activation checkpointing), save a universal checkpoint, load
     it into dp2 x pp2 without cp and train the third step: every step equals one process's."""
-    from parallel_layers.parallel3d import Parallel3D
-    from parallel_layers.universal_checkpoint import dense_states, load_universal, save_universal
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.composition.universal_checkpoint import dense_states, load_universal, save_universal
 
     dense = _model("llama")
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
@@ -200,7 +200,7 @@ def test_cp_run_with_checkpointing_resumes_without_cp_from_its_universal_checkpo
 def body_cp_bf16(rank, world):
     from test_precision_3d import _MasterWeightsReference
 
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     dense = _model("llama")
     ref = _MasterWeightsReference(copy.deepcopy(dense), torch.bfloat16, None)
@@ -250,8 +250,8 @@ def test_demo_with_context_parallel(tmp_path):
 
 # ---------------------------------------------------------------------- the reference GPT
 def body_gpt_cp(rank, world, dims, zero, method, sp, schedule):
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPT, GPTConfig
-    from parallel_layers.parallel3d import Parallel3D
 
     dp, cp, tp, pp = dims
     cfg = dict(vocab_size=64, n_layer=4, n_head=4, d_model=32, max_seq_len=16, bias=False, dropout=0.0,

@@ -52,8 +52,8 @@ def _final_norm(model):
 
 
 def _model(mesh, zero, **kw):
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPTConfig
-    from parallel_layers.parallel3d import Parallel3D
     return Parallel3D(GPTConfig(**CFG), mesh, zero=zero, num_microbatches=2, **kw)
 
 
@@ -62,7 +62,8 @@ def _forkserver():
     """A multiprocessing context whose processes fork from a server that imported torch and the package once."""
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: torch.optim imports it at the first optimizer built, over a second of a rank's setup
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "parallel_layers.parallel3d", "pytest"])
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed",
+                                "parallel_layers.composition.parallel3d", "pytest"])
     return ctx
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from parallel_layers.composition.parallel3d import Parallel3D
 from parallel_layers.elastic import (
     AutoFreeze,
     FreezeSchedule,
@@ -24,9 +25,8 @@ from parallel_layers.elastic import (
     parse_freeze,
     split_at,
 )
+from parallel_layers.families import recipe_for
 from parallel_layers.models.gpt import GPT, GPTConfig
-from parallel_layers.parallel3d import Parallel3D
-from parallel_layers.pipeline.recipes import recipe_for
 from parallel_layers.testing import cached_mesh
 from parallel_layers.testing.compare import worst
 

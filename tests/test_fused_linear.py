@@ -366,7 +366,7 @@ def test_interpreter_loops_with_runtime_bounds_under_this_numpy():
 
 STANDIN_RUN = """
 import torch
-from parallel_layers.gpu_check import standin
+from parallel_layers.cli.gpu_check import standin
 standin.install()
 cases = [(33, 29, 47, torch.bfloat16, "gelu", True), (512, 512, 768, torch.float32, None, False)]
 print("reached", standin.compile_fused_linear_launches(cases), "of", len(cases))

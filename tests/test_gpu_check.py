@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from parallel_layers import _extension
-from parallel_layers.gpu_check import ROOT, build_step, plan
-from parallel_layers.gpu_check import environment as E
-from parallel_layers.gpu_check.runner import run_steps
-from parallel_layers.gpu_check.steps import Step
+from parallel_layers.cli.gpu_check import ROOT, build_step, plan
+from parallel_layers.cli.gpu_check import environment as E
+from parallel_layers.cli.gpu_check.runner import run_steps
+from parallel_layers.cli.gpu_check.steps import Step
 
 
 def test_plan_orders_what_a_first_run_must_learn(tmp_path):
@@ -122,8 +122,8 @@ def test_budget_step_limits_and_not_run_steps(tmp_path):
 
 KILLED_RUN = """
 import sys
-from parallel_layers.gpu_check.runner import run_steps
-from parallel_layers.gpu_check.steps import Step
+from parallel_layers.cli.gpu_check.runner import run_steps
+from parallel_layers.cli.gpu_check.steps import Step
 py = sys.executable
 steps = [Step("first", [py, "-c", "print('done')"], 30, needs_gpu=False),
          Step("long", [py, "-c", "import time; print('working', flush=True); time.sleep(120)"], 300, needs_gpu=False),

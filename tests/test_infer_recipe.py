@@ -37,8 +37,8 @@ def _chained(model, ids, mask):
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_inferred_stages_give_the_models_own_logits(kind):
+    from parallel_layers.families.infer_recipe import infer_recipe
     from parallel_layers.pipeline import RECIPES
-    from parallel_layers.pipeline.infer_recipe import infer_recipe
 
     model = family_model(kind, dtype=torch.float64)
     ids, mask = _batch(kind)
@@ -118,7 +118,7 @@ def test_a_model_with_an_nn_sequential_of_blocks_splits_by_parameters():
 
 # ---------------------------------------------------------------------- tp=2: the inferred plans
 def body_tp_families(rank, world, kinds):
-    from parallel_layers.pipeline.infer_recipe import infer_recipe
+    from parallel_layers.families.infer_recipe import infer_recipe
     from parallel_layers.tensor_parallel.parallelize import gather_dense_state_dict, parallelize, tp_partitions
 
     mesh = cached_mesh(tp=world)
@@ -167,8 +167,8 @@ except ImportError:
 
 
 def body_tp_errors(rank, world):
-    from parallel_layers.pipeline.infer_recipe import infer_recipe
-    from parallel_layers.pipeline.recipes import llama_plan
+    from parallel_layers.families import llama_plan
+    from parallel_layers.families.infer_recipe import infer_recipe
     from parallel_layers.tensor_parallel.parallelize import parallelize
 
     mesh = cached_mesh(tp=world)

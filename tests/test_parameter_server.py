@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from parallel_layers.data_parallel import ParameterServerWorker, predicted_bytes_per_step, ps_layout, serve
-from parallel_layers.data_parallel.parameter_server import ALIGN, plan_buckets
 from parallel_layers.models import GPT, GPTConfig
+from parallel_layers.parameter_server.protocol import ALIGN, plan_buckets
 from parallel_layers.testing.compare import worst
 
 SMALL = dict(vocab_size=101, n_layer=2, n_head=4, d_model=32, max_seq_len=16, dropout=0.0, bias=False)
@@ -172,7 +172,7 @@ def test_misuse_is_named_and_keeps_the_protocol(dist_pools):
 
 # ---------------------------------------------------------------------- asynchronous: staleness and convergence
 def body_async(rank, world, staleness, steps):
-    from parallel_layers.demo import get_batch, load_corpus
+    from parallel_layers.cli.demo import get_batch, load_corpus
 
     layout = _layout(1)
     if layout.is_server:

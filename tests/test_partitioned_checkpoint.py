@@ -134,7 +134,7 @@ def test_one_process_offload_and_bad_modes():
 
 # ------------------------------------------------------------------------------------------- in Parallel3D
 def _train_3d(mesh, model, mode, **opts):
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     p3d = Parallel3D(model, mesh, zero=1, num_microbatches=2, checkpoint=True, checkpoint_inputs=mode, lr=1e-2,
                      **opts)
@@ -180,8 +180,8 @@ def test_parallel3d_checkpoint_inputs_equal_plain_checkpointing(dist_pools):
 
 
 def test_parallel3d_checkpoint_inputs_need_checkpointing():
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPTConfig
-    from parallel_layers.parallel3d import Parallel3D
 
     cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, max_seq_len=8)
     with pytest.raises(ValueError, match="checkpoint_inputs='partition' applies to checkpointed blocks"):

@@ -125,7 +125,7 @@ def test_cli_json_and_png(tmp_path):
 
 
 def _auto_body(rank, world):
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.planner import Auto
     p3d = Parallel3D(GPT, None, layout=Auto(global_batch=8, seq_len=64, memory_gib=0.006, profile="h100"))
     gen = torch.Generator().manual_seed(0)

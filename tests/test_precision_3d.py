@@ -93,7 +93,7 @@ class _MasterWeightsReference:
 
 
 def body_low_precision(rank, world, dims, zero, dtype_name, autocast_name, micro=MICRO):
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     dtype, autocast = getattr(torch, dtype_name), (getattr(torch, autocast_name) if autocast_name else None)
     mesh = cached_mesh(*dims)
@@ -107,7 +107,7 @@ def body_low_precision(rank, world, dims, zero, dtype_name, autocast_name, micro
     for x, y in _batches():
         out = p3d.train_step(x, y)
         steps.append((out["loss"], out["grad_norm"]) + ref.step(x, y))
-    from parallel_layers.universal_checkpoint import dense_states
+    from parallel_layers.composition.universal_checkpoint import dense_states
     got = {n: st["param"] for n, st in dense_states(p3d)[0].items()}   # the fp32 master weights, dense
     want = dict(ref.master.named_parameters())
     errs = {n: ((t.double() - want[n].double()).norm() / want[n].double().norm()).item()
@@ -147,8 +147,8 @@ def test_bf16_at_dp2_tp2_pp2(dist_pools):
 
 
 def test_unsupported_precision_combinations_are_refused_at_construction():
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPTConfig
-    from parallel_layers.parallel3d import Parallel3D
 
     cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, max_seq_len=8)
     with pytest.raises(ValueError, match="autocast=torch.float16 is not supported.*dtype=torch.float16 with zero=1"):

@@ -63,7 +63,7 @@ def _clip_step(params, opt):
 
 # ---------------------------------------------------------------------- the reference GPT, built-in loss
 def body_gpt(rank, world, dims, zero, pattern):
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     mesh = cached_mesh(*dims)
     torch.manual_seed(0)
@@ -135,7 +135,7 @@ def _llama():
 
 
 def body_llama(rank, world, dims, zero, loss_name, pattern):
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     mesh = cached_mesh(*dims)
     dense = _llama()

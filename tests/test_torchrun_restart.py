@@ -28,8 +28,8 @@ import sys
 
 import torch
 
+from parallel_layers.composition.universal_checkpoint import read_universal
 from parallel_layers.testing.workers import free_port
-from parallel_layers.universal_checkpoint import read_universal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, INTERVAL = 6, 2

@@ -16,10 +16,8 @@ from unittest import mock
 import pytest
 import torch
 
-from parallel_layers.models.gpt import GPT, GPTConfig
-from parallel_layers.parallel3d import Parallel3D
-from parallel_layers.testing import WorkerPool, cached_mesh
-from parallel_layers.universal_checkpoint import (
+from parallel_layers.composition.parallel3d import Parallel3D
+from parallel_layers.composition.universal_checkpoint import (
     STATES,
     check_config,
     dense_states,
@@ -31,6 +29,8 @@ from parallel_layers.universal_checkpoint import (
     save_iteration,
     save_universal,
 )
+from parallel_layers.models.gpt import GPT, GPTConfig
+from parallel_layers.testing import WorkerPool, cached_mesh
 
 CFG = dict(vocab_size=63, n_layer=4, n_head=2, d_model=16, max_seq_len=8, bias=False)   # 63: vocab padded at tp 2
 # (no linear biases: the key bias gets a zero gradient in exact arithmetic, so AdamW steps it on rounding noise)
@@ -302,7 +302,7 @@ def _stage_file(path, k):
 
 def _reseal(path, edit):
     """Edit ``meta.json`` and give it a matching checksum: a consistent forgery, not a corruption."""
-    from parallel_layers.universal_checkpoint import meta_checksum
+    from parallel_layers.composition.universal_checkpoint import meta_checksum
     meta = _meta(path)
     edit(meta)
     meta["checksum"] = meta_checksum(meta)
@@ -320,7 +320,7 @@ def _flip_bit(path):
 
 
 def _nan_resealed(path):
-    from parallel_layers.universal_checkpoint import tensor_crc32
+    from parallel_layers.composition.universal_checkpoint import tensor_crc32
     f = _stage_file(path, 0)
     data = torch.load(f, weights_only=True)
     t = data["exp_avg"]["wte.weight"]
@@ -388,7 +388,7 @@ def _copy(saved, tmp_path):
 
 @pytest.mark.parametrize("case", list(CORRUPTIONS))
 def test_corrupted_checkpoint_is_refused_naming_the_file_and_tensor(saved, tmp_path, case):
-    from parallel_layers.universal_checkpoint import CheckpointError
+    from parallel_layers.composition.universal_checkpoint import CheckpointError
     root = _copy(saved, tmp_path)
     corrupt, message = CORRUPTIONS[case]
     read_universal(resolve_checkpoint(str(root)))          # sound before
@@ -399,7 +399,7 @@ def test_corrupted_checkpoint_is_refused_naming_the_file_and_tensor(saved, tmp_p
 
 
 def test_latest_that_names_no_iteration_is_refused(saved, tmp_path):
-    from parallel_layers.universal_checkpoint import CheckpointError
+    from parallel_layers.composition.universal_checkpoint import CheckpointError
     root = _copy(saved, tmp_path)
     assert read_universal(resolve_checkpoint(str(root)))["iteration"] == 2
     (root / "latest_checkpointed_iteration.txt").write_text("abc\n")
@@ -408,7 +408,7 @@ def test_latest_that_names_no_iteration_is_refused(saved, tmp_path):
 
 
 def body_load_refused(rank, world, path):
-    from parallel_layers.universal_checkpoint import CheckpointError
+    from parallel_layers.composition.universal_checkpoint import CheckpointError
     model = _model(((1, 1, 2), 1, "1f1b", True), seed=99)
     before = model.dense_state_dict()
     try:
@@ -479,7 +479,7 @@ def _state_after_kill(root, old, new):
 
 
 def body_killed_saves(rank, world, base):
-    from parallel_layers.universal_checkpoint import iteration_dir
+    from parallel_layers.composition.universal_checkpoint import iteration_dir
     model = _model(((1, 1, 1), 0, "1f1b", True), seed=0)
     model.train_step(*_batches()[0])
     pristine = os.path.join(base, "pristine")

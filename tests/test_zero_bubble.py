@@ -256,8 +256,8 @@ def _rel(a, b):
 
 def _gpt_case(mesh, zero, schedule, m, checkpoint, n_layer):
     """The reference GPT: 5 clipped AdamW steps of Parallel3D against one process."""
+    from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPT, GPTConfig
-    from parallel_layers.parallel3d import Parallel3D
 
     cfg = GPTConfig(n_layer=n_layer, **GPT_CFG)
     torch.manual_seed(0)
@@ -288,7 +288,7 @@ def _llama_case(mesh, zero, schedule, m, checkpoint, layers):
     from test_3d_any_model import LR as HF_LR
     from test_3d_any_model import _no_decay, _reference_optimizer, _reference_step
 
-    from parallel_layers.parallel3d import Parallel3D
+    from parallel_layers.composition.parallel3d import Parallel3D
 
     dense = hf_model("llama", True, layers=layers)
     opt = _reference_optimizer(dense)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..composition.replicas import Replicated, ShardedGrads, ShardedParams
 from ..distributed import collectives as C
-from ..replicas import Replicated, ShardedGrads, ShardedParams
 
 
 def _grad_pieces(mode) -> List[Tuple[nn.Parameter, torch.Tensor]]:

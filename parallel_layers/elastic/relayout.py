@@ -13,7 +13,7 @@ carries the frozen prefix's forward, unless the prefix cache will serve it.
 
 **Moving** (:func:`gather_dense`, :func:`load_dense`): the state goes through the universal checkpoint's
 form, in memory: every parameter under the whole model's name in its dense layout, with its AdamW
-moments and the step count (:func:`parallel_layers.universal_checkpoint.dense_states` reads it the same
+moments and the step count (:func:`parallel_layers.composition.universal_checkpoint.dense_states` reads it the same
 way from a run; here ZeRO's ``full_state_dict`` gives the fp32 masters and moments by name). Each
 pipeline stage's first replica sends its part to every rank (one broadcast per stage and dtype: the
 stage's tensors flat), the first stage also the frozen prefix, so any rank can build any part of the

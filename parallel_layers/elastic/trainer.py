@@ -30,23 +30,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..composition.parallel3d import Parallel3D
 from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
-from ..parallel3d import Parallel3D
 from .auto_freeze import FreezePolicy, parse_freeze
 from .cache import DEFAULT_MAX_BYTES, PrefixCache
 from .measure import StageTimer, block_grad_norms
 from .prefix import block_index, blocks_of, full_name, split_at
 from .relayout import (
-                       BACKWARD_FACTOR,
-                       Dense,
-                       Layout,
-                       choose_layout,
-                       load_moments,
-                       load_parameters,
-                       local_dense,
-                       share_dense,
-                       stage_costs,
+    BACKWARD_FACTOR,
+    Dense,
+    Layout,
+    choose_layout,
+    load_moments,
+    load_parameters,
+    local_dense,
+    share_dense,
+    stage_costs,
 )
 
 _NOT_OPTIONS = ("tp_plan", "boundaries", "block_costs")

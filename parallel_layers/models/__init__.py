@@ -1,5 +1,5 @@
 """Reference models built from the parallel layers."""
-from .checkpointing import checkpointed, checkpointed_block_count
 from .gpt import GPT, GPTConfig
+from .recompute import checkpointed, checkpointed_block_count
 
 __all__ = ["GPT", "GPTConfig", "checkpointed", "checkpointed_block_count"]

@@ -61,8 +61,8 @@ from ..tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
 )
-from .checkpointing import checkpoint_placement, run_blocks
 from .partitioned_checkpoint import SavedInputs
+from .recompute import checkpoint_placement, run_blocks
 
 
 @dataclass
@@ -284,7 +284,7 @@ class GPT(nn.Module):
 
     ``checkpoint``: activation checkpointing in training mode, True for every block, an int ``n`` for the
     first ``n``, ``"sqrt"`` or a placement policy such as ``MemoryBudget(bytes)``
-    (:mod:`~parallel_layers.models.checkpoint_policy`; :mod:`parallel_layers.models.checkpointing`: dropout
+    (:mod:`~parallel_layers.models.checkpoint_policy`; :mod:`parallel_layers.models.recompute`: dropout
     masks replay exactly, TP stream included; works under ZeRO-3, which gathers a block's parameters again
     for its recomputation).
 

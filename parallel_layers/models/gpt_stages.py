@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..pipeline.stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
-from .checkpointing import checkpoint_placement, run_blocks
 from .gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group, draw_dtype, round_to, untied_head
+from .recompute import checkpoint_placement, run_blocks
 
 
 class GPTStage(nn.Module):
@@ -30,7 +30,7 @@ class GPTStage(nn.Module):
     or hidden states in; hidden states out, or on the last stage the logits shard (no targets) or the
     loss as ``(sum, count)`` over the targets that are not -100 (see ``pipeline.token_loss``). Built by
     :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
-    ``checkpoint``: see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; in
+    ``checkpoint``: see :func:`~parallel_layers.models.recompute.checkpointed_block_count`; in
     training mode only (eval keeps nothing for backward anyway)."""
 
     # The pieces are GPT's own, so a stage computes exactly what the full model does.
@@ -117,7 +117,7 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     :func:`tied_embedding_group` when ``config.tie_embeddings`` and ``pp_size > 1``; ``checkpoint``:
     activation checkpointing of every block (True), of the first ``n`` blocks of each stage (an int), or a
     placement policy per stage (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.models.checkpoint_policy`),
-    see :func:`~parallel_layers.models.checkpointing.checkpointed_block_count`; ``cp_group``: context
+    see :func:`~parallel_layers.models.recompute.checkpointed_block_count`; ``cp_group``: context
     parallelism (every sequence's zigzag shard on this rank, ``cp_method`` ring or Ulysses); ``layout``:
     ``"v"`` for the ZBV schedule (see :func:`stage_ids`; the first and last stage are then both on rank 0,
     which shares one embedding between them: no ``tied_group``); ``saved_inputs``: how a checkpointed block

@@ -1,20 +1,20 @@
 """Pipeline parallelism: stages, schedules as instruction lists (GPipe, 1F1B, interleaved 1F1B), the
 engine that executes them, point-to-point transfers, activation checkpointing and a recorded timeline."""
+from ..families import BERT, GPT2, LLAMA, RECIPES, Recipe, recipe_for
+from ..families.infer_recipe import InferenceError, infer_recipe
 from .any_model import ModelStage, balanced_boundaries, split_model
 from .engine import PipelineEngine
-from .infer_recipe import InferenceError, infer_recipe
-from .recipes import BERT, GPT2, LLAMA, RECIPES, Recipe, recipe_for
 from .schedules import (
-           SCHEDULES,
-           Backward,
-           Forward,
-           Instr,
-           ScheduleError,
-           build_all,
-           build_schedule,
-           format_schedule,
-           simulate,
-           simulate_timing,
+    SCHEDULES,
+    Backward,
+    Forward,
+    Instr,
+    ScheduleError,
+    build_all,
+    build_schedule,
+    format_schedule,
+    simulate,
+    simulate_timing,
 )
 from .stage import checkpointed, partition_layers, stage_ids, tied_embedding_group
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw

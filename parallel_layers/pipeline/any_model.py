@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..families import RECIPES, Recipe, get_module, recipe_for
-from ..models.checkpointing import checkpoint_placement, run_blocks
+from ..models.recompute import checkpoint_placement, run_blocks
 from ..tensor_parallel.dense_layouts import from_dense, to_dense
 from .stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
 

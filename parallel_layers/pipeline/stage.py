@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives as C
-from ..models.checkpointing import checkpointed
+from ..models.recompute import checkpointed
 
 
 def partition_layers(num_layers: int, num_stages: int, boundaries: Optional[Sequence[int]] = None,

@@ -54,8 +54,8 @@ def fake_world(rank: int, world: int):
 def build_rank(req: Request, layout: Layout, pp_rank: int, device: torch.device = META):
     """``Parallel3D`` of ``layout``'s pipeline rank ``pp_rank`` on meta (call inside :func:`fake_world`;
     ``device``: another one to check the probe against real tensors)."""
+    from ..composition.parallel3d import Parallel3D
     from ..mesh import ParallelMesh
-    from ..parallel3d import Parallel3D
     mesh = ParallelMesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, timeout=60)
     kw = layout.parallel3d_kwargs()
     if req.is_gpt:

@@ -7,11 +7,11 @@ host memory; a background thread writes it while training continues.
    large model is not small), and reports it if it failed;
 2. snapshots the state (parameters, optimizer shards, loss scaler, every rank's random streams, step,
    skipped steps, the caller's data position) into host memory, with the same functions the
-   synchronous save uses (:func:`~parallel_layers.universal_checkpoint.snapshot_universal` or
+   synchronous save uses (:func:`~parallel_layers.composition.universal_checkpoint.snapshot_universal` or
    :func:`~parallel_layers.resilience.per_rank.snapshot_per_rank`), so the two cannot drift; this is
    the only part that needs the model and its process groups;
 3. hands the snapshot to a thread that writes it (checksummed files, ``meta.json`` last in one rename,
-   :func:`~parallel_layers.universal_checkpoint.write_universal` /
+   :func:`~parallel_layers.composition.universal_checkpoint.write_universal` /
    :func:`~parallel_layers.resilience.per_rank.write_per_rank`), points
    ``latest_checkpointed_iteration.txt`` at it and prunes the run directory to the last ``keep``.
 
@@ -20,7 +20,7 @@ on a gloo group of their own, created once here, so they never interleave with t
 on the model's groups (torch DCP's async save does the same). A write that fails on any rank fails on
 every rank, publishes nothing (the previous checkpoint stays the newest) and is reported: a warning at
 the next ``save``/``wait`` and an entry in ``failures`` (``raise_errors=True``: a
-:class:`~parallel_layers.universal_checkpoint.CheckpointError` instead). ``asynchronous=False`` runs
+:class:`~parallel_layers.composition.universal_checkpoint.CheckpointError` instead). ``asynchronous=False`` runs
 the same write in the caller's thread (the synchronous save, for comparison).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from ..universal_checkpoint import CheckpointError, iteration_dir, snapshot_universal, write_universal
+from ..composition.universal_checkpoint import CheckpointError, iteration_dir, snapshot_universal, write_universal
 from . import resume_state
 from .per_rank import snapshot_per_rank, write_per_rank
 from .run_dir import prune

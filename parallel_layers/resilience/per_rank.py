@@ -2,7 +2,7 @@
 its own, as Megatron-LM and DeepSpeed save them; it loads back only on the same mesh (to change the
 layout, use the universal format), and it is the cheaper save: nothing is gathered over dp or tp.
 
-The same crash safety as the universal format (:mod:`parallel_layers.universal_checkpoint`): each rank
+The same crash safety as the universal format (:mod:`parallel_layers.composition.universal_checkpoint`): each rank
 serialises its state, takes the crc32 of the bytes and writes them under a fresh name (temporary name,
 fsync, rename); global rank 0 writes ``meta.json`` (the files, their crc32, the data position and its
 own checksum) last, in one rename, once every rank's file is on disk. Loading checks the meta, every
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..universal_checkpoint import (
+from ..composition.universal_checkpoint import (
     LATEST,
     META,
     CheckpointError,

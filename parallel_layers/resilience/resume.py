@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..universal_checkpoint import META, CheckpointError, load_universal
+from ..composition.universal_checkpoint import META, CheckpointError, load_universal
 from . import resume_state
 from .per_rank import FORMAT as PER_RANK_FORMAT
 from .per_rank import load_per_rank

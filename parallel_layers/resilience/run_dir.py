@@ -14,7 +14,7 @@ import re
 import shutil
 from typing import List, Tuple
 
-from ..universal_checkpoint import META, meta_checksum
+from ..composition.universal_checkpoint import META, meta_checksum
 
 _ITER_DIR = re.compile(r"iter_(\d{7,})")
 

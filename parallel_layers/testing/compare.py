@@ -4,7 +4,7 @@ Python's ``max`` keeps a NaN only when it comes first (every comparison with NaN
 ``max(errs) <= tol`` passes a diverged run whose NaN is not the first error, and a running
 ``worst = max(worst, err)`` drops every NaN. :func:`worst` counts a NaN as larger than anything,
 infinity included, and returns it; ``worst(errs) <= tol`` then fails as it should. The demo's parity
-check uses it too (``parallel_layers.demo.within_tolerance``).
+check uses it too (``parallel_layers.cli.demo.within_tolerance``).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from .. import _extension
+from ... import _extension
 
 # Packages the suite or the benchmarks can do without; a test that needs one skips naming it (importorskip).
 OPTIONAL = {

@@ -7,9 +7,9 @@ Two ways in, one training path:
   GPT, every rank building only its own stages (:func:`~parallel_layers.pipeline.build_gpt_stages`) from
   the same seed as ``GPT(config)``;
 * ``Parallel3D(model, mesh, ...)`` with an ``nn.Module`` you built (a Hugging Face ``*ForCausalLM``,
-  ``BertForMaskedLM`` or your own), unmodified: its recipe (:mod:`~parallel_layers.pipeline.recipes`:
+  ``BertForMaskedLM`` or your own), unmodified: its recipe (:mod:`~parallel_layers.families`:
   shipped for some families, else inferred from the model's structure and config by
-  :mod:`~parallel_layers.pipeline.infer_recipe`; a hand-written ``Recipe`` for the rest, see
+  :mod:`~parallel_layers.families.infer_recipe`; a hand-written ``Recipe`` for the rest, see
   docs/custom_recipe.md) says where the blocks are; the recipe's tensor-parallel plan (or ``tp_plan=``)
   splits the layers over ``mesh.tp_group`` (:func:`~parallel_layers.tensor_parallel.parallelize`), and
   :func:`~parallel_layers.pipeline.split_model` keeps this rank's stages, balanced by block count,
@@ -41,7 +41,7 @@ One training step (:meth:`train_step`):
 5. the optimizer step with the clip coefficient: ``torch.optim.AdamW`` (``zero=0``),
    :class:`~parallel_layers.zero.ZeroOptimizer` (1, 2: fp32 master weights for bf16/fp16 models) or
    :class:`~parallel_layers.zero.ZeroStage3Optimizer` (3). Each mode is one class of
-   :mod:`parallel_layers.replicas` behind one interface.
+   :mod:`parallel_layers.composition.replicas` behind one interface.
 
 fp16 (``dtype=torch.float16``, ZeRO 1 or 2) adds a :class:`DynamicLossScaler`: on the last stage every
 microbatch's loss is computed in fp32 from the fp16 logits and its *gradient* multiplied by the scale
@@ -82,19 +82,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .amp.clip import clip_grad_norm_
-from .amp.scaler import DynamicLossScaler
-from .distributed import collectives as C
-from .mesh import ParallelMesh
-from .models.gpt import GPTConfig
-from .models.gpt_stages import build_gpt_stages
-from .models.partitioned_checkpoint import SavedInputs
-from .pipeline import PipelineEngine, tied_embedding_group
-from .pipeline.any_model import split_model
-from .pipeline.recipes import Recipe, recipe_for
-from .pipeline.schedules import layout_of
-from .pipeline.timeline import draw
-from .pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
+from ..amp.clip import clip_grad_norm_
+from ..amp.scaler import DynamicLossScaler
+from ..distributed import collectives as C
+from ..families import Recipe, recipe_for
+from ..mesh import ParallelMesh
+from ..models.gpt import GPTConfig
+from ..models.gpt_stages import build_gpt_stages
+from ..models.partitioned_checkpoint import SavedInputs
+from ..pipeline import PipelineEngine, tied_embedding_group
+from ..pipeline.any_model import split_model
+from ..pipeline.schedules import layout_of
+from ..pipeline.timeline import draw
+from ..pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
 from .replicas import replica_mode
 
 
@@ -148,7 +148,7 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
                          f"computes it)")
     recipe = recipe if recipe is not None else recipe_for(model)
     if tp_group is not None:
-        from .tensor_parallel.parallelize import parallelize
+        from ..tensor_parallel.parallelize import parallelize
         plan = tp_plan if tp_plan is not None else (recipe.tp_plan(model) if recipe.tp_plan else None)
         if plan is None:
             raise ValueError(f"Parallel3D: tp={mesh.tp} needs a tensor-parallel plan for {type(model).__name__}; "
@@ -228,7 +228,7 @@ class Parallel3D:
         if layout is not None:
             # the layout planner's choice (parallel_layers.planner): "auto" / planner.Auto(...) plans on rank 0
             # and broadcasts; a planner.Layout is used as given. It sets the mesh (when mesh is None) and these:
-            from .planner.auto import resolve_layout
+            from ..planner.auto import resolve_layout
             chosen = resolve_layout(layout, model)
             if mesh is None:
                 mesh = ParallelMesh(dp=chosen.dp, tp=chosen.tp, pp=chosen.pp, cp=chosen.cp)
@@ -262,7 +262,7 @@ class Parallel3D:
         self.replica_group = mesh.dp_cp_group if self.cp > 1 else (mesh.dp_group if mesh is not None else None)
         self.replicas = mesh.dp * self.cp if mesh is not None else 1
         if self.cp > 1 and not is_gpt:         # the reference GPT's attention takes the cp group itself
-            from .context_parallel.hf import enable_context_parallel, with_context_parallel
+            from ..context_parallel.hf import enable_context_parallel, with_context_parallel
             enable_context_parallel(model)
             recipe = with_context_parallel(recipe if recipe is not None else recipe_for(model), mesh.cp_group,
                                            cp_method)
@@ -330,11 +330,11 @@ class Parallel3D:
         x, y = self.local_batch(inputs), self.local_batch(targets)
         side = {k: self.local_batch(v) for k, v in side.items()}
         if self.cp > 1 and isinstance(self.config, GPTConfig):     # its stages take token shards alone
-            from .context_parallel.layout import check_divisible, shard
+            from ..context_parallel.layout import check_divisible, shard
             check_divisible(x.shape[1], self.cp, f"context parallelism (cp={self.cp})")
             x, y = shard(x, self.cp, self.mesh.cp_rank), shard(y, self.cp, self.mesh.cp_rank)
         elif self.cp > 1:
-            from .context_parallel.batch import shard_batch
+            from ..context_parallel.batch import shard_batch
             x, y, side = shard_batch(x, y, side, self.cp, self.mesh.cp_rank)
         return x, y, side
 
@@ -438,7 +438,7 @@ class Parallel3D:
         to. Every rank saves its own (``torch.save``, one file per rank, as Megatron-LM and DeepSpeed
         do) and loads it back on the same mesh with :meth:`load_state_dict`; training then continues
         bit for bit. To resume on another mesh (or in a single process), save a universal checkpoint
-        instead (:func:`parallel_layers.universal_checkpoint.save_universal`)."""
+        instead (:func:`parallel_layers.composition.universal_checkpoint.save_universal`)."""
         tracker = self._rng_tracker()
         return {"layout": self._checkpoint_layout(), "model": self.mode.model_state_dict(),
                 "optimizer": self.optimizer.state_dict(),
@@ -457,8 +457,9 @@ class Parallel3D:
         if differ:
             raise ValueError("Parallel3D.load_state_dict: the checkpoint does not belong to this rank of this "
                              "run; " + "; ".join(f"{k}: saved {saved.get(k)}, here {mine[k]}" for k in differ)
-                             + ". Load each rank's own file on the same mesh and settings (to change the layout, "
-                             "save with parallel_layers.universal_checkpoint.save_universal and load_universal)")
+                             + ". Load each rank's own file on the same mesh and settings (to change the "
+                             "layout, save with parallel_layers.composition.universal_checkpoint.save_universal and "
+                             "load_universal)")
         self.mode.load_model_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:
@@ -508,7 +509,7 @@ class Parallel3D:
         return rep() if rep is not None else None
 
     def _dense_state_dict(self) -> dict:
-        from .tensor_parallel.parallelize import gather_partition, tp_partitions
+        from ..tensor_parallel.parallelize import gather_partition, tp_partitions
         out = {}
         for chunk in self.chunks:
             parts = tp_partitions(chunk)

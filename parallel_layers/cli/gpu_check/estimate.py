@@ -1,8 +1,8 @@
 """How many Triton kernels ``gpu-check``'s CUDA tests compile, and what one compile costs for sm_90, measured
 on a machine without a GPU (the estimate behind the first run's time plan, README "GPU").
 
-    python -m parallel_layers.gpu_check.estimate                 # count, then time a few sm_90 compiles
-    python -m parallel_layers.gpu_check.estimate --no-compile    # the count only
+    python -m parallel_layers.cli.gpu_check.estimate                 # count, then time a few sm_90 compiles
+    python -m parallel_layers.cli.gpu_check.estimate --no-compile    # the count only
 
 Counting: the CUDA Triton tests have CPU twins (the same parametrisations on ``cpu-triton``, run by the
 interpreter). Every launch of those is recorded with what Triton specialises a compiled kernel on: the
@@ -108,7 +108,7 @@ def time_compiles(n: int) -> List[Tuple[str, float]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m parallel_layers.gpu_check.estimate")
+    ap = argparse.ArgumentParser(prog="python -m parallel_layers.cli.gpu_check.estimate")
     ap.add_argument("--no-compile", action="store_true", help="count only")
     ap.add_argument("--compiles", type=int, default=5, help="sm_90 compiles to time (at most 5)")
     ap.add_argument("pytest_args", nargs="*", default=None,
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     print(f"  other Triton kernels: {other}")
     if not args.no_compile:     # compiled, not interpreted: a fresh process with TRITON_INTERPRET=0
         import subprocess
-        subprocess.run([sys.executable, "-m", "parallel_layers.gpu_check.estimate", "--time-only",
+        subprocess.run([sys.executable, "-m", "parallel_layers.cli.gpu_check.estimate", "--time-only",
                         "--compiles", str(args.compiles)], env=dict(os.environ, TRITON_INTERPRET="0"), check=True)
     return 0
 

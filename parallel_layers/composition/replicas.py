@@ -1,4 +1,4 @@
-"""How :class:`~parallel_layers.parallel3d.Parallel3D` keeps its data-parallel replicas in step: one class
+"""How :class:`~parallel_layers.composition.parallel3d.Parallel3D` keeps its data-parallel replicas in step: one class
 per mode, behind one small interface, so the 3D step is the same code for every ZeRO stage.
 
 =====================  ==========================  ======================================================
@@ -23,12 +23,12 @@ from typing import List, Optional, Sequence, Set
 import torch
 import torch.nn as nn
 
-from .data_parallel.ddp import DataParallel
-from .distributed import collectives as C
-from .pipeline.stage import sum_tied_grads
-from .zero.optimizer import ZeroOptimizer
-from .zero.stage3 import ZeroStage3
-from .zero.stage3_optimizer import ZeroStage3Optimizer
+from ..data_parallel.ddp import DataParallel
+from ..distributed import collectives as C
+from ..pipeline.stage import sum_tied_grads
+from ..zero.optimizer import ZeroOptimizer
+from ..zero.stage3 import ZeroStage3
+from ..zero.stage3_optimizer import ZeroStage3Optimizer
 
 
 def _flagged(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

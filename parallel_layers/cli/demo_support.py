@@ -15,9 +15,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .auto_freeze import parse_freeze
-from .prefix import freeze_prefix_
-from .relayout import blocks_text
+from ..elastic.auto_freeze import parse_freeze
+from ..elastic.prefix import freeze_prefix_
+from ..elastic.relayout import blocks_text
 
 
 def check_freeze_args(args) -> List[str]:
@@ -43,8 +43,8 @@ def freeze_trainer(args, build_model: Callable[[], nn.Module], loss_fn: Callable
                    device: Optional[torch.device], checkpoint):
     """The demo's ``FreezeTrainer``: ``mesh`` (``--dp`` x ``--pp``) to start, new meshes of the same
     processes for the later layouts, the demo's optimizer and schedule."""
+    from ..elastic.trainer import FreezeTrainer
     from ..mesh import ParallelMesh
-    from .trainer import FreezeTrainer
     auto = {"interval": args.freeze_interval} if args.freeze == "auto" else {}
     policy = parse_freeze(args.freeze, args.n_layer, args.freeze_cap, **auto)
     return FreezeTrainer(build_model, dp=args.dp, pp=args.pp, loss_fn=loss_fn, freeze=policy, zero=args.zero,

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # Everything but the benchmarks compiles one fused-linear config per dtype and shape class (the full autotune
 # compiled ~290 kernels for the CUDA tests alone); the benchmarks tune fully, as a training run would.

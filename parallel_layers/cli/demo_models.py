@@ -1,5 +1,5 @@
 """The demo's models: the reference GPT (``--model gpt``) or a small Llama built from a ``transformers``
-config (``--model llama``), both trained by the same :class:`~parallel_layers.parallel3d.Parallel3D`
+config (``--model llama``), both trained by the same :class:`~parallel_layers.composition.parallel3d.Parallel3D`
 path on the same byte-level corpus, and the single-process twin each is checked against."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ VOCAB = 256
 
 
 def gpt_config(args):
-    from .models.gpt import GPTConfig
+    from ..models.gpt import GPTConfig
     return GPTConfig(vocab_size=VOCAB, n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
                      max_seq_len=args.seq_len, dropout=0.0, bias=False, tie_embeddings=True)
 
@@ -56,7 +56,7 @@ def model_description(args):
 def reference(args) -> Tuple[nn.Module, Callable]:
     """The single-process model and ``loss(model, x, y)``."""
     if args.model == "gpt":
-        from .models.gpt import GPT
+        from ..models.gpt import GPT
         torch.manual_seed(args.seed)
         return GPT(gpt_config(args)), lambda model, x, y: model(x, y)[1]
     return llama(args), lambda model, x, y: lm_loss(model(input_ids=x).logits, y)

@@ -4,7 +4,7 @@ the kernel was specialised and compiled exactly as a launch on an H100 compiles 
 runs on ``meta`` tensors (aligned, no storage), so its host code (config choice, keyword arguments, grid) runs
 as it will there.
 
-    python -m parallel_layers.gpu_check.standin [one|full]      # PARALLEL_LAYERS_LINEAR_TUNING for the run
+    python -m parallel_layers.cli.gpu_check.standin [one|full]      # PARALLEL_LAYERS_LINEAR_TUNING for the run
 
 Used by ``tests/test_fused_linear.py`` (the one-config path gpu-check's tests take compiles for sm_90). The
 compiled kernels land in ``TRITON_CACHE_DIR``; carrying them to the GPU machine is not done (the cache's group

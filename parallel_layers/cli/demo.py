@@ -17,7 +17,7 @@ text in the same file order (a tenth as many, never trained on) give ``--eval-it
 (:meth:`Parallel3D.evaluate`: the pipeline's forward-only schedule, eval mode) and compared too.
 
 Checkpoints (Megatron-LM's ``--save`` / ``--save-interval`` / ``--load``): universal ones
-(:mod:`parallel_layers.universal_checkpoint`) under ``DIR/iter_NNNNNNN``, so a run saved on one layout
+(:mod:`parallel_layers.composition.universal_checkpoint`) under ``DIR/iter_NNNNNNN``, so a run saved on one layout
 resumes on any other; a resumed run trains from the saved iteration to ``--steps`` on the same data.
 They are asynchronous by default (:mod:`parallel_layers.resilience`: training waits for the snapshot to
 host memory only; ``--save-mode sync`` waits for the write; ``--save-format per_rank``, ``--keep K``).
@@ -26,7 +26,7 @@ one by itself, so under ``torchrun --max-restarts N`` a run whose rank died come
 uninterrupted run ends (every rank's random streams are restored on the same layout; the data position
 is the step, global, so another dp size continues the same sample order).
 
-Models (:mod:`parallel_layers.demo_models`): ``--model gpt`` builds the reference GPT as stages;
+Models (:mod:`parallel_layers.cli.demo_models`): ``--model gpt`` builds the reference GPT as stages;
 ``--model llama`` builds a ``LlamaForCausalLM`` of the same sizes from a ``transformers`` config and hands
 it, unmodified, to the same ``Parallel3D`` (its recipe splits it into stages and over tp).
 
@@ -49,11 +49,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .cpu_affinity import available_cores, bind_rank_to_cores
-from .cpu_allocator import retain_freed_memory
+from ..cpu_affinity import available_cores, bind_rank_to_cores
+from ..cpu_allocator import retain_freed_memory
+from ..testing.compare import worst as worst_error
+from ..testing.workers import free_port
 from .demo_models import MODELS, lm_loss, model_description, parallel_model, reference
-from .testing.compare import worst as worst_error
-from .testing.workers import free_port
 
 FP32_RTOL = 1e-4          # per-step relative loss agreement in fp32 (rounding only)
 BF16_RTOL = 5e-2          # bf16 model (fp32 master weights) against the fp32 reference
@@ -269,10 +269,10 @@ def check_args(args) -> None:
     if world < 1:
         errs.append("dp, tp and pp must be positive")
     if args.model == "llama":
-        from ._optional import have
+        from .._optional import have
         if not have("transformers"):
             errs.append("--model llama needs transformers (pip install transformers)")
-    from .elastic.demo_support import check_freeze_args
+    from .demo_support import check_freeze_args
     errs += check_freeze_args(args)
     if errs:
         raise SystemExit("demo: " + "; ".join(errs))
@@ -287,7 +287,7 @@ def check_resume(args) -> None:
     same recipe (:data:`RECIPE`) and leave steps to train (each rank reads its iteration when loading)."""
     if not args.load:
         return
-    from .universal_checkpoint import check_config, read_meta, resolve_checkpoint
+    from ..composition.universal_checkpoint import check_config, read_meta, resolve_checkpoint
     try:
         path = resolve_checkpoint(args.load)
         meta = read_meta(path)
@@ -352,15 +352,15 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     validation text (None: no validation)."""
     import torch.distributed as dist
 
-    from .mesh import ParallelMesh
-    from .parallel3d import Parallel3D
-    from .universal_checkpoint import load_universal, resolve_checkpoint, save_iteration
+    from ..composition.parallel3d import Parallel3D
+    from ..composition.universal_checkpoint import load_universal, resolve_checkpoint, save_iteration
+    from ..mesh import ParallelMesh
     rank = dist.get_rank()
     mesh = ParallelMesh(args.dp, args.tp, args.pp, cp=args.cp)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
     what, extra = parallel_model(args)
     if args.freeze != "off":                     # the whole model, re-laid out as its bottom blocks freeze
-        from .elastic.demo_support import freeze_trainer
+        from .demo_support import freeze_trainer
         model = freeze_trainer(args, lambda: reference(args)[0], lm_loss, mesh, dtype=dtype, device=device,
                                checkpoint=checkpoint_setting(args))
     else:
@@ -373,7 +373,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     start, saved, load_s = 0, [], None
     checkpointer = None
     if args.save and args.freeze == "off":       # a FreezeTrainer changes layout as it goes: saved synchronously
-        from .resilience import AsyncCheckpointer
+        from ..resilience import AsyncCheckpointer
         checkpointer = AsyncCheckpointer(model, args.save, format=args.save_format, keep=args.keep,
                                          asynchronous=args.save_mode == "async")
     t_load = time.perf_counter()
@@ -381,7 +381,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
         start = load_universal(model, resolve_checkpoint(args.load))["iteration"]
         load_s = round(time.perf_counter() - t_load, 3)
     elif checkpointer is not None:               # a restarted run: the newest complete checkpoint of --save
-        from .resilience import resume
+        from ..resilience import resume
         resumed = resume(model, args.save)
         if resumed is not None:
             check_recipe(args, resumed["path"], {"resume": {"data": resumed["data"]}})
@@ -397,7 +397,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
         return {"already_done": start, "resumed_from": args.load} if rank == 0 else None
     bar = None
     if rank == 0 and not args.no_progress:
-        from ._optional import progress_bar
+        from .._optional import progress_bar
         bar = progress_bar(total=args.steps, initial=start, desc=f"{args.model} dp={args.dp} tp={args.tp} pp={args.pp}",
                    unit="step", dynamic_ncols=True)
     losses, step_times, skipped, val_losses = [], [], 0, []
@@ -415,7 +415,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
         losses.append(out["loss"])
         skipped += int(out.get("skipped", False))
         if out.get("relayout"):                  # --freeze: this step began in a new layout
-            from .elastic.demo_support import relayout_line
+            from .demo_support import relayout_line
             line = relayout_line(out["relayout"])
             if bar is not None:
                 bar.write(line)
@@ -488,7 +488,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     torch.set_num_threads(1)
     retain_freed_memory()        # a CPU rank reuses freed activations instead of faulting them back in
     if args.backend == "nccl_rules":
-        from .testing import nccl_rules
+        from ..testing import nccl_rules
         nccl_rules.register()
         nccl_rules.track_host_tensors()
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -510,7 +510,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
 def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = None, freeze=None):
     """The single-process run: ``(losses, val_losses)`` (``[[step, loss], ...]``, empty without ``val``).
     ``freeze``: the parallel run's layout changes (``--freeze``), whose freezes it replays."""
-    from .elastic.demo_support import freeze_steps, replay_freeze
+    from .demo_support import freeze_steps, replay_freeze
     freezes = freeze_steps(freeze)
     model, loss_of = reference(args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -665,7 +665,7 @@ def _run_torchrun(args) -> int:
         retain_freed_memory()
     backend = "nccl" if use_cuda else args.backend
     if backend == "nccl_rules":
-        from .testing import nccl_rules
+        from ..testing import nccl_rules
         nccl_rules.register()
         nccl_rules.track_host_tensors()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))

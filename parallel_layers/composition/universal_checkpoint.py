@@ -1,4 +1,4 @@
-"""Universal checkpoints: a :class:`~parallel_layers.parallel3d.Parallel3D` run saved on one mesh and
+"""Universal checkpoints: a :class:`~parallel_layers.composition.parallel3d.Parallel3D` run saved on one mesh and
 resumed on another (other dp, tp, pp, ZeRO stage, schedule or dtype), or in a single process.
 
 ``Parallel3D.state_dict()`` holds one rank's shards and loads back only on the same mesh. Resuming on
@@ -67,10 +67,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .distributed import collectives as C
-from .tensor_parallel.parallelize import gather_partition, tp_partitions
-from .tensor_parallel.random import shard
-from .zero.full_state import STATE_KEYS
+from ..distributed import collectives as C
+from ..tensor_parallel.parallelize import gather_partition, tp_partitions
+from ..tensor_parallel.random import shard
+from ..zero.full_state import STATE_KEYS
 
 FORMAT = "parallel_layers.universal/2"
 UNCHECKED_FORMATS = ("parallel_layers.universal/1",)    # written before checksums and headers existed
