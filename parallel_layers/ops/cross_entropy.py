@@ -47,7 +47,7 @@ def _chunks(n_rows: int, n_cols: int, chunk_bytes: int):
         yield r0, min(n_rows, r0 + step)
 
 
-def _safe_max(m: torch.Tensor) -> torch.Tensor:
+def safe_max(m: torch.Tensor) -> torch.Tensor:
     """The row max to subtract: 0 for a row of -inf only, so exp(-inf - 0) = 0 rather than nan."""
     return torch.where(m == float("-inf"), torch.zeros_like(m), m)
 
@@ -64,7 +64,7 @@ def reference_ce_forward_stats(logits, target, vocab_start, n_valid, row_max, st
         x = logits[r0:r1, :n_valid].to(acc)   # a view (no copy) when logits are already acc
         m = x.amax(dim=1)
         row_max[r0:r1] = m
-        stats[r0:r1, 0] = (x - _safe_max(m)[:, None]).exp_().sum(dim=1)
+        stats[r0:r1, 0] = (x - safe_max(m)[:, None]).exp_().sum(dim=1)
         t = target[r0:r1] - vocab_start
         owned = (t >= 0) & (t < n_valid)
         picked = x.gather(1, t.clamp(0, n_valid - 1)[:, None]).squeeze(1)
@@ -129,4 +129,4 @@ def _impl(op: str, device: torch.device, backend: Optional[str], reference):
     return getattr(tk, op)
 
 
-__all__ = ["ce_forward_stats", "ce_backward", "reference_ce_forward_stats", "reference_ce_backward"]
+__all__ = ["ce_forward_stats", "ce_backward", "safe_max", "reference_ce_forward_stats", "reference_ce_backward"]

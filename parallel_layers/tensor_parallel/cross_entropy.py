@@ -86,7 +86,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max, stats = K.ce_forward_stats(x, t, vocab_start, n_valid, backend=backend)
         global_max = row_max.clone()
         C.all_reduce(global_max, group, op=dist.ReduceOp.MAX)
-        shift = K._safe_max(global_max)
+        shift = K.safe_max(global_max)
         stats[:, 0] *= torch.exp(row_max - shift)   # rescale to the global max (0 for -inf rows)
         C.all_reduce(stats, group)                  # [sum exp, target logit, sum of logits]
         lse = torch.log(stats[:, 0]) + shift

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..distributed import collectives as C
 from ..mesh import check_group
-from .layers import _positive, check_sequence_input, set_parameter
+from .layers import check_positive, check_sequence_input, set_parameter
 from .mappings import reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region
 from .random import embedding_default_init_, shard
 
@@ -50,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
                  dtype=None, device=None, mesh=None):
         super().__init__()
         name = type(self).__name__
-        _positive(name, num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        check_positive(name, num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         world = check_group(name, tp_group, mesh)
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:

@@ -53,7 +53,8 @@ from .random import linear_default_init_, shard
 
 
 # ---------------------------------------------------------------------- shared checks and helpers
-def _positive(layer: str, **sizes) -> None:
+def check_positive(layer: str, **sizes) -> None:
+    """Each of ``sizes`` is a positive int (not a bool), else a ValueError naming ``layer`` and the size."""
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"{layer}: {name}={size!r} must be a positive integer")
@@ -143,7 +144,7 @@ class ColumnParallelLinear(nn.Module):
                  mesh=None):
         super().__init__()
         name = type(self).__name__
-        _positive(name, in_features=in_features, out_features=out_features)
+        check_positive(name, in_features=in_features, out_features=out_features)
         world = check_group(name, tp_group, mesh)
         if out_features % world:
             raise divisibility_error(name, "out_features", out_features, world)
@@ -220,7 +221,7 @@ class RowParallelLinear(nn.Module):
                  mesh=None):
         super().__init__()
         name = type(self).__name__
-        _positive(name, in_features=in_features, out_features=out_features)
+        check_positive(name, in_features=in_features, out_features=out_features)
         world = check_group(name, tp_group, mesh)
         if in_features % world:
             raise divisibility_error(name, "in_features", in_features, world)
