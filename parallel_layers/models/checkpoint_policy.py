@@ -293,6 +293,11 @@ def _storage_key(t: torch.Tensor):
     return t.untyped_storage().data_ptr(), t.device
 
 
+def _storage_id(storage) -> int:
+    """The same number for every Python object of one storage (torch's ``_cdata``; it has no public one)."""
+    return storage._cdata
+
+
 def _is_weight(t: torch.Tensor) -> bool:
     """A parameter (a leaf that requires grad) or a view of one: saved by reference, not an activation."""
     base = t if t._base is None else t._base
@@ -347,12 +352,12 @@ class LiveBytes:
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        owner = self
+        count = self._after
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                owner._after(args, kwargs, out)
+                count(args, kwargs, out)
                 return out
 
         self._mode = _Mode()
@@ -368,12 +373,13 @@ class LiveBytes:
             if ref.expired():
                 del self._live[key]
                 self._events.append((ident, -nbytes))
-        inputs = {a.untyped_storage()._cdata for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        inputs = {_storage_id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
-                if st._cdata not in inputs and st._cdata not in self._live:
-                    self._live[st._cdata] = (StorageWeakRef(st), st.nbytes(), self._next)
+                key = _storage_id(st)
+                if key not in inputs and key not in self._live:
+                    self._live[key] = (StorageWeakRef(st), st.nbytes(), self._next)
                     self._events.append((self._next, st.nbytes()))
                     self._next += 1
 
@@ -385,8 +391,8 @@ class LiveBytes:
         return self._mode.__exit__(*exc)
 
     def peak(self, exclude: Sequence[torch.Tensor] = ()) -> float:
-        gone = {self._live[t.untyped_storage()._cdata][2] for t in exclude
-                if t is not None and t.untyped_storage()._cdata in self._live}
+        gone = {self._live[_storage_id(t.untyped_storage())][2] for t in exclude
+                if t is not None and _storage_id(t.untyped_storage()) in self._live}
         now = top = 0
         for ident, nbytes in self._events:
             if ident not in gone:
