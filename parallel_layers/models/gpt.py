@@ -127,7 +127,7 @@ def round_to(modules, dtype) -> None:
                 m.to(dtype)
 
 
-class _Parallel:
+class ParallelContext:
     """What a module needs to know about tensor parallelism: group, size, SP flag, layer factories."""
 
     def __init__(self, group, config: GPTConfig, dtype, device):
@@ -183,7 +183,7 @@ class _Parallel:
 class Attention(nn.Module):
     """Causal self-attention on this rank's ``n_head / tp`` heads."""
 
-    def __init__(self, config: GPTConfig, tp: _Parallel):
+    def __init__(self, config: GPTConfig, tp: ParallelContext):
         super().__init__()
         d = config.d_model
         self.head_dim = d // config.n_head
@@ -212,7 +212,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig, tp: _Parallel):
+    def __init__(self, config: GPTConfig, tp: ParallelContext):
         super().__init__()
         self.fc = tp.column(config.d_model, config.d_ff, config.bias, activation="gelu")
         self.fc2 = tp.row(config.d_ff, config.d_model, config.bias)
@@ -224,7 +224,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
 
-    def __init__(self, config: GPTConfig, tp: _Parallel):
+    def __init__(self, config: GPTConfig, tp: ParallelContext):
         super().__init__()
         self.ln1 = tp.layer_norm(config.d_model, config.layer_norm_eps)
         self.attn = Attention(config, tp)
@@ -244,7 +244,7 @@ class Block(nn.Module):
         return x + self._drop(self.mlp(self.ln2(x)))
 
 
-def untied_head(config: "GPTConfig", tp: _Parallel) -> nn.Module:
+def untied_head(config: "GPTConfig", tp: ParallelContext) -> nn.Module:
     """The untied LM head: the dense ``nn.Linear(d, V)``'s init; with tp the rows are zero-padded to a multiple
     of tp (shared by ``GPT`` and the pipeline stage builder, which draw the same numbers)."""
     d, V = config.d_model, config.vocab_size
@@ -261,7 +261,8 @@ def untied_head(config: "GPTConfig", tp: _Parallel) -> nn.Module:
     return head
 
 
-def _resolve_group(tp_group):
+def resolve_tp_group(tp_group):
+    """GPT's ``tp_group=``: a ProcessGroup, a ParallelMesh (its tp group) or None, checked, as a group or None."""
     if tp_group is None:
         return None
     if isinstance(tp_group, ParallelMesh):
@@ -301,8 +302,8 @@ class GPT(nn.Module):
         super().__init__()
         self.checkpointing = checkpoint_placement(checkpoint, config.n_layer, "GPT")
         self.checkpoint_blocks = self.checkpointing.static_count
-        group = _resolve_group(tp_group)
-        tp = _Parallel(group, config, draw_dtype(dtype), device)
+        group = resolve_tp_group(tp_group)
+        tp = ParallelContext(group, config, draw_dtype(dtype), device)
         self.saved_inputs = SavedInputs.from_mode(checkpoint_inputs, group, tp.sp, "GPT: checkpoint_inputs",
                                                   checkpointed=self.checkpoint_blocks != 0, checkpoint=checkpoint)
         tp.context_parallel(cp_group, cp_method, config.dropout)

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..pipeline.stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
-from .gpt import GPT, Block, GPTConfig, _Parallel, _resolve_group, draw_dtype, round_to, untied_head
+from .gpt import GPT, Block, GPTConfig, ParallelContext, draw_dtype, resolve_tp_group, round_to, untied_head
 from .recompute import checkpoint_placement, run_blocks
 
 
@@ -44,7 +44,7 @@ class GPTStage(nn.Module):
         return GPT.loss(self, logits_shard, targets, reduction="sum"), (targets != -100).sum()
 
     def __init__(self, config: GPTConfig, stage_index: int, num_stages: int, layer_range: Tuple[int, int],
-                 tp: _Parallel, modules: dict, *, checkpoint: Union[bool, int] = False, tied_group=None,
+                 tp: ParallelContext, modules: dict, *, checkpoint: Union[bool, int] = False, tied_group=None,
                  saved_inputs=None):
         super().__init__()
         self.config, self.stage_index, self.num_stages = config, stage_index, num_stages
@@ -137,8 +137,8 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     mine = stage_ids(pp_rank, pp_size, num_chunks, layout)
     owned_layers = {i for s in mine for i in range(*ranges[s])}
     has_first, has_last = 0 in mine, S - 1 in mine
-    group = _resolve_group(tp_group)
-    tp = _Parallel(group, config, draw_dtype(dtype), device)
+    group = resolve_tp_group(tp_group)
+    tp = ParallelContext(group, config, draw_dtype(dtype), device)
     tp.context_parallel(cp_group, cp_method, config.dropout)
     for name, size in (("n_head", config.n_head), ("d_ff", config.d_ff)):
         if size % tp.size:
