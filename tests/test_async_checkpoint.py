@@ -14,6 +14,7 @@ In a separate process: a process killed (SIGKILL) while its background write is 
 and ``meta.json`` leaves a half-written checkpoint that is never offered; a restart resumes from the
 previous one and repeats the killed run's steps bit for bit.
 """
+import contextlib
 import json
 import os
 import signal
@@ -53,7 +54,7 @@ def _equal_states(a: dict, b: dict) -> bool:
 
 # ---------------------------------------------------------------------- 4 ranks
 def body_async_save_and_resume(rank, world, root, fmt):
-    from parallel_layers import universal_checkpoint as uc
+    from parallel_layers.composition import universal_checkpoint as uc
     from parallel_layers.resilience import AsyncCheckpointer, async_save, complete_checkpoints, resume
     from parallel_layers.testing import cached_mesh
     mesh = cached_mesh(2, 1, 2)
@@ -94,7 +95,7 @@ def body_async_save_and_resume(rank, world, root, fmt):
 
 
 def body_failed_write(rank, world, root):
-    from parallel_layers import universal_checkpoint as uc
+    from parallel_layers.composition import universal_checkpoint as uc
     from parallel_layers.resilience import AsyncCheckpointer, complete_checkpoints, resume
     from parallel_layers.testing import cached_mesh
     mesh = cached_mesh(2, 1, 2)
@@ -151,6 +152,142 @@ def test_failed_write_is_reported_everywhere_and_never_published(_pools, tmp_pat
         assert "meta.json" not in r["iter4 files"], (rank, r)
 
 
+# ---------------------------------------------------------------------- the universal snapshot is local
+# case -> (mesh (dp, tp, pp), ZeRO stage, the layout that loads it: mesh, ZeRO stage)
+UNIVERSAL_CASES = {"zero1-dp2-pp2": ((2, 1, 2), 1, (4, 1, 1), 3), "zero3-dp2-tp2": ((2, 2, 1), 3, (2, 1, 2), 1),
+                   "zero0-dp2-tp2": ((2, 2, 1), 0, (2, 1, 2), 1)}
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "broadcast",
+               "all_gather_object", "broadcast_object_list", "gather_object", "gather", "scatter", "barrier", "send",
+               "recv", "isend", "irecv", "all_to_all_single")
+
+
+@contextlib.contextmanager
+def _counting_collectives(calls: list):
+    """Every ``torch.distributed`` collective called while active, as ``(thread id, name)``: through
+    ``torch.distributed`` or a name ``parallel_layers.distributed.collectives`` bound to one at import."""
+    import torch.distributed as dist
+
+    from parallel_layers.distributed import collectives as C
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls.append((threading.get_ident(), name))
+            return fn(*args, **kwargs)
+        return call
+    originals = {getattr(dist, n): n for n in COLLECTIVES if hasattr(dist, n)}
+    originals[getattr(dist, "all_gather_single", None)] = "all_gather_single"
+    bound = [(C, n) for n, v in vars(C).items() if callable(v) and v in originals]
+    assert bound, "collectives binds no torch collective at import: the counter may miss its gathers"
+    targets = [(dist, n) for n in COLLECTIVES if hasattr(dist, n)] + bound
+    with contextlib.ExitStack() as stack:
+        for module, name in targets:
+            stack.enter_context(mock.patch.object(module, name, counted(name, getattr(module, name))))
+        yield
+
+
+def _model_of(dims, zero, seed):
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.models.gpt import GPTConfig
+    from parallel_layers.testing import cached_mesh
+    return Parallel3D(GPTConfig(**CFG), cached_mesh(*dims), zero=zero, num_microbatches=2, lr=1e-2,
+                      weight_decay=0.1, max_grad_norm=0.5, bucket_cap_mb=0.002, seed=seed)
+
+
+def body_async_universal_is_local(rank, world, root, case):
+    from parallel_layers.composition import universal_checkpoint as uc
+    from parallel_layers.resilience import AsyncCheckpointer, local_shards
+    dims, zero, other_dims, other_zero = UNIVERSAL_CASES[case]
+    model, batches = _model_of(dims, zero, seed=0), _batches()
+    for x, y in batches[:2]:
+        model.train_step(x, y)
+    ck = AsyncCheckpointer(model, os.path.join(root, "async"))
+    me, calls, control = threading.get_ident(), [], []
+    # runs of 300 elements: the ZeRO shards are summed in several collectives, a large parameter alone
+    with _counting_collectives(calls), mock.patch.object(local_shards, "CHUNK_ELEMENTS", 300):
+        rec = ck.save(2, {"iteration": 2})
+        in_save = [name for thread, name in calls if thread == me]
+        ck.wait()
+    with _counting_collectives(control):         # the counter sees the sync snapshot's gathers
+        uc.snapshot_universal(model, 2)
+    uc.save_iteration(model, os.path.join(root, "sync"), 2)     # the same state, the synchronous save
+    other = _model_of(other_dims, other_zero, seed=7)
+    meta = uc.load_universal(other, os.path.join(root, "async", "iter_0000002"))
+    loaded, step = uc.dense_states(other)
+    return {"in save": in_save, "writer thread": sorted({n for t, n in calls if t != me}),
+            "control": sorted({n for _, n in control}), "failures": ck.failures, "gather_s": rec.gather_s,
+            "loaded": loaded, "step": step, "meta step": meta["step"]}
+
+
+@pytest.mark.parametrize("case", list(UNIVERSAL_CASES))
+def test_async_universal_snapshot_issues_no_collective_and_writes_the_sync_save(_pools, tmp_path, case):
+    from parallel_layers.composition.universal_checkpoint import read_universal
+    res = _pools(4, "gloo").run(body_async_universal_is_local, str(tmp_path), case, timeout=300)
+    zero = UNIVERSAL_CASES[case][1]
+    for rank, r in enumerate(res):
+        assert r["failures"] == [] and r["gather_s"] is not None, (rank, r["failures"])
+        assert r["in save"] == [], (rank, r["in save"])          # the training thread communicated nothing
+        assert "all_gather_object" in r["writer thread"], (rank, r["writer thread"])
+        assert "all_gather_object" in r["control"], (rank, r["control"])
+        if zero:                                 # the writer summed the shards; the sync snapshot did, in front
+            assert "reduce" in r["writer thread"] and "all_reduce" in r["control"], (rank, r)
+    sync = read_universal(str(tmp_path / "sync" / "iter_0000002"))
+    got = read_universal(str(tmp_path / "async" / "iter_0000002"))
+    for state in ("model", "exp_avg", "exp_avg_sq"):
+        assert _equal_states(sync[state], got[state]), state
+    entry = lambda m: {n: (e["shape"], e["dtype"], e["crc32"]) for n, e in m["tensors"].items()}  # noqa: E731
+    assert entry(sync) == entry(got)             # the same bytes in every tensor
+    same = set(sync) - {"save", "files", "tensors", "checksum", "model", "exp_avg", "exp_avg_sq"}
+    assert {k: sync[k] for k in same} == {k: got[k] for k in same}
+    assert got["resume"]["data"] == {"iteration": 2} and len(got["resume"]["ranks"]) == 4
+    names = set()
+    for rank, r in enumerate(res):               # another layout loaded the async save
+        assert r["step"] == r["meta step"] == got["step"] == 2, (rank, r["step"])
+        for name, states in r["loaded"].items():
+            names.add(name)
+            for state, key in (("param", "model"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                assert torch.equal(states[state], got[key][name]), (rank, name, state)
+    assert names == set(got["model"])
+
+
+def body_failed_gather(rank, world, root):
+    from parallel_layers.resilience import AsyncCheckpointer, complete_checkpoints, local_shards
+    model, batches = _model_of((2, 1, 2), 1, seed=0), _batches()
+    ck = AsyncCheckpointer(model, root)
+    real = local_shards._check_pieces
+
+    def broken(local):
+        if rank == 1:                            # a non-writing rank's part of the assembly
+            raise RuntimeError("injected failure in the background gather")
+        return real(local)
+    for i, (x, y) in enumerate(batches[:3], start=1):
+        model.train_step(x, y)
+        if i == 2:
+            ck.save(2)
+        if i == 3:
+            with mock.patch.object(local_shards, "_check_pieces", broken), warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                ck.save(3)
+                ck.wait()
+    after_failure = [it for it, _ in complete_checkpoints(root)]
+    model.train_step(*batches[3])
+    ck.save(4)                                   # the writer's groups are still in step after the failure
+    ck.wait()
+    return {"failures": ck.failures, "after failure": after_failure,
+            "iter3 files": sorted(os.listdir(os.path.join(root, "iter_0000003")))
+            if os.path.isdir(os.path.join(root, "iter_0000003")) else [],
+            "complete": [it for it, _ in complete_checkpoints(root)]}
+
+
+def test_failed_background_gather_publishes_nothing(_pools, tmp_path):
+    res = _pools(4, "gloo").run(body_failed_gather, str(tmp_path / "run"), timeout=300)
+    for rank, r in enumerate(res):
+        assert len(r["failures"]) == 1, (rank, r)
+        assert "injected failure in the background gather" in r["failures"][0], (rank, r["failures"])
+        assert "rank(s) [1]" in r["failures"][0] and "iteration 3" in r["failures"][0], (rank, r["failures"])
+        assert r["after failure"] == [2] and "meta.json" not in r["iter3 files"], (rank, r)
+        assert sorted(r["complete"]) == [2, 4], (rank, r)
+
+
 # ---------------------------------------------------------------------- killed during the write
 def _single_process(root: str, kill_during_write: bool) -> None:
     """A one-rank run (its own process group): saves asynchronously after steps 2 and 4 and prints each
@@ -158,7 +295,7 @@ def _single_process(root: str, kill_during_write: bool) -> None:
     file and before ``meta.json``. Otherwise: resume, then train to step 5."""
     import torch.distributed as dist
 
-    from parallel_layers import universal_checkpoint as uc
+    from parallel_layers.composition import universal_checkpoint as uc
     from parallel_layers.mesh import ParallelMesh
     from parallel_layers.resilience import AsyncCheckpointer, resume
     from parallel_layers.testing.workers import free_port

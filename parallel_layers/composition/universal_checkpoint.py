@@ -51,7 +51,9 @@ layout they belong to (restored when the resuming layout is the same) and the ca
 
 A save is two halves: :func:`snapshot_universal` copies the state into host memory (collectives over
 the model's groups) and :func:`write_universal` writes it (collectives over a group of the caller's
-choice only), so an asynchronous save runs the second half in a background thread with the same code.
+choice only). An asynchronous save (:mod:`parallel_layers.resilience.local_snapshot`) takes only this
+rank's own shards in the training thread, assembles the same :class:`UniversalSnapshot` in its background
+thread on groups of its own, and writes it with the same :func:`write_universal`.
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ def _not_finite(tensors: Dict[str, Dict[str, torch.Tensor]]) -> List[str]:
 
 
 # ---------------------------------------------------------------------- files, crash-safely
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     """Make a rename or a new entry in ``path`` durable (POSIX; other systems cannot open a directory)."""
     if os.name != "posix":
         return
@@ -116,7 +118,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+def write_atomically(path: str, write: Callable[[str], None]) -> None:
     """``write(temporary path)``, fsync, rename onto ``path``: whenever the process dies, ``path`` is
     absent, its previous complete contents, or the new complete contents."""
     tmp = path + ".tmp"
@@ -124,10 +126,10 @@ def _write_atomically(path: str, write: Callable[[str], None]) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
-def _write_text(text: str) -> Callable[[str], None]:
+def write_text(text: str) -> Callable[[str], None]:
     def write(path: str) -> None:
         with open(path, "w") as f:
             f.write(text)
@@ -140,7 +142,7 @@ def _remove_stale(directory: str, keep: List[str]) -> None:
     for name in os.listdir(directory):
         if (_STAGE_FILE.fullmatch(name) and name not in keep) or name == META + ".tmp":
             os.remove(os.path.join(directory, name))
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 # ---------------------------------------------------------------------- saving
@@ -192,7 +194,7 @@ def dense_states(model) -> Tuple[Dict[str, Dict[str, torch.Tensor]], int]:
 def _layout(model) -> dict:
     m, e = model.mesh, model.engine
     return {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "zero": model.zero, "schedule": e.schedule,
-            "chunks per rank": e.v, "dtype": str(model.dtype)}
+            "chunks per rank": e.num_chunks, "dtype": str(model.dtype)}
 
 
 def _own_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -214,19 +216,19 @@ def _write_stage(directory: str, file: str, header: dict, states: Dict[str, Dict
     manifest = {n: {"file": file, "shape": list(t.shape), "dtype": str(t.dtype),
                     "crc32": {k: tensor_crc32(tensors[k][n]) for k in STATES}} for n, t in tensors["param"].items()}
     os.makedirs(directory, exist_ok=True)
-    _write_atomically(os.path.join(directory, file),
+    write_atomically(os.path.join(directory, file),
                       lambda tmp: torch.save({"format": FORMAT, "header": header, **tensors}, tmp))
     return manifest
 
 
-def _gathered(obj, group=None) -> list:
+def gathered(obj, group=None) -> list:
     """``obj`` of every rank of ``group`` (default: the world), in group rank order."""
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def _attempt(fn: Callable[[], object]) -> dict:
+def attempt(fn: Callable[[], object]) -> dict:
     """``{"ok": fn()}``, or ``{"error": text}`` if it raised: sent to every rank, so that all of them
     raise together instead of waiting on the one that failed."""
     try:
@@ -235,7 +237,7 @@ def _attempt(fn: Callable[[], object]) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _raise_failures(results: list, what: str, directory: str) -> None:
+def raise_failures(results: list, what: str, directory: str) -> None:
     failed: Dict[str, List[int]] = {}
     for rank, res in enumerate(results):
         if res is not None and "error" in res:
@@ -250,7 +252,13 @@ def _check_count(name: str, value, where: str) -> None:
         raise CheckpointError(f"{where}: {name} {value!r} must be a non-negative integer")
 
 
-def _description(model) -> dict:
+def check_iteration(iteration, where: str) -> None:
+    """A ``CheckpointError`` unless ``iteration`` (the caller's position, ``meta["iteration"]``) is a
+    non-negative integer."""
+    _check_count("iteration", iteration, where)
+
+
+def run_description(model) -> dict:
     """What ``meta.json`` says of the model and its run, taken when the state is (the snapshot's time)."""
     group = model.optimizer.param_groups[0]
     return {"config": model.description, "saved from": _layout(model),
@@ -272,11 +280,11 @@ def _meta(snap: "UniversalSnapshot", files: List[str], manifests: List[dict]) ->
 def _commit(directory: str, meta: dict, latest_root: Optional[str] = None, iteration: int = 0) -> None:
     """Rank 0, once every stage file is on disk: ``meta.json`` in one rename, then the earlier save's files
     go; with ``latest_root``, its ``latest_checkpointed_iteration.txt`` then names ``iteration``."""
-    _write_atomically(os.path.join(directory, META), _write_text(json.dumps(meta, indent=1)))
+    write_atomically(os.path.join(directory, META), write_text(json.dumps(meta, indent=1)))
     _remove_stale(directory, meta["files"])
-    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
+    fsync_dir(os.path.dirname(os.path.abspath(directory)))
     if latest_root is not None:
-        _write_atomically(os.path.join(latest_root, LATEST), _write_text(f"{iteration}\n"))
+        write_atomically(os.path.join(latest_root, LATEST), write_text(f"{iteration}\n"))
 
 
 @dataclasses.dataclass
@@ -301,6 +309,11 @@ class UniversalSnapshot:
         return sum(t.numel() * t.element_size() for st in self.states.values() for t in st.values())
 
 
+def is_stage_writer(mesh) -> bool:
+    """Whether this rank writes its pipeline stage's file: one per pipeline rank (dp 0, tp 0, cp 0)."""
+    return mesh.dp_rank == 0 and mesh.tp_rank == 0 and getattr(mesh, "cp_rank", 0) == 0
+
+
 def snapshot_universal(model, iteration: Optional[int] = None, resume: Optional[dict] = None) -> UniversalSnapshot:
     """This rank's part of a universal checkpoint of ``model``, copied to host memory: a collective over
     the world (the ZeRO shards summed over dp, the TP shards gathered over tp, one save id agreed). Once it
@@ -309,10 +322,10 @@ def snapshot_universal(model, iteration: Optional[int] = None, resume: Optional[
     iteration = step if iteration is None else iteration
     _check_count("iteration", iteration, "save_universal")
     m = model.mesh
-    save_id = _gathered(secrets.token_hex(6))[0]              # rank 0's: one name for this save's files
-    writer = m.dp_rank == 0 and m.tp_rank == 0 and getattr(m, "cp_rank", 0) == 0   # one per pipeline rank
+    save_id = gathered(secrets.token_hex(6))[0]              # rank 0's: one name for this save's files
+    writer = is_stage_writer(m)
     host = {n: {k: t.detach().to("cpu") for k, t in st.items()} for n, st in states.items()} if writer else {}
-    return UniversalSnapshot(host, step, iteration, save_id, m.pp_rank, m.pp, writer, _description(model), resume)
+    return UniversalSnapshot(host, step, iteration, save_id, m.pp_rank, m.pp, writer, run_description(model), resume)
 
 
 def write_universal(snap: UniversalSnapshot, directory: str, group=None, latest_root: Optional[str] = None) -> None:
@@ -328,14 +341,14 @@ def write_universal(snap: UniversalSnapshot, directory: str, group=None, latest_
               "step": snap.step}
     mine = None
     if snap.writer:
-        mine = _attempt(lambda: _write_stage(directory, files[snap.stage], header, snap.states))
-    written = _gathered(mine, group)
-    _raise_failures(written, "writing the stage files", directory)
+        mine = attempt(lambda: _write_stage(directory, files[snap.stage], header, snap.states))
+    written = gathered(mine, group)
+    raise_failures(written, "writing the stage files", directory)
     committed = None
     if dist.get_rank() == 0:
         meta = _meta(snap, files, [w["ok"] for w in written if w is not None])
-        committed = _attempt(lambda: _commit(directory, meta, latest_root, snap.iteration))
-    _raise_failures(_gathered(committed, group), "writing meta.json", directory)
+        committed = attempt(lambda: _commit(directory, meta, latest_root, snap.iteration))
+    raise_failures(gathered(committed, group), "writing meta.json", directory)
 
 
 def save_universal(model, directory: str, iteration: Optional[int] = None) -> None:
@@ -359,8 +372,8 @@ def point_latest(root: str, iteration: int, group=None) -> None:
     collective over ``group``: every rank learns whether it worked)."""
     done = None
     if dist.get_rank() == 0:
-        done = _attempt(lambda: _write_atomically(os.path.join(root, LATEST), _write_text(f"{iteration}\n")))
-    _raise_failures(_gathered(done, group), f"pointing {LATEST} at it", iteration_dir(root, iteration))
+        done = attempt(lambda: write_atomically(os.path.join(root, LATEST), write_text(f"{iteration}\n")))
+    raise_failures(gathered(done, group), f"pointing {LATEST} at it", iteration_dir(root, iteration))
 
 
 def save_iteration(model, root: str, iteration: int) -> str:
@@ -587,8 +600,8 @@ def load_universal(model, directory: str) -> dict:
     optimizer steps taken). A collective over the world: every rank reads and checks the files holding
     its stages, and if any rank finds a fault every rank raises :class:`CheckpointError` naming it,
     before the model is touched."""
-    read = _attempt(lambda: _read_local(model, directory))
-    _raise_failures(_gathered(None if "ok" in read else read), "loading", directory)
+    read = attempt(lambda: _read_local(model, directory))
+    raise_failures(gathered(None if "ok" in read else read), "loading", directory)
     meta, local = read["ok"]
     step, opt = meta["step"], model.optimizer
     if model.zero == 0:
@@ -619,4 +632,4 @@ def load_dense_adamw(optimizer: torch.optim.Optimizer, model: nn.Module, ckpt: d
 __all__ = ["save_universal", "snapshot_universal", "write_universal", "UniversalSnapshot", "point_latest",
            "load_universal", "read_universal", "read_meta", "check_config", "load_dense_adamw", "dense_states",
            "iteration_dir", "save_iteration", "resolve_checkpoint", "CheckpointError", "tensor_crc32",
-           "meta_checksum"]
+           "meta_checksum", "run_description", "is_stage_writer", "check_iteration"]

@@ -5,19 +5,25 @@ host memory; a background thread writes it while training continues.
 
 1. waits for the previous save's write, if one is still in flight (at most one: the host copy of a
    large model is not small), and reports it if it failed;
-2. snapshots the state (parameters, optimizer shards, loss scaler, every rank's random streams, step,
-   skipped steps, the caller's data position) into host memory, with the same functions the
-   synchronous save uses (:func:`~parallel_layers.composition.universal_checkpoint.snapshot_universal` or
-   :func:`~parallel_layers.resilience.per_rank.snapshot_per_rank`), so the two cannot drift; this is
-   the only part that needs the model and its process groups;
-3. hands the snapshot to a thread that writes it (checksummed files, ``meta.json`` last in one rename,
+2. snapshots this rank's own state (parameters, optimizer shards, loss scaler, random streams, step,
+   skipped steps, the caller's data position) into host memory, with no collective: universal format,
+   its ZeRO shards and TP partitions as they are, with where they belong
+   (:func:`~parallel_layers.resilience.local_snapshot.snapshot_local_universal`); per-rank format, its
+   ``state_dict`` (:func:`~parallel_layers.resilience.per_rank.snapshot_per_rank`); this is the only
+   part that needs the model;
+3. hands the snapshot to a thread that (universal format) assembles the dense tensors from every rank's
+   pieces (:func:`~parallel_layers.resilience.local_snapshot.assemble_universal`: the same tensors, bit
+   for bit, the synchronous :func:`~parallel_layers.composition.universal_checkpoint.snapshot_universal`
+   gathers) and writes it (checksummed files, ``meta.json`` last in one rename,
    :func:`~parallel_layers.composition.universal_checkpoint.write_universal` /
    :func:`~parallel_layers.resilience.per_rank.write_per_rank`), points
    ``latest_checkpointed_iteration.txt`` at it and prunes the run directory to the last ``keep``.
 
-The writer's collectives (agreeing that every file is on disk before ``meta.json`` publishes them) run
-on a gloo group of their own, created once here, so they never interleave with training's collectives
-on the model's groups (torch DCP's async save does the same). A write that fails on any rank fails on
+The writer's collectives (agreeing the save id, gathering every rank's random streams, summing the ZeRO
+shards over dp and gathering the TP partitions, agreeing that every file is on disk before ``meta.json``
+publishes them) run on gloo groups of its own, created once here (:mod:`.writer_groups`: one over the
+world, and a mirror of each model group the assembly needs), so they never interleave with training's
+collectives on the model's groups (torch DCP's async save does the same). A write that fails on any rank fails on
 every rank, publishes nothing (the previous checkpoint stays the newest) and is reported: a warning at
 the next ``save``/``wait`` and an entry in ``failures`` (``raise_errors=True``: a
 :class:`~parallel_layers.composition.universal_checkpoint.CheckpointError` instead). ``asynchronous=False`` runs
@@ -34,10 +40,12 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from ..composition.universal_checkpoint import CheckpointError, iteration_dir, snapshot_universal, write_universal
-from . import resume_state
+from ..composition.universal_checkpoint import CheckpointError, iteration_dir, write_universal
+from .local_shards import groups_to_mirror
+from .local_snapshot import assemble_universal, snapshot_local_universal
 from .per_rank import snapshot_per_rank, write_per_rank
 from .run_dir import prune
+from .writer_groups import WriterGroups
 
 FORMATS = ("universal", "per_rank")
 
@@ -45,7 +53,8 @@ FORMATS = ("universal", "per_rank")
 @dataclasses.dataclass
 class SaveRecord:
     """One save: how long training waited (``stall_s``: for the previous write, then the snapshot, and in a
-    synchronous save the write too), how long the write took (``write_s``), the bytes this rank
+    synchronous save the write too), how long the write took (``write_s``; for the universal format it
+    includes ``gather_s``, assembling the dense tensors from every rank's pieces), the bytes this rank
     snapshotted, and the error if it failed."""
     iteration: int
     path: str
@@ -53,6 +62,7 @@ class SaveRecord:
     wait_s: float = 0.0
     snapshot_s: float = 0.0
     write_s: Optional[float] = None
+    gather_s: Optional[float] = None
     nbytes: int = 0
     error: Optional[str] = None
 
@@ -63,7 +73,7 @@ class SaveRecord:
 
 class AsyncCheckpointer:
     """Checkpoints of ``model`` (a ``Parallel3D``) under ``root/iter_NNNNNNN``. Construct it on every rank
-    (a collective: it creates the writer's process group). ``format``: ``"universal"`` (any mesh resumes
+    (a collective: it creates the writer's process groups). ``format``: ``"universal"`` (any mesh resumes
     it) or ``"per_rank"`` (the same mesh only; nothing gathered). ``keep``: the newest complete
     checkpoints kept (0: all). ``timeout_s``: the writer's collectives fail after it (a dead peer)."""
 
@@ -75,7 +85,9 @@ class AsyncCheckpointer:
             raise ValueError(f"AsyncCheckpointer: keep={keep} must be >= 0 (0 keeps every checkpoint)")
         self.model, self.root, self.format, self.keep = model, root, format, keep
         self.asynchronous, self.raise_errors = asynchronous, raise_errors
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        needed = groups_to_mirror(model) if format == "universal" else []
+        self.groups = WriterGroups(needed, datetime.timedelta(seconds=timeout_s))
+        self.group = self.groups.world
         self.records: List[SaveRecord] = []
         self.failures: List[str] = []
         self._thread: Optional[threading.Thread] = None
@@ -90,7 +102,7 @@ class AsyncCheckpointer:
         self.wait()
         t1 = time.perf_counter()
         if self.format == "universal":
-            snap = snapshot_universal(self.model, iteration, resume_state.capture(self.model, data))
+            snap = snapshot_local_universal(self.model, iteration, data)
         else:
             snap = snapshot_per_rank(self.model, iteration, data)
         rec.wait_s, rec.snapshot_s, rec.nbytes = t1 - t0, time.perf_counter() - t1, snap.nbytes
@@ -132,6 +144,9 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         try:
             if self.format == "universal":
+                t_gather = time.perf_counter()
+                snap = assemble_universal(snap, self.groups, rec.path)
+                rec.gather_s = time.perf_counter() - t_gather
                 write_universal(snap, rec.path, self.group, latest_root=self.root)
             else:
                 write_per_rank(snap, rec.path, self.group, latest_root=self.root)

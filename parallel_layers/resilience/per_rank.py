@@ -29,13 +29,13 @@ from ..composition.universal_checkpoint import (
     LATEST,
     META,
     CheckpointError,
-    _attempt,
-    _fsync_dir,
-    _gathered,
-    _raise_failures,
-    _write_atomically,
-    _write_text,
+    attempt,
+    fsync_dir,
+    gathered,
     meta_checksum,
+    raise_failures,
+    write_atomically,
+    write_text,
 )
 
 FORMAT = "parallel_layers.per_rank/1"
@@ -86,7 +86,7 @@ def rank_file(rank: int, world: int, save_id: str) -> str:
 def snapshot_per_rank(model, iteration: int, data: Optional[dict] = None) -> PerRankSnapshot:
     """This rank's ``model.state_dict()`` copied to host memory (a collective over the world: one save id
     agreed)."""
-    save_id = _gathered(secrets.token_hex(6))[0]
+    save_id = gathered(secrets.token_hex(6))[0]
     step = int(getattr(model.optimizer, "steps_taken", 0) or 0)
     return PerRankSnapshot(_to_host(model.state_dict()), dist.get_rank(), dist.get_world_size(), save_id,
                            iteration, step, data)
@@ -102,7 +102,7 @@ def _write_rank(directory: str, snap: PerRankSnapshot) -> dict:
     def write(path: str) -> None:
         with open(path, "wb") as f:
             f.write(data)
-    _write_atomically(os.path.join(directory, name), write)
+    write_atomically(os.path.join(directory, name), write)
     return {"file": name, "crc32": zlib.crc32(data), "bytes": len(data)}
 
 
@@ -110,27 +110,27 @@ def write_per_rank(snap: PerRankSnapshot, directory: str, group=None, latest_roo
     """Every rank writes its file, then global rank 0 ``meta.json`` (a collective over ``group``, default
     the world) and, with ``latest_root``, points its ``latest_checkpointed_iteration.txt`` at it. Every rank
     raises :class:`CheckpointError` if any rank failed; nothing is published then."""
-    written = _gathered(_attempt(lambda: _write_rank(directory, snap)), group)
-    _raise_failures(written, "writing the rank files", directory)
+    written = gathered(attempt(lambda: _write_rank(directory, snap)), group)
+    raise_failures(written, "writing the rank files", directory)
     committed = None
     if dist.get_rank() == 0:
         files = [w["ok"] for w in written]
         meta = {"format": FORMAT, "save": snap.save_id, "iteration": snap.iteration, "step": snap.step,
                 "world": snap.world, "files": files, "resume": {"data": snap.data}}
         meta["checksum"] = meta_checksum(meta)
-        committed = _attempt(lambda: _publish(directory, meta, latest_root))
-    _raise_failures(_gathered(committed, group), "writing meta.json", directory)
+        committed = attempt(lambda: _publish(directory, meta, latest_root))
+    raise_failures(gathered(committed, group), "writing meta.json", directory)
 
 
 def _publish(directory: str, meta: dict, latest_root: Optional[str]) -> None:
-    _write_atomically(os.path.join(directory, META), _write_text(json.dumps(meta, indent=1)))
+    write_atomically(os.path.join(directory, META), write_text(json.dumps(meta, indent=1)))
     keep = {f["file"] for f in meta["files"]}
     for name in os.listdir(directory):             # the files of an earlier or killed save into this directory
         if (_RANK_FILE.fullmatch(name) and name not in keep) or name == META + ".tmp":
             os.remove(os.path.join(directory, name))
-    _fsync_dir(directory)
+    fsync_dir(directory)
     if latest_root is not None:
-        _write_atomically(os.path.join(latest_root, LATEST), _write_text(f"{meta['iteration']}\n"))
+        write_atomically(os.path.join(latest_root, LATEST), write_text(f"{meta['iteration']}\n"))
 
 
 def read_per_rank_meta(directory: str) -> dict:
@@ -167,8 +167,8 @@ def load_per_rank(model, directory: str) -> dict:
     """Load this rank's file into ``model`` (a collective over the world: every rank checks its file and
     they agree before any is loaded); returns ``meta.json``."""
     meta = read_per_rank_meta(directory)
-    read = _attempt(lambda: _read_own(directory, meta))
-    _raise_failures(_gathered(None if "ok" in read else read), "loading", directory)
+    read = attempt(lambda: _read_own(directory, meta))
+    raise_failures(gathered(None if "ok" in read else read), "loading", directory)
     model.load_state_dict(read["ok"])
     return meta
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 def layout_of(model) -> dict:
     """The layout a rank's random streams belong to: mesh sizes, schedule chunks and the world size."""
     m = model.mesh
-    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "cp": getattr(m, "cp", 1), "chunks per rank": model.engine.v,
+    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "cp": getattr(m, "cp", 1), "chunks per rank": model.engine.num_chunks,
             "world": dist.get_world_size()}
 
 
@@ -36,15 +36,26 @@ def _decode(text: str):
     return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
 
 
+def rank_state(model) -> str:
+    """This rank's random streams and skipped-step count, serialised (a copy; no collective)."""
+    return _encode({"random": model.random_state(), "skipped_steps": model.skipped_steps})
+
+
+def combine(layout: dict, mine: str, data: Optional[dict], group=None) -> Optional[dict]:
+    """``meta["resume"]`` from every rank's :func:`rank_state` (``mine``: this rank's): a collective over
+    ``group`` (default the world; it must hold every rank, in global rank order); the dict on global
+    rank 0, None elsewhere."""
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if dist.get_rank() != 0:
+        return None
+    return {"layout": layout, "ranks": every, "data": data}
+
+
 def capture(model, data: Optional[dict]) -> Optional[dict]:
     """``meta["resume"]`` for the current state of ``model`` (a ``Parallel3D``): a collective over the
     world (every rank's streams are gathered); the dict on global rank 0, None elsewhere."""
-    mine = _encode({"random": model.random_state(), "skipped_steps": model.skipped_steps})
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() != 0:
-        return None
-    return {"layout": layout_of(model), "ranks": every, "data": data}
+    return combine(layout_of(model), rank_state(model), data)
 
 
 def restore(model, resume: Optional[dict]) -> bool:
@@ -59,4 +70,4 @@ def restore(model, resume: Optional[dict]) -> bool:
     return True
 
 
-__all__ = ["capture", "restore", "layout_of"]
+__all__ = ["capture", "rank_state", "combine", "restore", "layout_of"]
