@@ -12,7 +12,7 @@ universal checkpoints of ``Parallel3D`` build on them.
 
 :func:`full_state_dict` and :func:`load_full_state_dict` are those two methods' common part, for
 either optimizer (``shard_pieces``, ``master``, ``exp_avg``, ``exp_avg_sq``, ``low``, ``steps_taken`` /
-``set_steps_taken``, and the group and per-parameter step helpers of ``optimizer._ZeroAdamW``).
+``set_steps_taken``, and the group and per-parameter step helpers of ``optimizer.ShardedAdamW``).
 
 ``pieces``: the optimizer's ``shard_pieces()``, ``(param, start in its flat view, start in the flat
 state, length)`` for every piece of a parameter in this rank's shard. ``flats``: this rank's flat
@@ -85,7 +85,7 @@ def full_state_dict(opt, named_params: NamedParams, group) -> dict:
     :func:`gather_full_state` of its shards (a collective over ``group``). ``named_params`` is called after
     ``opt.shard_pieces()``, which may rebuild the layout it lists."""
     pieces = opt.shard_pieces()
-    return {"step": opt.steps_taken, "steps": opt._steps_by_name(), "param_groups": opt._named_param_groups(),
+    return {"step": opt.steps_taken, "steps": opt.steps_by_name(), "param_groups": opt.named_param_groups(),
             "state": gather_full_state(named_params(), pieces, (opt.master, opt.exp_avg, opt.exp_avg_sq), group,
                                        getattr(opt, "device", None))}
 
@@ -103,10 +103,10 @@ def load_full_state_dict(opt, state: dict, named_params: NamedParams, owner: str
     if opt.low is not None:
         opt.low.copy_(opt.master)
     if "param_groups" in state:
-        opt._load_param_groups(state["param_groups"], f"{owner}.load_full_state_dict")
+        opt.load_param_groups(state["param_groups"], f"{owner}.load_full_state_dict")
     opt.set_steps_taken(int(state["step"]))
     if state.get("steps") is not None:
-        opt._load_steps(state["steps"], int(state["step"]))
+        opt.load_steps(state["steps"], int(state["step"]))
     return named
 
 

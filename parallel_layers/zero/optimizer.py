@@ -24,11 +24,11 @@ A step, all on the device (no host sync, so an AMP ``found_inf`` costs nothing):
 Padding elements have zero parameters and zero gradients, so Adam leaves them at zero.
 
 ``torch.optim.Optimizer`` contract, param groups, per-parameter step counts and the runs: see
-:mod:`.sharded_adamw` (``_ZeroAdamW``, shared with ZeRO-3).
+:mod:`.sharded_adamw` (``ShardedAdamW``, shared with ZeRO-3).
 
 Gradient clipping: the gradients are shards, so ``torch.nn.utils.clip_grad_norm_(model.parameters())``
-cannot see them. After a backward every ``p.grad`` is a guard (:class:`_ShardedGrad`, :mod:`.sharded_grad`)
-that raises a ``RuntimeError`` naming the parameter and :meth:`_ZeroAdamW.clip_grad_norm_`, which computes
+cannot see them. After a backward every ``p.grad`` is a guard (:class:`ShardedGrad`, :mod:`.sharded_grad`)
+that raises a ``RuntimeError`` naming the parameter and :meth:`ShardedAdamW.clip_grad_norm_`, which computes
 the global norm over every rank's shard and folds the coefficient into the next step. (Stage 1 over an
 all-reduce with fp32 parameters has the full averaged gradient in ``p.grad``, stepped from that buffer: the
 standard call works there and no guard is set.)
@@ -62,11 +62,11 @@ from .host_offload import HostOffload, HostShard, LaunchedBuckets, segments_of
 from .offload import DEFAULT_BUFFER_MB, resolve_offload
 
 # Re-exported: other modules and users import these names from here.
-from .sharded_adamw import STATE_FORMAT, NoDecay, _ZeroAdamW, step_multipliers  # noqa: F401
+from .sharded_adamw import STATE_FORMAT, NoDecay, ShardedAdamW, step_multipliers  # noqa: F401
 from .sharded_adamw import STATES as _STATES
 from .sharded_grad import (  # noqa: F401
     METADATA_FUNCTIONS,
-    _ShardedGrad,
+    ShardedGrad,
     guarded_in,
     is_metadata,
     sharded_grad_message,
@@ -86,7 +86,7 @@ def _give_back_grad_buffer(hook, buffer, nbytes: int) -> None:
         buffer.grad_buffer.zero_()
 
 
-class ZeroOptimizer(_ZeroAdamW):
+class ZeroOptimizer(ShardedAdamW):
     """Sharded AdamW over a ``DataParallel(module, dp_group, reduce_op="reduce_scatter")`` wrapper; a
     ``torch.optim.Optimizer`` that takes ``torch.optim.AdamW``'s param groups.
 
@@ -179,12 +179,12 @@ class ZeroOptimizer(_ZeroAdamW):
             # The grad buffer only needs to exist from forward to the step; see _release_grads. The hook
             # reaches the optimizer weakly (a bound method would keep it alive as long as the module); once
             # the optimizer is collected the hook goes and the buffer is back (zeroed), as it found it.
-            ref = weakref.ref(self)
+            materialize_grads = weakref.WeakMethod(self._materialize_grads)
 
             def materialize(module, args):
-                opt = ref()
-                if opt is not None:
-                    opt._materialize_grads()
+                method = materialize_grads()
+                if method is not None:
+                    method()
             self._hook = dp_module.register_forward_pre_hook(materialize)
             give_back = weakref.finalize(self, _give_back_grad_buffer, self._hook, dp_module.buffer,
                                          self._grad_storage().nbytes())
@@ -205,18 +205,17 @@ class ZeroOptimizer(_ZeroAdamW):
         """Record which parameters a backward reaches and, at its end, put guards in ``p.grad``. The hooks
         run after DataParallel's (registered earlier), and the end-of-backward callback after its
         reduction. A weak reference: a dropped optimizer leaves inert hooks."""
-        ref = weakref.ref(self)
+        ref, record_grad = weakref.ref(self), weakref.WeakMethod(self._on_grad)
 
         def on_grad(p):
-            opt = ref()
-            if opt is not None:
-                opt._on_grad(p)
-                opt._storage.on_grad()
+            method = record_grad()
+            if method is not None:
+                method(p)
 
         def drop_placeholder(grad, pref):
             # before autograd accumulates into .grad: a placeholder holds nothing to add to
             p, opt = pref(), ref()
-            if p is not None and opt is not None and isinstance(p.grad, _ShardedGrad):
+            if p is not None and opt is not None and isinstance(p.grad, ShardedGrad):
                 p.grad = None
 
         for p in self.dp.buffer.params:
@@ -229,9 +228,10 @@ class ZeroOptimizer(_ZeroAdamW):
         self._seen.add(id(p))
         if not self._callback_queued:
             self._callback_queued = True
-            ref = weakref.ref(self)
+            after_backward = weakref.WeakMethod(self._after_backward)
             torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: ref() is not None and ref()._after_backward())
+                lambda: after_backward() is not None and after_backward()())
+        self._storage.on_grad()
 
     def _after_backward(self) -> None:
         """Guards in ``p.grad`` where reading it would be wrong. Not for fp32 parameters over an all-reduce
@@ -244,7 +244,7 @@ class ZeroOptimizer(_ZeroAdamW):
             if self._direct:
                 if not self._scattered():
                     continue
-                if g is not None and not isinstance(g, _ShardedGrad) and g.data_ptr() == p.main_grad.data_ptr():
+                if g is not None and not isinstance(g, ShardedGrad) and g.data_ptr() == p.main_grad.data_ptr():
                     p.grad = sharded_grad_view(p.main_grad, self._message(p))
             elif g is None and id(p) in self._seen:
                 if id(p) not in self._placeholders:
@@ -646,8 +646,8 @@ class ZeroOptimizer(_ZeroAdamW):
         disk as the state file and is freed with the tensors)."""
         self._check_layout()
         return {"format": STATE_FORMAT, "stage": self.stage, "dp_size": self.dp_size, "dp_rank": self.dp_rank,
-                "param_groups": self._named_param_groups(), "layout": self._layout,
-                "step": self._step.clone(), "steps": self._steps_by_name(), "started": self._started,
+                "param_groups": self.named_param_groups(), "layout": self._layout,
+                "step": self._step.clone(), "steps": self.steps_by_name(), "started": self._started,
                 **self._checkpoint_states()}
 
     @torch.no_grad()
@@ -668,9 +668,9 @@ class ZeroOptimizer(_ZeroAdamW):
                              f"resume with the same data-parallel size and give each rank its own file")
         self._check_layout()
         self._verify_state()
-        self._load_param_groups(state["param_groups"], "ZeroOptimizer.load_state_dict")
+        self.load_param_groups(state["param_groups"], "ZeroOptimizer.load_state_dict")
         self._step.copy_(state["step"])
-        self._load_steps(state.get("steps"), int(state["step"].item()))
+        self.load_steps(state.get("steps"), int(state["step"].item()))
         tensors = [state[k].to(self.device) for k in _STATES]
         if state["layout"] == self._layout:
             self._load_states(tensors)

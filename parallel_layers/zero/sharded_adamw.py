@@ -1,4 +1,4 @@
-"""``_ZeroAdamW``: AdamW over one flat shard per rank, as a ``torch.optim.Optimizer``: the part of the ZeRO
+"""``ShardedAdamW``: AdamW over one flat shard per rank, as a ``torch.optim.Optimizer``: the part of the ZeRO
 optimizers that stages 1-3 share (``ZeroOptimizer`` in :mod:`.optimizer`, ``ZeroStage3Optimizer`` in
 :mod:`.stage3_optimizer`).
 
@@ -16,7 +16,7 @@ where its storage object says (:mod:`.state_storage`: in memory, in a file strea
 buffers, or in pinned host memory); the step hands the storage the runs and it walks them over the state
 (a file's sub-groups cut the runs, which changes no result: the step is elementwise).
 
-Gradient clipping: the gradients are shards, so :meth:`_ZeroAdamW.clip_grad_norm_` computes the global norm
+Gradient clipping: the gradients are shards, so :meth:`ShardedAdamW.clip_grad_norm_` computes the global norm
 over every rank's shard and folds the coefficient into the next step.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..amp.clip import clip_grad_norm_ as _global_clip_grad_norm
 from ..distributed import collectives as C
-from ..ops._checks import scalar_tensor
+from ..ops import scalar_tensor
 from ..ops.optimizer_step import adamw_step
 from .host_offload import HostShard
 from .offload import DiskOffload, StreamedShard, open_streamed_shard
@@ -57,7 +57,7 @@ def step_multipliers(owner: str, device, grad_scale, clip_coef, found_inf):
 
 
 class _ShardState:
-    """``master`` / ``exp_avg`` / ``exp_avg_sq`` of a ``_ZeroAdamW``, read from its storage (for a state
+    """``master`` / ``exp_avg`` / ``exp_avg_sq`` of a ``ShardedAdamW``, read from its storage (for a state
     offloaded to disk: the file mapped as a tensor; the step itself streams the file through its buffers)."""
 
     def __set_name__(self, owner, name):
@@ -66,9 +66,10 @@ class _ShardState:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return self
-        if obj._storage is None:
+        storage = obj.state_storage
+        if storage is None:
             raise AttributeError(f"{type(obj).__name__} has no state {self.name!r} yet")
-        return obj._storage.tensor(self.name)
+        return storage.tensor(self.name)
 
     def __set__(self, obj, value) -> None:
         raise AttributeError(f"{type(obj).__name__}.{self.name} lives in the optimizer's state storage; write "
@@ -101,7 +102,7 @@ def _default_groups(named, weight_decay: float, no_decay: NoDecay) -> list:
     return [g for g in ({"params": decay}, {"params": rest, "weight_decay": 0.0}) if g["params"]]
 
 
-class _ZeroAdamW(torch.optim.Optimizer):
+class ShardedAdamW(torch.optim.Optimizer):
     """AdamW over a flat shard, as a ``torch.optim.Optimizer``: param groups, per-parameter step counts,
     one fused kernel call per run of the shard, clipping over the shards, group and step state by name.
 
@@ -116,6 +117,11 @@ class _ZeroAdamW(torch.optim.Optimizer):
     exp_avg = _ShardState()
     exp_avg_sq = _ShardState()
     _storage: Optional[ShardState] = None        # where master / exp_avg / exp_avg_sq live
+
+    @property
+    def state_storage(self) -> Optional[ShardState]:
+        """Where ``master`` / ``exp_avg`` / ``exp_avg_sq`` live (None until the subclass has built it)."""
+        return self._storage
 
     @property
     def offload_stream(self) -> Optional[StreamedShard]:
@@ -250,7 +256,7 @@ class _ZeroAdamW(torch.optim.Optimizer):
             self._hist += [0] * (len(self._all_params) - n_old)
         self._pieces_cache = None
 
-    def _named_param_groups(self) -> List[dict]:
+    def named_param_groups(self) -> List[dict]:
         """``param_groups`` with parameter *names* (``"params"``): what checkpoints hold."""
         out = []
         for g in self.param_groups:
@@ -259,8 +265,8 @@ class _ZeroAdamW(torch.optim.Optimizer):
             out.append(d)
         return out
 
-    def _load_param_groups(self, saved: Sequence[dict], where: str) -> None:
-        """Hyper-parameters from :meth:`_named_param_groups` (same grouping required) or, for a state saved
+    def load_param_groups(self, saved: Sequence[dict], where: str) -> None:
+        """Hyper-parameters from :meth:`named_param_groups` (same grouping required) or, for a state saved
         before param groups existed (one group, no ``"params"``), lr/betas/eps for every group and weight decay
         for every group that decays (the groups of ``no_decay=`` keep their zero)."""
         if not saved:
@@ -300,10 +306,10 @@ class _ZeroAdamW(torch.optim.Optimizer):
         self._steps.fill_(n)
         self._reset_hist()
 
-    def _steps_by_name(self) -> Dict[str, int]:
+    def steps_by_name(self) -> Dict[str, int]:
         return {self._names[id(p)]: int(v) for p, v in zip(self._all_params, self._steps.tolist())}
 
-    def _load_steps(self, steps: Optional[Dict[str, int]], default: int) -> None:
+    def load_steps(self, steps: Optional[Dict[str, int]], default: int) -> None:
         """Per-parameter step counts by name (a parameter missing from ``steps``, or all of them when it is
         None: a state saved with one count, gets ``default``)."""
         steps = steps or {}

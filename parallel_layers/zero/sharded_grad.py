@@ -57,7 +57,7 @@ def guarded_in(args, kwargs, cls) -> list:
     return found
 
 
-class _ShardedGrad(torch.Tensor):
+class ShardedGrad(torch.Tensor):
     """What ``p.grad`` holds while ``p``'s gradient lives in a ZeRO shard.
 
     Its shape, dtype and device are ``p``'s; reading its elements (``torch.nn.utils.clip_grad_norm_``,
@@ -74,21 +74,21 @@ class _ShardedGrad(torch.Tensor):
         if is_metadata(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        guards = guarded_in(args, kwargs, _ShardedGrad)
+        guards = guarded_in(args, kwargs, ShardedGrad)
         raise RuntimeError(guards[0].sharded_grad_message if guards else cls.sharded_grad_message)
 
 
-def sharded_grad_view(t: torch.Tensor, message: str) -> _ShardedGrad:
+def sharded_grad_view(t: torch.Tensor, message: str) -> ShardedGrad:
     """A guard aliasing ``t`` (same memory: autograd keeps accumulating into it)."""
-    g = t.as_subclass(_ShardedGrad)
+    g = t.as_subclass(ShardedGrad)
     g.sharded_grad_message = message
     return g
 
 
-def sharded_grad_placeholder(p: torch.Tensor, message: str) -> _ShardedGrad:
+def sharded_grad_placeholder(p: torch.Tensor, message: str) -> ShardedGrad:
     """A guard shaped like ``p`` backed by one element (for parameters whose ``.grad`` holds nothing)."""
     with torch._C.DisableTorchFunctionSubclass():
-        g = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape).as_subclass(_ShardedGrad)
+        g = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape).as_subclass(ShardedGrad)
     g.sharded_grad_message = message
     return g
 
@@ -101,5 +101,5 @@ def sharded_grad_message(owner: str, name: str, shape, how: str) -> str:
             f"global norm over every rank's shard; the coefficient is applied by the next step)")
 
 
-__all__ = ["METADATA_FUNCTIONS", "is_metadata", "guarded_in", "sharded_grad_view", "sharded_grad_placeholder",
-           "sharded_grad_message"]
+__all__ = ["METADATA_FUNCTIONS", "ShardedGrad", "is_metadata", "guarded_in", "sharded_grad_view",
+           "sharded_grad_placeholder", "sharded_grad_message"]

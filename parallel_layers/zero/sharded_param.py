@@ -113,7 +113,7 @@ class _ShardedParameter(nn.Parameter):
     Metadata (shape, dtype, device, ``requires_grad``, hooks, ``p.grad is None``) is always available.
     Elements only while the parameter's unit is gathered; any other read raises a ``RuntimeError`` naming
     the parameter and ``gathered_parameters()``. ``p.grad`` reads as a guard (:mod:`.optimizer`'s
-    ``_ShardedGrad``) while a gradient for it waits in the wrapper's gradient shard; assigning None drops it.
+    ``ShardedGrad``) while a gradient for it waits in the wrapper's gradient shard; assigning None drops it.
     """
 
     @classmethod
@@ -158,10 +158,15 @@ def is_sharded(p: torch.Tensor) -> bool:
     return isinstance(p, _ShardedParameter)
 
 
+def set_sharded_info(p: nn.Parameter, info: ParamInfo) -> None:
+    """Give ``p`` its place (read back by :func:`sharded_info` once its class is :func:`sharded_class`'s)."""
+    p._zero3_info = info
+
+
 def sharded_info(t) -> Optional[ParamInfo]:
     """``t``'s :class:`ParamInfo` if it is a sharded parameter, else None; cheap enough for every tensor
     autograd saves (no ``isinstance`` on a Parameter class)."""
     return getattr(t, "_zero3_info", None) if type(t) in _SHARDED_TYPES else None
 
 
-__all__ = ["ParamInfo", "is_sharded", "raw_grad", "set_raw_grad", "sharded_class", "sharded_info"]
+__all__ = ["ParamInfo", "is_sharded", "raw_grad", "set_raw_grad", "set_sharded_info", "sharded_class", "sharded_info"]

@@ -91,7 +91,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..distributed import collectives as C
-from .sharded_param import ParamInfo, is_sharded, raw_grad, set_raw_grad, sharded_class, sharded_info
+from .sharded_param import ParamInfo, is_sharded, raw_grad, set_raw_grad, set_sharded_info, sharded_class, sharded_info
 from .stage3_units import (
     MIN_UNIT_NUMEL,
     SHARD_ALIGN,
@@ -216,7 +216,7 @@ class ZeroStage3(nn.Module):
                 p.data = u.full[o:o + n].view(p.shape)   # the old storage is released
                 p.grad = None
                 # from here on, reading its elements while the unit is not gathered raises (see the class)
-                p._zero3_info = ParamInfo(self, u, self._full_names[id(p)], o, n, p.shape)
+                set_sharded_info(p, ParamInfo(self, u, self._full_names[id(p)], o, n, p.shape))
                 p.__class__ = sharded_class(type(p))
             u.full.untyped_storage().resize_(0)
             u.grad_full.untyped_storage().resize_(0)

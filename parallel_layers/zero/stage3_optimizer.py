@@ -28,12 +28,12 @@ from . import full_state
 from . import memory as M
 from .host_offload import HostOffload, HostShard, ReducedUnits, segments_of
 from .offload import DEFAULT_BUFFER_MB, resolve_offload
-from .sharded_adamw import STATE_FORMAT, NoDecay, _ZeroAdamW
+from .sharded_adamw import STATE_FORMAT, NoDecay, ShardedAdamW
 from .stage3 import ZeroStage3
 from .state_storage import HostState, ResidentState
 
 
-class ZeroStage3Optimizer(_ZeroAdamW):
+class ZeroStage3Optimizer(ShardedAdamW):
     """Sharded AdamW over a :class:`ZeroStage3` module; a ``torch.optim.Optimizer`` taking
     ``torch.optim.AdamW``'s param groups (hyper-parameters read at every step).
 
@@ -108,12 +108,12 @@ class ZeroStage3Optimizer(_ZeroAdamW):
                          segments=segments_of([u.shard_numel for u in z.units]))
         host.master.copy_(shard)
         self._h_reduced = ReducedUnits(z)
-        ref = weakref.ref(self)
+        host_poll = weakref.WeakMethod(self._host_poll)
 
         def poll(p):
-            opt = ref()
-            if opt is not None:
-                opt._host_poll()
+            method = host_poll()
+            if method is not None:
+                method()
 
         for p in z.module.parameters():
             if p.requires_grad:       # after ZeroStage3's own hooks: they reduce the unit before it
@@ -139,7 +139,7 @@ class ZeroStage3Optimizer(_ZeroAdamW):
     def _upload_targets(self, lo: int, hi: int):
         return [(lo, hi, self.z.shard_buffer[lo:hi])]
 
-    # ------------------------------------------------------------------ what _ZeroAdamW asks
+    # ------------------------------------------------------------------ what ShardedAdamW asks
     def _module_named_params(self):
         return list(self.z.module.named_parameters())
 
@@ -215,8 +215,8 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         parameter's step count. Save it with the module's ``state_dict()``, per rank. Offloaded: the states
         are mapped from a private copy of the state file, as ``ZeroOptimizer.state_dict``."""
         return {"format": STATE_FORMAT, "dp_size": self.z.dp_size, "dp_rank": self.z.dp_rank,
-                "layout": self.z.unit_layout(), "param_groups": self._named_param_groups(), "step": self._step.clone(),
-                "steps": self._steps_by_name(), **self._checkpoint_states()}
+                "layout": self.z.unit_layout(), "param_groups": self.named_param_groups(), "step": self._step.clone(),
+                "steps": self.steps_by_name(), **self._checkpoint_states()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -229,9 +229,9 @@ class ZeroStage3Optimizer(_ZeroAdamW):
         if state["layout"] != self.z.unit_layout():
             raise ValueError("ZeroStage3Optimizer.load_state_dict: the saved unit layout differs from the module's")
         self._verify_state()
-        self._load_param_groups(state["param_groups"], "ZeroStage3Optimizer.load_state_dict")
+        self.load_param_groups(state["param_groups"], "ZeroStage3Optimizer.load_state_dict")
         self._step.copy_(state["step"])
-        self._load_steps(state.get("steps"), int(state["step"].item()))
+        self.load_steps(state.get("steps"), int(state["step"].item()))
         self._load_states([state[k] for k in ("master", "exp_avg", "exp_avg_sq")])
 
     # ------------------------------------------------------------------ memory

@@ -1,6 +1,6 @@
 """Where a ZeRO optimizer's fp32 state lives: one interface, three places, walked by the same step.
 
-``_ZeroAdamW`` (:mod:`.sharded_adamw`) holds ``master``, ``exp_avg`` and ``exp_avg_sq`` (one fp32 element
+``ShardedAdamW`` (:mod:`.sharded_adamw`) holds ``master``, ``exp_avg`` and ``exp_avg_sq`` (one fp32 element
 per shard element) in one of these:
 
 * :class:`ResidentState`: tensors next to the model (the default);
@@ -28,7 +28,7 @@ from .offload import StreamedShard
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
 # (lo, hi, states, grad, wd_of, scale, inf, keep, *, steps=None, low=None): the fused calls of this step's
-# runs over shard elements [lo, hi), with states holding exactly those elements (see _ZeroAdamW._step_span)
+# runs over shard elements [lo, hi), with states holding exactly those elements (see ShardedAdamW._step_span)
 SpanStep = Callable[..., None]
 
 
