@@ -46,6 +46,7 @@ def _rank(rank, world, seq, model_size, reps, try_torch):
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from parallel_layers.composition.config import DataParallelConfig, OptimizerConfig, PipelineConfig
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.mesh import ParallelMesh
 
@@ -53,7 +54,8 @@ def _rank(rank, world, seq, model_size, reps, try_torch):
     model = LlamaForCausalLM(LlamaConfig(**model_size, max_position_embeddings=seq, tie_word_embeddings=False))
     model.config._attn_implementation = "sdpa"
     mesh = ParallelMesh(dp=1, cp=world)
-    p3d = Parallel3D(model, mesh, zero=1, num_microbatches=1, lr=1e-4, max_grad_norm=1.0)
+    p3d = Parallel3D(model, mesh, optimizer=OptimizerConfig(lr=1e-4, max_grad_norm=1.0),
+                     pipeline=PipelineConfig(num_microbatches=1), data_parallel=DataParallelConfig(zero=1))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model_size["vocab_size"], (1, seq + 1), generator=gen)
     x, y = ids[:, :-1], ids[:, 1:]

@@ -114,6 +114,7 @@ def _interleaved(models: Dict[str, object], data) -> Dict[str, dict]:
 
 
 def _bench_rank(rank, world, size, weights, batch, microbatches, samples, steps, auto, static_dp2):
+    from parallel_layers.composition.config import OptimizerConfig, PipelineConfig
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.elastic import AutoFreeze, FreezeTrainer
     from parallel_layers.mesh import ParallelMesh
@@ -134,13 +135,16 @@ def _bench_rank(rank, world, size, weights, batch, microbatches, samples, steps,
         return model
 
     loss_fn = gpt().loss
-    models = {"static pp4": Parallel3D(gpt(), mesh(1, 4), loss_fn=loss_fn, num_microbatches=microbatches, **OPTIONS)}
+    settings = dict(optimizer=OptimizerConfig(lr=OPTIONS["lr"], betas=OPTIONS["betas"],
+                                              weight_decay=OPTIONS["weight_decay"],
+                                              max_grad_norm=OPTIONS["max_grad_norm"]),
+                    pipeline=PipelineConfig(schedule=OPTIONS["schedule"], num_microbatches=microbatches))
+    models = {"static pp4": Parallel3D(gpt(), mesh(1, 4), loss_fn=loss_fn, **settings)}
     for name, layouts in (("freeze elastic", "auto"), ("freeze keep-pp", "keep")):
         models[name] = FreezeTrainer(gpt, dp=1, pp=4, loss_fn=loss_fn, freeze=AutoFreeze(cfg.n_layer, cap=0.5, **auto),
-                                     layouts=layouts, num_microbatches=microbatches, mesh_factory=mesh, **OPTIONS)
+                                     layouts=layouts, mesh_factory=mesh, **settings)
     if static_dp2:
-        models["static dp2 x pp2"] = Parallel3D(gpt(), mesh(2, 2), loss_fn=loss_fn, num_microbatches=microbatches,
-                                                **OPTIONS)
+        models["static dp2 x pp2"] = Parallel3D(gpt(), mesh(2, 2), loss_fn=loss_fn, **settings)
     return _interleaved(models, _data(size, samples, steps, batch))
 
 

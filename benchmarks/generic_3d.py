@@ -48,6 +48,7 @@ PROFILES = {
 
 
 def _bench_rank(rank, world, dims, size, batch, microbatches, reps, warmup, zero):
+    from parallel_layers.composition.config import DataParallelConfig, OptimizerConfig, PipelineConfig
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.mesh import ParallelMesh
     from parallel_layers.models.gpt import GPT, GPTConfig
@@ -55,7 +56,9 @@ def _bench_rank(rank, world, dims, size, batch, microbatches, reps, warmup, zero
     dp, tp, pp = dims
     mesh = ParallelMesh(dp=dp, tp=tp, pp=pp)
     cfg = GPTConfig(**size, dropout=0.0, bias=False, tie_embeddings=True)
-    opts = dict(zero=zero, schedule="1f1b", num_microbatches=microbatches, lr=1e-3, seed=0)
+    opts = dict(optimizer=OptimizerConfig(lr=1e-3),
+                pipeline=PipelineConfig(schedule="1f1b", num_microbatches=microbatches),
+                data_parallel=DataParallelConfig(zero=zero), seed=0)
     specific = Parallel3D(cfg, mesh, **opts)
     torch.manual_seed(0)
     gpt = GPT(cfg, tp_group=mesh.tp_group if tp > 1 else None)

@@ -139,6 +139,7 @@ def _bench_rank(rank, world, size, reps, warmup):
     import copy
     import warnings
 
+    from parallel_layers.composition.config import DataParallelConfig, OptimizerConfig, PipelineConfig
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.mesh import ParallelMesh
 
@@ -148,8 +149,10 @@ def _bench_rank(rank, world, size, reps, warmup):
     lr = 1e-3
     model = _llama(size)
     native_step = _torch_native(copy.deepcopy(model), size, lr)
-    ours = Parallel3D(model, ParallelMesh(dp=dp, tp=tp, pp=pp), loss_fn=_loss, zero=3, schedule="1f1b",
-                      num_microbatches=size["microbatches"], lr=lr, max_grad_norm=None, seed=0)
+    ours = Parallel3D(model, ParallelMesh(dp=dp, tp=tp, pp=pp), loss_fn=_loss,
+                      optimizer=OptimizerConfig(lr=lr, max_grad_norm=None),
+                      pipeline=PipelineConfig(schedule="1f1b", num_microbatches=size["microbatches"]),
+                      data_parallel=DataParallelConfig(zero=3), seed=0)
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=gen)
     y = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=gen)

@@ -5,6 +5,7 @@ with one warning that says why.
 """
 from . import _checkout, ops, pipeline  # noqa: F401  (_checkout: parallel_layers.triton_kernels in place)
 from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
+from .composition.config import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
 from .composition.parallel3d import Parallel3D
 from .cpu_affinity import bind_rank_to_cores
 from .cpu_allocator import retain_freed_memory
@@ -30,6 +31,7 @@ __all__ = ["ops", "pipeline", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnP
            "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "DataParallel",
            "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler",
            "clip_grad_norm_",
-           "retain_freed_memory", "bind_rank_to_cores", "Parallel3D", "SyncBatchNorm", "convert_sync_batchnorm",
+           "retain_freed_memory", "bind_rank_to_cores", "Parallel3D", "OptimizerConfig", "PipelineConfig",
+           "DataParallelConfig", "PrecisionConfig", "SyncBatchNorm", "convert_sync_batchnorm",
            "SingleProcessDataParallel",
            "__version__"]

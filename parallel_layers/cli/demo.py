@@ -352,6 +352,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     validation text (None: no validation)."""
     import torch.distributed as dist
 
+    from ..composition.config import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
     from ..composition.parallel3d import Parallel3D
     from ..composition.universal_checkpoint import load_universal, resolve_checkpoint, save_iteration
     from ..mesh import ParallelMesh
@@ -364,12 +365,13 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
         model = freeze_trainer(args, lambda: reference(args)[0], lm_loss, mesh, dtype=dtype, device=device,
                                checkpoint=checkpoint_setting(args))
     else:
-        model = Parallel3D(what, mesh, zero=args.zero, schedule=args.schedule,
-                           num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
-                           weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
-                           device=device, checkpoint=checkpoint_setting(args), cp_method=args.cp_method, **extra,
-                           optimizer_options=None if args.offload == "none" else
-                           {"offload": args.offload, "offload_dir": args.offload_dir})
+        offload = {} if args.offload == "none" else {"offload": args.offload, "offload_dir": args.offload_dir}
+        model = Parallel3D(what, mesh, device=device, cp_method=args.cp_method, **extra,
+                           optimizer=OptimizerConfig(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+                                                     max_grad_norm=args.max_grad_norm, **offload),
+                           pipeline=PipelineConfig(schedule=args.schedule, num_microbatches=args.microbatches,
+                                                   checkpoint=checkpoint_setting(args)),
+                           data_parallel=DataParallelConfig(zero=args.zero), precision=PrecisionConfig(dtype=dtype))
     start, saved, load_s = 0, [], None
     checkpointer = None
     if args.save and args.freeze == "off":       # a FreezeTrainer changes layout as it goes: saved synchronously

@@ -47,10 +47,14 @@ def freeze_trainer(args, build_model: Callable[[], nn.Module], loss_fn: Callable
     from ..mesh import ParallelMesh
     auto = {"interval": args.freeze_interval} if args.freeze == "auto" else {}
     policy = parse_freeze(args.freeze, args.n_layer, args.freeze_cap, **auto)
-    return FreezeTrainer(build_model, dp=args.dp, pp=args.pp, loss_fn=loss_fn, freeze=policy, zero=args.zero,
-                         schedule=args.schedule, num_microbatches=args.microbatches, lr=args.lr, betas=(0.9, 0.95),
-                         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, dtype=dtype,
-                         device=device, checkpoint=checkpoint, seed=args.seed, cache_bytes=0,
+    from ..composition.config import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
+    return FreezeTrainer(build_model, dp=args.dp, pp=args.pp, loss_fn=loss_fn, freeze=policy,
+                         optimizer=OptimizerConfig(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+                                                   max_grad_norm=args.max_grad_norm),
+                         pipeline=PipelineConfig(schedule=args.schedule, num_microbatches=args.microbatches,
+                                                 checkpoint=checkpoint),
+                         data_parallel=DataParallelConfig(zero=args.zero), precision=PrecisionConfig(dtype=dtype),
+                         device=device, seed=args.seed, cache_bytes=0,
                          mesh_factory=lambda d, p: mesh if (d, p) == (mesh.dp, mesh.pp) else ParallelMesh(d, 1, p))
 
 

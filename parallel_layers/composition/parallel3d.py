@@ -68,15 +68,18 @@ Example: Llama at dp2 x tp2 x pp2 (8 ranks) with ZeRO-1::
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)                 # same weights on every rank
     loss_fn = lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
-    p3d = Parallel3D(model, mesh, loss_fn=loss_fn, zero=1, schedule="1f1b", num_microbatches=4,
-                     lr=3e-4, weight_decay=0.1, no_decay=lambda n, p: p.ndim < 2)
+    p3d = Parallel3D(model, mesh, loss_fn=loss_fn,
+                     optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.1, no_decay=lambda n, p: p.ndim < 2),
+                     pipeline=PipelineConfig(schedule="1f1b", num_microbatches=4),
+                     data_parallel=DataParallelConfig(zero=1))
     out = p3d.train_step(input_ids, labels, attention_mask=mask)   # the global batch on every rank
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, List, Optional, Sequence, Union
+import warnings
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -95,32 +98,16 @@ from ..pipeline.any_model import split_model
 from ..pipeline.schedules import layout_of
 from ..pipeline.timeline import draw
 from ..pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
+from .config import (
+    DataParallelConfig,
+    OptimizerConfig,
+    Parallel3DSettings,
+    PipelineConfig,
+    PrecisionConfig,
+    check_together,
+    split_keywords,
+)
 from .replicas import replica_mode
-
-
-def _check_modes(zero: int, dtype: torch.dtype, loss_scaler, skip_nonfinite: bool, autocast) -> None:
-    if autocast is not None and autocast != torch.bfloat16:
-        raise ValueError(f"Parallel3D: autocast={autocast} is not supported; autocast=torch.bfloat16 runs an fp32 "
-                         f"model's forward in bf16 (fp16 needs loss scaling: train an fp16 model instead, "
-                         f"dtype=torch.float16 with zero=1 or 2)")
-    if autocast is not None and dtype != torch.float32:
-        raise ValueError(f"Parallel3D: autocast is for fp32 weights (the model is {dtype}); keep the model in fp32 "
-                         f"or drop autocast")
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"Parallel3D: zero={zero!r} must be 0 (plain data parallel), 1, 2 or 3")
-    if zero == 3 and dtype != torch.float32:
-        raise ValueError(f"Parallel3D: zero=3 supports fp32 models only (dtype={dtype}); use zero=1 or 2 for "
-                         f"bf16/fp16 (fp32 master weights, loss scaling)")
-    if zero == 0 and dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"Parallel3D: a {dtype} model needs fp32 master weights; use zero=1 or 2 "
-                         f"(ZeroOptimizer keeps them) or dtype=torch.float32")
-    if loss_scaler is not None and dtype != torch.float16:
-        raise ValueError(f"Parallel3D: a loss_scaler is for fp16 models (dtype={dtype}); bf16 and fp32 have "
-                         f"fp32's exponent range and need none (skip_nonfinite=True skips a step whose gradient "
-                         f"norm is inf/NaN)")
-    if skip_nonfinite and dtype == torch.float16:
-        raise ValueError("Parallel3D: skip_nonfinite is for fp32/bf16 runs; fp16 runs skip non-finite steps "
-                         "through their loss scaler already")
 
 
 def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, num_chunks, schedule,
@@ -188,43 +175,49 @@ class Parallel3D:
 
     ``model``: a :class:`GPTConfig` (the reference GPT; ``seed``: its weights are those of
     ``torch.manual_seed(seed); GPT(config)``) or an ``nn.Module`` (any model; every rank passes the same
-    weights; ``loss_fn``, ``recipe``, ``tp_plan``, ``boundaries``, ``block_costs`` apply; the module is
-    changed in place: TP layers swapped in, the parts other ranks run dropped; the default generator,
-    which its dropout draws from, is seeded with ``seed`` on every rank once the model is split, so
-    tensor-parallel ranks draw the same masks on the activations they hold replicated; heads split over
-    tp share their masks rank to rank, unlike the reference GPT's per-rank tracker streams).
-    ``zero``: 0 (plain DP, all-reduce), 1 or 2 (ZeRO over reduce-scatter), 3 (parameters sharded too,
-    gathered once per step; fp32 only). ``schedule``: ``gpipe``, ``1f1b``, ``interleaved``
-    (``num_chunks`` virtual stages per rank, default 2), or the zero-bubble ``zb-h1`` and ``zbv`` (two
-    chunks per rank in a V; see :mod:`parallel_layers.pipeline.schedules`). ``max_grad_norm``: None disables clipping.
-    ``loss_scaler``: for ``dtype=torch.float16`` (default: ``DynamicLossScaler()``, initial scale 2^16).
-    ``optimizer_options``: more keyword arguments for the ZeRO optimizers. ``ignore_index``: labels that do
-    not count in the loss (None: every label counts). ``autocast=torch.bfloat16``: an fp32 model's
-    forward under ``torch.autocast`` (fp32 weights and optimizer, bf16 matmuls), at every layout and ZeRO
-    stage. ``cp_method``: ``"ring"`` or ``"ulysses"``, the attention of a mesh with ``cp > 1`` (each rank
-    holds a zigzag shard of every sequence: :mod:`parallel_layers.context_parallel`). ``layout``:
-    ``"auto"`` (or ``planner.Auto(global_batch=..., seq_len=..., memory_gib=..., profile=...)``) picks the
-    fastest layout that fits with the layout planner (:mod:`parallel_layers.planner`; rank 0 plans in a child
-    process, every rank gets its choice), or a ``planner.Layout``; it sets the mesh when ``mesh`` is None,
-    and ``zero``, ``schedule``, ``num_microbatches``, ``num_chunks`` and ``checkpoint`` (``self.layout``).
+    weights; ``loss_fn``, ``recipe``, ``tp_plan`` and the pipeline's ``boundaries`` and ``block_costs``
+    apply; the module is changed in place: TP layers swapped in, the parts other ranks run dropped; the
+    default generator, which its dropout draws from, is seeded with ``seed`` on every rank once the model
+    is split, so tensor-parallel ranks draw the same masks on the activations they hold replicated; heads
+    split over tp share their masks rank to rank, unlike the reference GPT's per-rank tracker streams).
 
-    Defaults that differ from ``torch.optim.AdamW``'s: ``betas=(0.9, 0.95)`` (GPT-3's, Megatron-LM's and
-    Llama's, against torch's ``(0.9, 0.999)``) and ``max_grad_norm=1.0`` (the global gradient norm is
-    clipped at 1 unless ``max_grad_norm=None``); ``weight_decay=0.0`` (torch: 0.01).
+    The settings, in four groups (:mod:`parallel_layers.composition.config`, each checked when built; None
+    takes the defaults): ``optimizer=OptimizerConfig(lr, betas, eps, weight_decay, no_decay,
+    max_grad_norm, ...and the ZeRO optimizers' offload options)``, ``pipeline=PipelineConfig(schedule,
+    num_microbatches, num_chunks, boundaries, block_costs, checkpoint, checkpoint_inputs)``,
+    ``data_parallel=DataParallelConfig(zero, bucket_cap_mb)`` and ``precision=PrecisionConfig(dtype,
+    autocast, loss_scaler, skip_nonfinite)``. The flat keywords they replace (``lr=``, ``zero=``,
+    ``optimizer_options=``, ...) are accepted for one release with a ``DeprecationWarning``; one given
+    with its group's config is a ``TypeError``. ``self.settings``: the groups this run uses (after the
+    layout's choices, with the model's dtype).
+
+    ``ignore_index``: labels that do not count in the loss (None: every label counts). ``cp_method``:
+    ``"ring"`` or ``"ulysses"``, the attention of a mesh with ``cp > 1`` (each rank holds a zigzag shard of
+    every sequence: :mod:`parallel_layers.context_parallel`). ``layout``: ``"auto"`` (or
+    ``planner.Auto(global_batch=..., seq_len=..., memory_gib=..., profile=...)``) picks the fastest layout
+    that fits with the layout planner (:mod:`parallel_layers.planner`; rank 0 plans in a child process,
+    every rank gets its choice), or a ``planner.Layout``; it sets the mesh when ``mesh`` is None, and
+    ``zero``, ``schedule``, ``num_microbatches``, ``num_chunks`` and ``checkpoint`` (``self.layout``),
+    over those given.
     """
 
-    def __init__(self, model: Union[GPTConfig, nn.Module], mesh: ParallelMesh, *, zero: int = 0,
-                 schedule: str = "1f1b", num_microbatches: int = 4, num_chunks: Optional[int] = None,
-                 lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 no_decay: Optional[Callable] = None, max_grad_norm: Optional[float] = 1.0,
-                 dtype: Optional[torch.dtype] = None, bucket_cap_mb: float = 25.0, seed: int = 0,
-                 device: Optional[torch.device] = None, loss_scaler: Optional[DynamicLossScaler] = None,
-                 checkpoint: Union[bool, int] = False, skip_nonfinite: bool = False,
-                 loss_fn: Optional[Callable] = None, recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
-                 boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
-                 optimizer_options: Optional[dict] = None, ignore_index: Optional[int] = IGNORE_INDEX,
-                 autocast: Optional[torch.dtype] = None, cp_method: str = "ring", layout=None,
-                 checkpoint_inputs: Optional[str] = None):
+    def __init__(self, model: Union[GPTConfig, nn.Module], mesh: ParallelMesh, *,
+                 optimizer: Optional[OptimizerConfig] = None, pipeline: Optional[PipelineConfig] = None,
+                 data_parallel: Optional[DataParallelConfig] = None, precision: Optional[PrecisionConfig] = None,
+                 seed: int = 0, device: Optional[torch.device] = None, loss_fn: Optional[Callable] = None,
+                 recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
+                 ignore_index: Optional[int] = IGNORE_INDEX, cp_method: str = "ring", layout=None, **deprecated):
+        settings, warning, unexpected = split_keywords(
+            dict(deprecated, optimizer=optimizer, pipeline=pipeline, data_parallel=data_parallel, precision=precision))
+        if unexpected:
+            raise TypeError(f"Parallel3D() got unexpected keyword argument(s) {sorted(unexpected)}; its settings are "
+                            f"optimizer=OptimizerConfig(...), pipeline=PipelineConfig(...), "
+                            f"data_parallel=DataParallelConfig(...), precision=PrecisionConfig(...)")
+        if warning is not None:
+            warnings.warn(warning, DeprecationWarning, stacklevel=2)
+        optimizer, pipeline, data_parallel, precision = (settings.optimizer, settings.pipeline,
+                                                         settings.data_parallel, settings.precision)
+        chosen_by = ""
         if layout is not None:
             # the layout planner's choice (parallel_layers.planner): "auto" / planner.Auto(...) plans on rank 0
             # and broadcasts; a planner.Layout is used as given. It sets the mesh (when mesh is None) and these:
@@ -236,25 +229,30 @@ class Parallel3D:
                 raise ValueError(f"Parallel3D: layout {chosen.name()} does not match the mesh (dp={mesh.dp}, "
                                  f"tp={mesh.tp}, pp={mesh.pp}, cp={getattr(mesh, 'cp', 1)}); pass mesh=None to "
                                  f"let the layout build it")
-            zero, schedule, num_microbatches = chosen.zero, chosen.schedule, chosen.num_microbatches
-            num_chunks, checkpoint = chosen.num_chunks, chosen.checkpoint
+            data_parallel = dataclasses.replace(data_parallel, zero=chosen.zero)
+            pipeline = dataclasses.replace(pipeline, schedule=chosen.schedule, num_microbatches=chosen.num_microbatches,
+                                           num_chunks=chosen.num_chunks, checkpoint=chosen.checkpoint)
+            chosen_by = f"chosen by layout {chosen.name()}"
             self.layout = chosen
         is_gpt = isinstance(model, GPTConfig)
         if not is_gpt and not isinstance(model, nn.Module):
             raise TypeError(f"Parallel3D: model must be a GPTConfig or an nn.Module, not {type(model).__name__}")
-        if dtype is None:
-            dtype = torch.float32 if is_gpt else next(model.parameters()).dtype
-        _check_modes(zero, dtype, loss_scaler, skip_nonfinite, autocast)
-        if dtype == torch.float16 and loss_scaler is None:
-            loss_scaler = DynamicLossScaler(device=device)
-        if num_chunks is None:
-            num_chunks = 2 if schedule in ("interleaved", "zbv") else 1
-        self.mesh, self.zero, self.dtype, self.scaler = mesh, zero, dtype, loss_scaler
+        if precision.dtype is None:
+            precision = precision.with_dtype(torch.float32 if is_gpt else next(model.parameters()).dtype)
+        check_together(optimizer, data_parallel, precision, chosen_by)
+        if precision.dtype == torch.float16 and precision.loss_scaler is None:
+            precision = dataclasses.replace(precision, loss_scaler=DynamicLossScaler(device=device))
+        # what this run uses, after the layout's choices and the model's dtype
+        self.settings = Parallel3DSettings(optimizer, pipeline, data_parallel, precision)
+        dtype, schedule, checkpoint = precision.dtype, pipeline.schedule, pipeline.checkpoint
+        num_chunks = pipeline.chunks()
+        self.mesh, self.zero, self.dtype, self.scaler = mesh, data_parallel.zero, dtype, precision.loss_scaler
         # called as after_reduce(self) in every train_step once the gradients are reduced over dp, before the
         # norm and the optimizer step: to measure them (FreezeTrainer's per-block norms)
         self.after_reduce: Optional[Callable[["Parallel3D"], None]] = None
-        self.max_grad_norm, self.skip_nonfinite, self.skipped_steps = max_grad_norm, skip_nonfinite, 0
-        self.num_microbatches = num_microbatches
+        self.max_grad_norm, self.skip_nonfinite, self.skipped_steps = (optimizer.max_grad_norm,
+                                                                       precision.skip_nonfinite, 0)
+        self.num_microbatches = pipeline.num_microbatches
         self.ignore_index = ignore_index
         # context parallelism: the dp x cp ranks of a (pp, tp) coordinate hold the same parameters, each
         # computes the loss sums of its own tokens, and they reduce their gradients together
@@ -268,7 +266,7 @@ class Parallel3D:
                                            cp_method)
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
         # the HF path has no sequence parallelism: a stage's hidden states are whole on every TP rank
-        saved_inputs = SavedInputs.from_mode(checkpoint_inputs, self.tp_group,
+        saved_inputs = SavedInputs.from_mode(pipeline.checkpoint_inputs, self.tp_group,
                                              bool(is_gpt and model.sequence_parallel), "Parallel3D: checkpoint_inputs",
                                              checkpointed=bool(checkpoint), checkpoint=checkpoint)
         if is_gpt:
@@ -290,25 +288,24 @@ class Parallel3D:
                 loss_fn = _default_loss(ignore_index)
             chunks, tied, duplicates, self.tied_group = _model_stages(
                 model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
-                boundaries=boundaries, block_costs=block_costs, checkpoint=checkpoint, layout=layout_of(schedule),
-                saved_inputs=saved_inputs)
+                boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
+                layout=layout_of(schedule), saved_inputs=saved_inputs)
             # dropout draws from the default generator: the same stream on every rank, so tensor-parallel
             # ranks drop the same elements of the activations they hold replicated
             torch.manual_seed(seed)
         self.chunks: List[nn.Module] = chunks
         self.model = nn.ModuleList(self.chunks)
         self.duplicate_ids = frozenset(duplicates)
-        self.mode = replica_mode(zero, self.model, self.replica_group, tied, duplicates, self.tied_group, lr=lr,
-                                 betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay,
-                                 bucket_cap_mb=bucket_cap_mb, optimizer_options=optimizer_options)
+        self.mode = replica_mode(self.model, self.replica_group, tied, duplicates, self.tied_group,
+                                 optimizer_config=optimizer, data_parallel=data_parallel)
         self.optimizer = self.mode.optimizer
         self.dp, self.z = getattr(self.mode, "dp", None), getattr(self.mode, "z", None)
         # fp16: the engine runs the last stage through _ScaledLossStage (same parameters, scaled backward)
         engine_chunks = [_ScaledLossStage(c, self.scaler) if (self.scaler is not None and c.is_last) else c
                          for c in self.chunks]
         self.engine = PipelineEngine(engine_chunks, mesh.pp_group, schedule=schedule,
-                                     num_microbatches=num_microbatches, device=device,
-                                     ignore_index=-100 if is_gpt else ignore_index, autocast=autocast)
+                                     num_microbatches=pipeline.num_microbatches, device=device,
+                                     ignore_index=-100 if is_gpt else ignore_index, autocast=precision.autocast)
 
     # ------------------------------------------------------------------ one step
     def local_batch(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -29,6 +29,7 @@ from ..pipeline.stage import sum_tied_grads
 from ..zero.optimizer import ZeroOptimizer
 from ..zero.stage3 import ZeroStage3
 from ..zero.stage3_optimizer import ZeroStage3Optimizer
+from .config import DataParallelConfig, OptimizerConfig
 
 
 def _flagged(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -114,11 +115,12 @@ class Replicated(_Bucketed):
     """Plain data parallelism: full gradients all-reduced over dp in buckets, torch AdamW on every rank."""
     zero = 0
 
-    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, lr, betas, eps, weight_decay,
-                 no_decay=None, bucket_cap_mb: float = 25.0):
-        super().__init__(model, dp_group, tied, duplicates, tied_group, "all_reduce", bucket_cap_mb)
-        self.optimizer = torch.optim.AdamW(_torch_adamw_groups(model, weight_decay, no_decay), lr=lr, betas=betas,
-                                           eps=eps, weight_decay=weight_decay, foreach=False)
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
+                 data_parallel: DataParallelConfig):
+        super().__init__(model, dp_group, tied, duplicates, tied_group, "all_reduce", data_parallel.bucket_cap_mb)
+        o = optimizer_config
+        self.optimizer = torch.optim.AdamW(_torch_adamw_groups(model, o.weight_decay, o.no_decay), lr=o.lr,
+                                           betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
 
     def begin_step(self) -> None:
         self.optimizer.zero_grad()
@@ -140,12 +142,12 @@ class ShardedGrads(_Bucketed):
     master weights and moments for its shard only; stage 2 frees the full gradients between steps)."""
     shards_grads = True
 
-    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, stage: int, lr, betas, eps,
-                 weight_decay, no_decay=None, bucket_cap_mb: float = 25.0, optimizer_options: Optional[dict] = None):
-        super().__init__(model, dp_group, tied, duplicates, tied_group, "reduce_scatter", bucket_cap_mb)
-        self.zero = stage
-        self.optimizer = ZeroOptimizer(self.dp, stage=stage, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                       no_decay=no_decay, **(optimizer_options or {}))
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
+                 data_parallel: DataParallelConfig):
+        super().__init__(model, dp_group, tied, duplicates, tied_group, "reduce_scatter", data_parallel.bucket_cap_mb)
+        self.zero = data_parallel.zero
+        self.optimizer = ZeroOptimizer(self.dp, stage=self.zero, **optimizer_config.adamw_options(),
+                                       **optimizer_config.zero_options())
 
     def begin_step(self) -> None:
         if self.zero == 2:
@@ -175,13 +177,14 @@ class ShardedParams(ReplicaMode):
     zero = 3
     shards_grads = True
 
-    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, lr, betas, eps, weight_decay,
-                 no_decay=None, optimizer_options: Optional[dict] = None):
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
+                 data_parallel: Optional[DataParallelConfig] = None):
         super().__init__(model, dp_group, tied, duplicates, tied_group)
-        # one wrapper over all of this rank's stages: units = every block, root = the rest
+        # one wrapper over all of this rank's stages: units = every block, root = the rest (no gradient
+        # buckets: data_parallel's bucket_cap_mb does not apply)
         self.z = ZeroStage3(model, dp_group, prefetch=False)
-        self.optimizer = ZeroStage3Optimizer(self.z, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                             no_decay=no_decay, **(optimizer_options or {}))
+        self.optimizer = ZeroStage3Optimizer(self.z, **optimizer_config.adamw_options(),
+                                             **optimizer_config.zero_options())
 
     def begin_step(self) -> None:
         self.optimizer.zero_grad()                 # frees the gradient shard
@@ -219,15 +222,12 @@ class ShardedParams(ReplicaMode):
         self.z.load_state_dict(state)
 
 
-def replica_mode(zero: int, model: nn.Module, dp_group, tied, duplicates, tied_group, **options) -> ReplicaMode:
-    """The mode for ZeRO stage ``zero`` (0: plain data parallelism)."""
-    if zero == 0:
-        options.pop("optimizer_options", None)
-        return Replicated(model, dp_group, tied, duplicates, tied_group, **options)
-    if zero in (1, 2):
-        return ShardedGrads(model, dp_group, tied, duplicates, tied_group, stage=zero, **options)
-    options.pop("bucket_cap_mb", None)
-    return ShardedParams(model, dp_group, tied, duplicates, tied_group, **options)
+def replica_mode(model: nn.Module, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
+                 data_parallel: DataParallelConfig) -> ReplicaMode:
+    """The mode for ``data_parallel.zero`` (0: plain data parallelism)."""
+    mode = {0: Replicated, 1: ShardedGrads, 2: ShardedGrads, 3: ShardedParams}[data_parallel.zero]
+    return mode(model, dp_group, tied, duplicates, tied_group, optimizer_config=optimizer_config,
+                data_parallel=data_parallel)
 
 
 __all__ = ["ReplicaMode", "Replicated", "ShardedGrads", "ShardedParams", "replica_mode"]

@@ -23,13 +23,16 @@ parallelism (``tp`` is 1: the elastic dimension is pp against dp, as in PipeTran
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..composition.config import split_keywords
 from ..composition.parallel3d import Parallel3D
 from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
@@ -49,7 +52,7 @@ from .relayout import (
     stage_costs,
 )
 
-_NOT_OPTIONS = ("tp_plan", "boundaries", "block_costs")
+_NOT_OPTIONS = ("tp_plan", "boundaries", "block_costs")       # tp_plan plain, the others PipelineConfig's
 
 
 class FreezeTrainer:
@@ -57,8 +60,9 @@ class FreezeTrainer:
 
     ``build_model()``: the whole model, the same weights on every rank (seed it inside); called once at
     the start and once per re-layout (its weights are then overwritten with the run's). ``loss_fn``,
-    ``recipe`` (default: the shipped one for the model's class) and ``**options`` (``zero``, ``schedule``,
-    ``num_microbatches``, ``lr``, ``max_grad_norm``, ``seed``, ...) are ``Parallel3D``'s.
+    ``recipe`` (default: the shipped one for the model's class) and ``**options`` (``optimizer=``,
+    ``pipeline=``, ``data_parallel=``, ``precision=``, ``seed``, ...; the flat ``zero=``, ``lr=``, ... with
+    a ``DeprecationWarning``) are ``Parallel3D``'s.
     ``freeze``: a :class:`~.auto_freeze.FreezePolicy`, or ``"off"``, ``"auto"``, ``"STEP:BLOCKS,..."``;
     ``freeze_cap``: the most of the blocks that may be frozen (a fraction). ``layouts``: ``"auto"``
     (AutoPipe + AutoDP: :func:`~.relayout.choose_layout`), ``"keep"`` (the same dp x pp while the active
@@ -75,7 +79,9 @@ class FreezeTrainer:
                  layouts: Union[str, Mapping[int, Tuple[int, int]]] = "auto", cache_bytes: int = DEFAULT_MAX_BYTES,
                  mesh_factory: Optional[Callable[[int, int], ParallelMesh]] = None, timeout=None,
                  layout_tolerance: float = 0.1, **options):
-        bad = sorted(set(options) & set(_NOT_OPTIONS))
+        settings, warning, plain = split_keywords(options, "FreezeTrainer")
+        bad = sorted(set(options) & set(_NOT_OPTIONS)) + [f"pipeline.{k}" for k in _NOT_OPTIONS if k not in options
+                                                          and getattr(settings.pipeline, k, None) is not None]
         if bad:
             raise ValueError(f"FreezeTrainer: {bad} are chosen by the trainer (stage boundaries follow the measured "
                              f"costs; tp is 1)")
@@ -85,13 +91,16 @@ class FreezeTrainer:
                              f"freeze training runs tp=1 over every rank")
         if layouts not in ("auto", "keep") and not isinstance(layouts, Mapping):
             raise ValueError(f"FreezeTrainer: layouts={layouts!r}: 'auto', 'keep' or {{frozen blocks: (dp, pp)}}")
-        self.build_model, self.loss_fn, self.options = build_model, loss_fn, dict(options)
+        if warning is not None:
+            warnings.warn(warning, DeprecationWarning, stacklevel=2)
+        # Parallel3D's keywords, the settings in their groups (the flat ones are not passed on: one warning)
+        self.build_model, self.loss_fn, self.options = build_model, loss_fn, {**plain, **settings.as_keywords()}
         self.layouts, self.tolerance = layouts, layout_tolerance
         self.mesh_factory = mesh_factory or (lambda d, p: ParallelMesh(dp=d, tp=1, pp=p, timeout=timeout))
         self.device = torch.device(options["device"]) if options.get("device") is not None else torch.device("cpu")
-        schedule = options.get("schedule", "1f1b")
-        self.chunks = options.get("num_chunks") or (2 if schedule == "interleaved" else 1)
-        self.num_microbatches = options.get("num_microbatches", 4)
+        schedule = settings.pipeline.schedule
+        self.chunks = settings.pipeline.num_chunks or (2 if schedule == "interleaved" else 1)
+        self.num_microbatches = settings.pipeline.num_microbatches
         model = build_model()
         # a parameter tied under two names (a Llama's lm_head.weight is model.embed_tokens.weight) is known
         # by its first; the active model, without the embedding, reaches it by the other
@@ -119,9 +128,10 @@ class FreezeTrainer:
         mesh = self.mesh_factory(layout.dp, layout.pp)
         prefix, active, recipe = split_at(model, self.recipe, layout.frozen, keep_prefix=mesh.pp_rank == 0)
         if prefix is not None:                       # the dtype and device Parallel3D gives the active part
-            prefix.model.to(device=self.options.get("device"), dtype=self.options.get("dtype"))
-        self.model = Parallel3D(active, mesh, loss_fn=self.loss_fn, recipe=recipe, boundaries=layout.boundaries,
-                                **self.options)
+            prefix.model.to(device=self.options.get("device"), dtype=self.options["precision"].dtype)
+        pipeline = dataclasses.replace(self.options["pipeline"], boundaries=layout.boundaries)
+        self.model = Parallel3D(active, mesh, loss_fn=self.loss_fn, recipe=recipe,
+                                **{**self.options, "pipeline": pipeline})
         self.mesh, self.prefix, self.layout = mesh, prefix, layout
         params, modules = {}, {}
         for chunk in self.model.chunks:

@@ -54,16 +54,17 @@ def fake_world(rank: int, world: int):
 def build_rank(req: Request, layout: Layout, pp_rank: int, device: torch.device = META):
     """``Parallel3D`` of ``layout``'s pipeline rank ``pp_rank`` on meta (call inside :func:`fake_world`;
     ``device``: another one to check the probe against real tensors)."""
+    from ..composition.config import PrecisionConfig
     from ..composition.parallel3d import Parallel3D
     from ..mesh import ParallelMesh
     mesh = ParallelMesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, timeout=60)
-    kw = layout.parallel3d_kwargs()
+    kw = dict(layout.parallel3d_kwargs(), precision=PrecisionConfig(dtype=req.dtype))
     if req.is_gpt:
-        return Parallel3D(req.model, mesh, dtype=req.dtype, device=device, **kw)
+        return Parallel3D(req.model, mesh, device=device, **kw)
     from transformers import AutoModelForCausalLM
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(req.model, torch_dtype=req.dtype)
-    return Parallel3D(model, mesh, dtype=req.dtype, device=device, **kw)
+    return Parallel3D(model, mesh, device=device, **kw)
 
 
 def global_rank(layout: Layout, pp_rank: int) -> int:

@@ -38,8 +38,10 @@ class Layout:
 
     def parallel3d_kwargs(self) -> dict:
         """The keywords of ``Parallel3D`` this layout sets."""
-        return dict(zero=self.zero, schedule=self.schedule, num_microbatches=self.num_microbatches,
-                    num_chunks=self.num_chunks, checkpoint=self.checkpoint)
+        from ..composition.config import DataParallelConfig, PipelineConfig
+        return dict(pipeline=PipelineConfig(schedule=self.schedule, num_microbatches=self.num_microbatches,
+                                            num_chunks=self.num_chunks, checkpoint=self.checkpoint),
+                    data_parallel=DataParallelConfig(zero=self.zero))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
