@@ -87,7 +87,7 @@ def _layouts_rank(rank: int, world: int, layouts: list, steps: int, extra: List[
     dict per layout, the others None."""
     import torch.distributed as dist
 
-    from parallel_layers import demo
+    from parallel_layers.cli import demo
 
     summaries = []
     for _name, dp, tp, pp, zero in layouts:
@@ -118,7 +118,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
                 summaries.append(run_layout(dp, tp, pp, zero, steps, prof["extra"], out_dir))
             note = ""
         else:
-            from parallel_layers import demo
+            from parallel_layers.cli import demo
 
             if progress:
                 progress(f"{len(layouts)} layouts in one set of {WORLD} ranks")

@@ -497,7 +497,7 @@ def test_3d_fp16_overflow_on_one_rank_skips_everywhere(dist_pools, zero):
 
 
 def test_demo_checkpoint_arguments():
-    from parallel_layers import demo
+    from parallel_layers.cli import demo
     parse = demo.build_parser().parse_args
     assert [demo.checkpoint_setting(parse(a)) for a in ([], ["--checkpoint"], ["--checkpoint", "1"])] == [0, True, 1]
     with pytest.raises(SystemExit, match="--checkpoint -2 must be a number of blocks"):
@@ -505,7 +505,7 @@ def test_demo_checkpoint_arguments():
 
 
 def test_demo_validation_split_and_steps():
-    from parallel_layers import demo
+    from parallel_layers.cli import demo
     parse = demo.build_parser().parse_args
     train, val = demo.load_splits(50_000, 16)
     assert torch.equal(train, demo.load_corpus(50_000))       # training text unchanged by the hold-out
@@ -523,7 +523,7 @@ def test_demo_validation_split_and_steps():
 
 
 def test_demo_precision_fp16_arguments():
-    from parallel_layers import demo
+    from parallel_layers.cli import demo
     args = demo.build_parser().parse_args(["--precision", "fp16", "--zero", "1"])
     demo.check_args(args)                                     # accepted with ZeRO (fp32 master weights)
     with pytest.raises(SystemExit, match="fp16 needs fp32 master weights"):

@@ -291,7 +291,7 @@ def test_demo_freeze_shows_the_layout_changing(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert [(e["step"], e["frozen"], e["dp"], e["pp"]) for e in summary["freeze"]] == [(2, 2, 2, 2)]
     assert os.path.getsize(out / "timeline.png") > 1000
-    from parallel_layers import demo
+    from parallel_layers.cli import demo
     with pytest.raises(SystemExit, match="--freeze trades pipeline stages"):
         demo.check_args(demo.build_parser().parse_args(["--freeze", "auto", "--tp", "2"]))
 
