@@ -289,9 +289,10 @@ def test_unused_parameters(dist_pools):
 
 
 # ---------------------------------------------------------------------- gradient-accumulation fusion
-def body_fused_writes(rank, world, tie):
+def body_fused_writes(rank, world, tie, autocast=None):
     """The GPT's embedding / LM head write their weight gradients into the buffer (fused_grads.py): same
-    averaged gradients as through autograd, over two steps with a no_sync micro-batch; the writes happen."""
+    averaged gradients as through autograd, over two steps with a no_sync micro-batch; the writes happen.
+    ``autocast``: the forwards run under ``torch.autocast("cpu", autocast)`` over the fp32 weights."""
     group = cached_mesh(dp=world).dp_group
     cfg = GPTConfig(**dict(SMALL, tie_embeddings=tie))
     per, half = BATCH // world, BATCH // world // 2
@@ -306,9 +307,10 @@ def body_fused_writes(rank, world, tie):
         out = []
         for idx, tgt in _batches(2, cfg):
             ddp.zero_grad()
-            with ddp.no_sync():
+            with ddp.no_sync(), torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
                 (0.5 * ddp(idx[lo:lo + half], tgt[lo:lo + half])[1]).backward()
-            (0.5 * ddp(idx[lo + half:lo + per], tgt[lo + half:lo + per])[1]).backward()
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+                (0.5 * ddp(idx[lo + half:lo + per], tgt[lo + half:lo + per])[1]).backward()
             out.append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
         grads[fuse], writes[fuse] = out, calls
     err = worst((_rel_norm(a[n], b[n]), n) for a, b in zip(grads[True], grads[False]) for n in a)
@@ -319,9 +321,13 @@ def body_fused_writes(rank, world, tie):
     return err, writes, grad_sink(bf16.module.wte.weight), copy_plain
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_fused_gradient_writes_match_autograd(dist_pools, tie):
-    for rank, (err, writes, bf16_sink, copy_plain) in enumerate(dist_pools(2).run(body_fused_writes, tie)):
+def test_fused_gradient_writes_match_autograd(dist_pools, tie, autocast):
+    """Also under bf16 autocast over fp32 weights: the fused backward casts as autograd's cast nodes do
+    (it used to multiply a bf16 output gradient by the fp32 weight and fail)."""
+    for rank, (err, writes, bf16_sink, copy_plain) in enumerate(dist_pools(2).run(body_fused_writes, tie,
+                                                                                  autocast)):
         heads = ["wte.weight", "wte.weight"] if tie else ["lm_head.weight", "wte.weight"]
         # per backward: the head's GEMM, then the embedding's rows; 2 steps x 2 micro-batches
         assert writes[True] == heads * 4 and writes[False] == [], f"rank {rank}: writes {writes}"

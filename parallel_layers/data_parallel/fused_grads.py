@@ -47,18 +47,29 @@ class _LinearWeightGradIntoBuffer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight):
         ctx.save_for_backward(h, weight)
+        # under autocast F.linear computes in the autocast dtype; backward runs outside autocast, so it
+        # casts as autograd's own cast nodes would: the GEMMs in that dtype, each gradient back to its input's
+        device = h.device.type
+        ctx.compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         return F.linear(h, weight)
 
     @staticmethod
     def backward(ctx, grad_y):
         h, weight = ctx.saved_tensors
+        dtype = ctx.compute_dtype or grad_y.dtype
+        hc, wc, gc = h.to(dtype), weight.to(dtype), grad_y.to(dtype)
         # a zero-bubble pipeline runs B (grad_h) and W (the weight's write) as two backward calls: each does
         # its own part once (grad_needed.py)
-        grad_h = grad_y.matmul(weight) if ctx.needs_input_grad[0] and grad_needed(h) else None
-        g2, h2 = grad_y.reshape(-1, grad_y.shape[-1]), h.reshape(-1, h.shape[-1])
+        grad_h = gc.matmul(wc).to(h.dtype) if ctx.needs_input_grad[0] and grad_needed(h) else None
+        g2, h2 = gc.reshape(-1, gc.shape[-1]), hc.reshape(-1, hc.shape[-1])
 
         def write(out, beta, alpha):   # beta = 0: out's stale contents are ignored (NaN included)
-            torch.addmm(out, g2.t(), h2, beta=beta, alpha=alpha, out=out)
+            if out.dtype == dtype:
+                torch.addmm(out, g2.t(), h2, beta=beta, alpha=alpha, out=out)
+            elif beta == 0:
+                torch.mul(g2.t().matmul(h2).to(out.dtype), alpha, out=out)
+            else:
+                out.add_(g2.t().matmul(h2).to(out.dtype), alpha=alpha)
 
         if grad_needed(weight):
             grad_sink(weight).write_grad(weight, write)
