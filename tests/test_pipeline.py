@@ -131,7 +131,7 @@ def body_changing_shapes(rank, world, schedule, m, v):
     engine = PipelineEngine(chunks, mesh.pp_group, schedule=schedule, num_microbatches=m)
     out = []
     for i, (batch, seq) in enumerate(((8, 8), (8, 8), (8, 6), (8, 6), (16, 6), (8, 8))):
-        engine.p2p.background = i % 3 != 2     # receives posted on gloo's behalf by a thread, or inline
+        engine.transport.p2p.background = i % 3 != 2     # receives posted on gloo's behalf by a thread, or inline
         loss_err, grad_err = _train_step_errs(dense, chunks, engine, *_batch(batch, seq))
         out.append((loss_err, grad_err, engine.prefetched_receives))
     return out

@@ -132,7 +132,7 @@ def _auto_body(rank, world):
     x, y = torch.randint(0, 256, (8, 64), generator=gen), torch.randint(0, 256, (8, 64), generator=gen)
     out = p3d.train_step(x, y)
     m = p3d.mesh
-    return p3d.layout, (m.dp, m.tp, m.pp, getattr(m, "cp", 1)), p3d.zero, p3d.engine.m, out["loss"]
+    return p3d.layout, (m.dp, m.tp, m.pp, getattr(m, "cp", 1)), p3d.zero, p3d.engine.num_microbatches, out["loss"]
 
 
 def test_parallel3d_layout_auto():

@@ -487,7 +487,8 @@ class Parallel3D:
     def _checkpoint_layout(self) -> dict:
         m, e = self.mesh, self.engine
         layout = {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "rank (dp, tp, pp)": [m.dp_rank, m.tp_rank, m.pp_rank],
-                  "zero": self.zero, "schedule chunks": e.v, "dtype": str(self.dtype), "config": self.description}
+                  "zero": self.zero, "schedule chunks": e.num_chunks, "dtype": str(self.dtype),
+                  "config": self.description}
         if self.cp > 1:
             layout["cp (size, rank)"] = [self.cp, m.cp_rank]
         return layout
@@ -522,7 +523,7 @@ class Parallel3D:
         if dist.get_rank() != 0 or tls is None:
             return None
         e = self.engine
-        return draw(tls, path, title or f"{e.schedule}: p={e.p}, m={e.m}, chunks={e.v} "
+        return draw(tls, path, title or f"{e.schedule}: p={e.pp_size}, m={e.num_microbatches}, chunks={e.num_chunks} "
                                         f"(dp={self.mesh.dp}, tp={self.mesh.tp})")
 
     def bubble_fraction(self) -> Optional[float]:

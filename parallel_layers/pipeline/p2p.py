@@ -1,7 +1,9 @@
 """Point-to-point transfer of activations (forward) and gradients (backward) over the ``pp_group``.
 
 One communication step of a schedule is a list of sends and receives posted together. Two ways, chosen
-by the group's backend (``P2P.ordered``) and kept in this file and ``PipelineEngine._communicate``:
+by the group's backend (``P2P.ordered``): this file posts and waits for the messages; which messages a
+step posts, and when, is the step's transport (:mod:`.transport`: ``OrderedTransport``,
+``LookAheadTransport``), all the engine talks to:
 
 - NCCL (and any backend but gloo, the NCCL-rules test backend included): one ``dist.batch_isend_irecv``
   per step, tag 0. NCCL ignores tags, matches the messages of a pair in posting order, runs a rank's
@@ -47,7 +49,7 @@ from ..distributed.worker import OrderedWorker
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 HEADER_LEN = 8  # ndim, dtype code, up to 6 dims
 HEADER_TAG = 7
-RESHAPE_TAG = 8  # an activation whose shape changed since the last step (see PipelineEngine._recv_buffer)
+RESHAPE_TAG = 8  # an activation whose shape changed since the last step (transport.LookAheadTransport)
 
 
 def encode_header(t: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
