@@ -249,6 +249,29 @@ def test_async_universal_snapshot_issues_no_collective_and_writes_the_sync_save(
     assert names == set(got["model"])
 
 
+def body_per_rank_snapshot_is_local(rank, world, root):
+    from parallel_layers.resilience import AsyncCheckpointer, resume
+    model, batches = _model_of((2, 1, 2), 1, seed=0), _batches()
+    model.train_step(*batches[0])
+    ck = AsyncCheckpointer(model, root, format="per_rank")
+    me, calls = threading.get_ident(), []
+    with _counting_collectives(calls):
+        ck.save(1)
+        in_save = [name for thread, name in calls if thread == me]
+        ck.wait()
+    fresh = _model_of((2, 1, 2), 1, seed=5)
+    resume(fresh, root)
+    return {"in save": in_save, "writer thread": sorted({n for t, n in calls if t != me}), "failures": ck.failures,
+            "equal": _equal_states(model.dense_state_dict(), fresh.dense_state_dict())}
+
+
+def test_async_per_rank_snapshot_issues_no_collective(_pools, tmp_path):
+    res = _pools(4, "gloo").run(body_per_rank_snapshot_is_local, str(tmp_path), timeout=300)
+    for rank, r in enumerate(res):
+        assert r["failures"] == [] and r["equal"], (rank, r)
+        assert r["in save"] == [] and "all_gather_object" in r["writer thread"], (rank, r)
+
+
 def body_failed_gather(rank, world, root):
     from parallel_layers.resilience import AsyncCheckpointer, complete_checkpoints, local_shards
     model, batches = _model_of((2, 1, 2), 1, seed=0), _batches()

@@ -9,7 +9,8 @@ own checksum) last, in one rename, once every rank's file is on disk. Loading ch
 rank its file's crc32, and the ranks agree that all is sound before any state is touched.
 
 Like the universal format, a save is a snapshot (:func:`snapshot_per_rank`: the state copied to host
-memory) and a write (:func:`write_per_rank`: collectives over a group of the caller's choice only).
+memory, no collective) and a write (:func:`write_per_rank`: the save id agreed, then the files; collectives
+over a group of the caller's choice only).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ _RANK_FILE = re.compile(r"rank\d+-of-\d+\.[0-9a-f]+\.pt(\.tmp)?")
 
 @dataclasses.dataclass
 class PerRankSnapshot:
-    """This rank's state (CPU copies) and what ``meta.json`` records of it."""
+    """This rank's state (CPU copies) and what ``meta.json`` records of it (``save_id``: agreed by
+    :func:`write_per_rank`)."""
     state: dict
     rank: int
     world: int
@@ -84,11 +86,10 @@ def rank_file(rank: int, world: int, save_id: str) -> str:
 
 
 def snapshot_per_rank(model, iteration: int, data: Optional[dict] = None) -> PerRankSnapshot:
-    """This rank's ``model.state_dict()`` copied to host memory (a collective over the world: one save id
-    agreed)."""
-    save_id = gathered(secrets.token_hex(6))[0]
+    """This rank's ``model.state_dict()`` copied to host memory (no collective of its own: the save id is
+    agreed when it is written)."""
     step = int(getattr(model.optimizer, "steps_taken", 0) or 0)
-    return PerRankSnapshot(_to_host(model.state_dict()), dist.get_rank(), dist.get_world_size(), save_id,
+    return PerRankSnapshot(_to_host(model.state_dict()), dist.get_rank(), dist.get_world_size(), "",
                            iteration, step, data)
 
 
@@ -107,9 +108,11 @@ def _write_rank(directory: str, snap: PerRankSnapshot) -> dict:
 
 
 def write_per_rank(snap: PerRankSnapshot, directory: str, group=None, latest_root: Optional[str] = None) -> None:
-    """Every rank writes its file, then global rank 0 ``meta.json`` (a collective over ``group``, default
-    the world) and, with ``latest_root``, points its ``latest_checkpointed_iteration.txt`` at it. Every rank
-    raises :class:`CheckpointError` if any rank failed; nothing is published then."""
+    """The ranks agree a save id (global rank 0's), every rank writes its file, then global rank 0
+    ``meta.json`` (a collective over ``group``, default the world) and, with ``latest_root``, points its
+    ``latest_checkpointed_iteration.txt`` at it. Every rank raises :class:`CheckpointError` if any rank
+    failed; nothing is published then."""
+    snap = dataclasses.replace(snap, save_id=gathered(secrets.token_hex(6), group)[0])
     written = gathered(attempt(lambda: _write_rank(directory, snap)), group)
     raise_failures(written, "writing the rank files", directory)
     committed = None
