@@ -29,7 +29,7 @@ from typing import Callable, List, Optional
 import torch
 
 from . import harness
-from .zero import _gpt, size_text
+from .zero import seeded_gpt, size_text
 
 CSV_NAME = "host_offload.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, size: dict, reps: int, warmup: int):
     y = torch.roll(x, -1, dims=1)
     runs = {}
     for kind, options in VARIANTS.items():
-        model = _gpt(size, torch.bfloat16).to(dev)
+        model = seeded_gpt(size, torch.bfloat16).to(dev)
         z = ZeroStage3(model, dist.group.WORLD, min_unit_numel=0, grad_dtype=torch.bfloat16)
         opt = ZeroStage3Optimizer(z, lr=LR, weight_decay=0.01, **options)
         if opt.host_shard is not None:

@@ -62,7 +62,8 @@ def size_text(size: dict) -> str:
     return f"V{size['vocab_size']}xL{size['n_layer']}xd{size['d_model']}xs{size['max_seq_len']}xb{size['batch']}"
 
 
-def _gpt(size: dict, dtype=None):
+def seeded_gpt(size: dict, dtype=None):
+    """The GPT of ``size`` (its ``batch`` left out), dropout off, drawn from seed 0 (same on every rank)."""
     from parallel_layers.models import GPT, GPTConfig
 
     cfg = {k: v for k, v in size.items() if k != "batch"}
@@ -78,9 +79,9 @@ def _measure_speed(group, rank: int, size: dict, reps: int, warmup: int, reduce_
     from parallel_layers.data_parallel.ddp import DataParallel
     from parallel_layers.zero import ZeroOptimizer
 
-    ours = DataParallel(_gpt(size), group, reduce_op=reduce_op, bucket_cap_mb=BUCKET_MB)
+    ours = DataParallel(seeded_gpt(size), group, reduce_op=reduce_op, bucket_cap_mb=BUCKET_MB)
     opt = ZeroOptimizer(ours, stage=1, lr=LR, weight_decay=0.01)
-    theirs = DistributedDataParallel(_gpt(size), process_group=group, bucket_cap_mb=BUCKET_MB)
+    theirs = DistributedDataParallel(seeded_gpt(size), process_group=group, bucket_cap_mb=BUCKET_MB)
     zro = ZeroRedundancyOptimizer(theirs.parameters(), optimizer_class=torch.optim.AdamW, process_group=group,
                                   lr=LR, weight_decay=0.01)
     n_params = sum(p.numel() for p in theirs.parameters())
@@ -113,7 +114,7 @@ def _memory_reports(group, size: dict) -> List[dict]:
     reports = []
     for dtype in (torch.bfloat16, torch.float32):
         for stage in (1, 2):
-            dp = DataParallel(_gpt(size, dtype), group, reduce_op="reduce_scatter", bucket_cap_mb=BUCKET_MB)
+            dp = DataParallel(seeded_gpt(size, dtype), group, reduce_op="reduce_scatter", bucket_cap_mb=BUCKET_MB)
             opt = ZeroOptimizer(dp, stage=stage, lr=LR)
             rep = opt.memory_report()
             rep["dtype"] = str(dtype).replace("torch.", "")
@@ -136,7 +137,7 @@ def _measure_collectives(group, nbytes: int, reps: int, warmup: int):
     numel = nbytes // 4 // n * n
     full, shard = torch.randn(numel), torch.empty(numel // n)
     gathered = torch.empty(numel)
-    rs, ag = C._reduce_scatter_flat, C._all_gather_flat    # torch's own, under the name this torch has
+    rs, ag = C.torch_reduce_scatter_flat, C.torch_all_gather_flat
     pairs = {"reduce_scatter": (lambda: C.reduce_scatter_dim0(full, group, out=shard),
                                 lambda: rs(shard, full, group=group)),
              "all_gather": (lambda: C.all_gather_dim0(shard, group, out=gathered),

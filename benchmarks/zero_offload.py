@@ -61,7 +61,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import harness
-from .zero import _gpt, size_text
+from .zero import seeded_gpt, size_text
 
 CSV_NAME = "zero_offload.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
@@ -195,7 +195,7 @@ def _step_rank(rank: int, world: int, size: dict, reps: int, warmup: int, root: 
     y = torch.roll(x, -1, dims=1)
     runs = {}
     for kind in ("memory",) + tuple(VARIANTS):
-        dp = DataParallel(_gpt(size), group, reduce_op="reduce_scatter", bucket_cap_mb=BUCKET_MB)
+        dp = DataParallel(seeded_gpt(size), group, reduce_op="reduce_scatter", bucket_cap_mb=BUCKET_MB)
         kw = {} if kind == "memory" else dict(offload="disk", offload_dir=os.path.join(root, kind),
                                               offload_io=VARIANTS[kind][0])
         runs[kind] = (dp, ZeroOptimizer(dp, stage=2, lr=LR, weight_decay=0.01, **kw))
@@ -319,7 +319,7 @@ def _largest_rank(rank: int, world: int, size: dict, root: str, steps: int, slac
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)          # built in bf16: no fp32 copy of the model at any point
     try:
-        model = _gpt(size)
+        model = seeded_gpt(size)
     finally:
         torch.set_default_dtype(default)
     n_params = sum(p.numel() for p in model.parameters())

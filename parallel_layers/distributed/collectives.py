@@ -25,8 +25,9 @@ import torch.distributed as dist
 from ..mesh import group_timeout
 from . import ring
 
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's own flat collectives, under the name this torch has (public: the benchmarks time ours against them)
+torch_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+torch_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def world_size(group) -> int:
@@ -56,9 +57,14 @@ def _timeout_text(group) -> str:
     return "timeout unknown" if timeout is None else f"timeout {timeout.total_seconds():g} s"
 
 
+def _world_group():
+    """The world group's ProcessGroup object (c10d has no public getter for it)."""
+    return dist.distributed_c10d._get_default_group()
+
+
 def _group_name(group) -> str:
     """The group's ``group_desc`` (``ParallelMesh`` sets one per group), else what kind of group it is."""
-    if dist.is_initialized() and group is dist.distributed_c10d._get_default_group():
+    if dist.is_initialized() and group is _world_group():
         return "the world group"
     desc = getattr(group, "group_desc", None)        # a Python group may never have been given one
     if desc and desc not in ("undefined", "default_pg"):
@@ -76,7 +82,7 @@ def describe_group(group) -> str:
     if group is None:
         if not dist.is_initialized():
             return "the world group (torch.distributed not initialised)"
-        group = dist.distributed_c10d._get_default_group()
+        group = _world_group()
     try:
         return f"{_group_name(group)} ({_ranks_text(group)}, {_timeout_text(group)})"
     except Exception as exc:  # noqa: BLE001 - the original error matters more than this description
@@ -149,7 +155,7 @@ def all_gather_dim0(tensor: torch.Tensor, group, out: Optional[torch.Tensor] = N
         if ring.applies(tensor, group):
             work = ring.all_gather(out, tensor, group, async_op=async_op)
         else:
-            work = _all_gather_flat(out, tensor, group=group, async_op=async_op)
+            work = torch_all_gather_flat(out, tensor, group=group, async_op=async_op)
     except RuntimeError as exc:
         raise _failure("all_gather_dim0", group, exc) from exc
     return (out, _named(work, "all_gather_dim0", group)) if async_op else out
@@ -173,7 +179,7 @@ def reduce_scatter_dim0(tensor: torch.Tensor, group, out: Optional[torch.Tensor]
         if ring.applies(tensor, group, op):
             work = ring.reduce_scatter(out, tensor, group, async_op=async_op)
         else:
-            work = _reduce_scatter_flat(out, tensor, op=op, group=group, async_op=async_op)
+            work = torch_reduce_scatter_flat(out, tensor, op=op, group=group, async_op=async_op)
     except RuntimeError as exc:
         raise _failure("reduce_scatter_dim0", group, exc, op) from exc
     return (out, _named(work, "reduce_scatter_dim0", group, op)) if async_op else out

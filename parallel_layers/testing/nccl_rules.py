@@ -565,9 +565,14 @@ def _create(store, rank, size, timeout):
 _torch_batch_isend_irecv = dist.batch_isend_irecv
 
 
+def _world_group():
+    """The world group's ProcessGroup object (c10d has no public getter for it)."""
+    return dist.distributed_c10d._get_default_group()
+
+
 def _batch_isend_irecv(p2p_op_list):
     group = p2p_op_list[0].group if p2p_op_list else None
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    group = group if group is not None else _world_group()
     if isinstance(group, NcclRulesGroup):
         return [group.batch(p2p_op_list)]
     return _torch_batch_isend_irecv(p2p_op_list)
@@ -582,7 +587,7 @@ def register() -> None:
 
 
 def is_rules_group(group) -> bool:
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    group = group if group is not None else _world_group()
     return isinstance(group, NcclRulesGroup)
 
 
