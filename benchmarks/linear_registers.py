@@ -9,7 +9,7 @@ specialisation a real launch gets (contiguous operands: unit strides as constant
 divisible by 16), for each epilogue (plain, GeLU, pre-activation stored, both). The cubin's resource
 usage (Triton's bundled ``cuobjdump``) gives registers per thread and the stack frame: a non-zero
 stack on these kernels is register spilling (they call nothing). ``kept`` says whether
-``_prune_configs`` lets the autotuner try that config for that epilogue at a large M: ``--check``
+``prune_configs`` lets the autotuner try that config for that epilogue at a large M: ``--check``
 fails when a kept config spills. Needs ``TRITON_INTERPRET`` unset (it compiles, it does not run).
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def compile_config(cfg, dtype: str, epilogue: str, arch: int) -> Dict[str, int]:
 
     from parallel_layers.triton_kernels import matmul
 
-    fn = matmul._linear_epilogue_kernel
+    fn = matmul.linear_epilogue_kernel
     activation, store_pre = EPILOGUES[epilogue]
     consts = dict({s: 1 for s in UNIT_STRIDES}, HAS_BIAS=True, ACTIVATION=activation, STORE_PRE=store_pre,
                   INPUT_PRECISION="tf32", EVEN_K=True, UPCAST_DOT=False, **cfg.kwargs)
@@ -79,7 +79,7 @@ def _kept(cfg, dtype: str, epilogue: str) -> bool:
 
     activation, store_pre = EPILOGUES[epilogue]
     args = {"x_ptr": _Elem(DTYPES[dtype]), "M": 8192, "ACTIVATION": activation, "STORE_PRE": store_pre}
-    return any(c is cfg for c in matmul._prune_configs(matmul.CONFIGS, args))
+    return any(c is cfg for c in matmul.prune_configs(matmul.CONFIGS, args))
 
 
 def collect(dtypes: List[str], epilogues: List[str], arch: int, kept_only: bool = False) -> List[dict]:

@@ -98,7 +98,7 @@ def _bench_shape(name, m, n, k, dtype, device, backend, reps, warmup) -> List[Di
         if label in ("triton", "auto->triton"):
             from parallel_layers.triton_kernels import matmul as tk
 
-            best = getattr(tk._tuned_kernel, "best_config", None)
+            best = getattr(tk.tuned_kernel, "best_config", None)
             cfg = f" | tuned config: {best}" if best is not None else ""
         print(f"[{name}] M={m} N={n} K={k} {str(dtype).replace('torch.', '')}: max |ours - eager| = {err:.3g}{cfg}",
               file=sys.stderr)

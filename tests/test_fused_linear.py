@@ -346,7 +346,7 @@ def test_one_config_tuning_switch(monkeypatch):
         for m in (1, 33, 300, 4096):
             for act in (0, 1):
                 x = torch.empty(m, 8, dtype=dtype, device="meta")
-                kept = matmul._prune_configs(matmul.CONFIGS, {"x_ptr": x, "M": m}, ACTIVATION=act)
+                kept = matmul.prune_configs(matmul.CONFIGS, {"x_ptr": x, "M": m}, ACTIVATION=act)
                 one = matmul.one_config(x.element_size(), triton.next_power_of_2(m), act)
                 assert (one.kwargs, one.num_warps, one.num_stages) == (kept[0].kwargs, kept[0].num_warps,
                                                                        kept[0].num_stages)

@@ -55,7 +55,7 @@ _SQRT1_2 = 0.7071067811865476
 
 # Shared memory per SM usable by one program on H100 (227 KiB opt-in); a little headroom for the epilogue.
 _SMEM_BUDGET = 220 * 1024
-# Accumulator registers per thread at which an activation epilogue spills (measured, see _prune_configs).
+# Accumulator registers per thread at which an activation epilogue spills (measured, see prune_configs).
 _SPILLING_ACCUMULATOR = 128
 
 
@@ -73,7 +73,7 @@ def _activation(z, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _linear_epilogue_kernel(
+def linear_epilogue_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, z_ptr,
         M, N, K, M_BUCKET,
         stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, stride_zm, stride_zn,
@@ -167,7 +167,7 @@ def _accumulator_registers(c) -> int:
     return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
 
 
-def _prune_configs(configs, named_args, **kwargs):
+def prune_configs(configs, named_args, **kwargs):
     """Drop configs whose pipeline does not fit shared memory, configs that spill registers in an
     activation epilogue, and big-M tiles when M is tiny."""
     args = {**named_args, **kwargs}     # the constexpr flags arrive as keyword arguments
@@ -188,7 +188,7 @@ def _prune_configs(configs, named_args, **kwargs):
     return sized or fits
 
 
-_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_linear_epilogue_kernel)
+_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(linear_epilogue_kernel)
 
 
 
@@ -199,12 +199,12 @@ def _disk_cache_option() -> dict:
 
 
 if _interpreting():
-    _tuned_kernel = None
+    tuned_kernel = None
 else:
-    _tuned_kernel = triton.autotune(
+    tuned_kernel = triton.autotune(
         configs=CONFIGS,
         key=["M_BUCKET", "N", "K", "HAS_BIAS", "ACTIVATION", "STORE_PRE", "INPUT_PRECISION"],
-        prune_configs_by={"early_config_prune": _prune_configs},
+        prune_configs_by={"early_config_prune": prune_configs},
         **_disk_cache_option(),
     )(_even_k)
 
@@ -222,10 +222,10 @@ def tuning() -> str:
 
 @functools.lru_cache(maxsize=None)
 def one_config(element_size: int, m_bucket: int, activation: int):
-    """The config ``PARALLEL_LAYERS_LINEAR_TUNING=one`` runs: the first that ``_prune_configs`` keeps for this
+    """The config ``PARALLEL_LAYERS_LINEAR_TUNING=one`` runs: the first that ``prune_configs`` keeps for this
     element size, M bucket (next power of two of M) and activation."""
     x = torch.empty(0, dtype={1: torch.int8, 2: torch.bfloat16, 4: torch.float32}[element_size], device="meta")
-    return _prune_configs(CONFIGS, {"x_ptr": x, "M": m_bucket}, ACTIVATION=activation)[0]
+    return prune_configs(CONFIGS, {"x_ptr": x, "M": m_bucket}, ACTIVATION=activation)[0]
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -255,17 +255,17 @@ def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    if _tuned_kernel is None:  # interpreter: one fixed config, no tuning
+    if tuned_kernel is None:  # interpreter: one fixed config, no tuning
         cfg = INTERPRET_CONFIG
-        _linear_epilogue_kernel[grid(cfg)](*args, **flags, EVEN_K=K % cfg["BLOCK_K"] == 0,
-                                           UPCAST_DOT=x.dtype == torch.bfloat16, **cfg)
+        linear_epilogue_kernel[grid(cfg)](*args, **flags, EVEN_K=K % cfg["BLOCK_K"] == 0,
+                                          UPCAST_DOT=x.dtype == torch.bfloat16, **cfg)
         return y
     if tuning() == "one":
         c = one_config(x.element_size(), triton.next_power_of_2(M), flags["ACTIVATION"])
         kernel = _even_k[grid(c.kwargs)]
         flags.update(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
     else:
-        kernel = _tuned_kernel[grid]
+        kernel = tuned_kernel[grid]
     if x.device.index is None or x.device.index == torch.cuda.current_device():
         kernel(*args, **flags, UPCAST_DOT=False)
     else:  # Triton launches on the current device (the guard costs host time, so only when needed)

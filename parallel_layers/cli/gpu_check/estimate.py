@@ -9,7 +9,7 @@ interpreter). Every launch of those is recorded with what Triton specialises a c
 kernel, its constexprs, the pointer dtypes (and 16-byte alignment), and each integer argument's class (1,
 a multiple of 16, other). Distinct keys = kernels compiled. For the fused linear the interpreter runs one
 fixed tile, so its keys are re-made with the tile ``PARALLEL_LAYERS_LINEAR_TUNING=one`` picks (and EVEN_K for
-it), and, for the full autotune, multiplied by the configs ``_prune_configs`` keeps for the call.
+it), and, for the full autotune, multiplied by the configs ``prune_configs`` keeps for the call.
 Timing: the fused linear's one-config kernels (``benchmarks.linear_registers.compile_config``) and an AdamW
 kernel compiled for sm_90 here, one after another (Triton compiles a process's kernels serially).
 """
@@ -53,7 +53,7 @@ class Recorder:
                 parts.append((name, _int_class(v) if name not in constexprs else repr(v)))
         name = fn.fn.__name__
         configs = 1
-        if name == "_linear_epilogue_kernel":
+        if name == "linear_epilogue_kernel":
             parts, configs = self._linear(bound, parts)
         self.keys[(name, tuple(parts))] = configs
 
@@ -67,7 +67,7 @@ class Recorder:
         keep = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "UPCAST_DOT"}
         even_k = str(k % c.kwargs["BLOCK_K"] == 0)
         parts = [p for p in parts if p[0] not in keep] + [("one", repr(c)), ("EVEN_K", even_k)]
-        full = matmul._prune_configs(matmul.CONFIGS, {"x_ptr": x, "M": m}, ACTIVATION=act)
+        full = matmul.prune_configs(matmul.CONFIGS, {"x_ptr": x, "M": m}, ACTIVATION=act)
         return parts, len(full)
 
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         return 0
     args.pytest_args = args.pytest_args or ["tests", "-k", "cpu-triton"]
     rec = count(args.pytest_args)
-    linear = {k: v for k, v in rec.keys.items() if k[0] == "_linear_epilogue_kernel"}
+    linear = {k: v for k, v in rec.keys.items() if k[0] == "linear_epilogue_kernel"}
     other = len(rec.keys) - len(linear)
     print(f"kernels compiled by the CUDA twins of: {' '.join(args.pytest_args)}")
     print(f"  fused linear: {len(linear)} with PARALLEL_LAYERS_LINEAR_TUNING=one, "
