@@ -23,7 +23,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from parallel_layers import ops
-from parallel_layers._optional import progress_bar
+from parallel_layers.optional import progress_bar
 
 from . import harness
 

@@ -184,7 +184,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
 def draw(rows: List[dict], path: str = PLOT_PATH) -> Optional[str]:
     """Step time, bytes per step at the busiest rank (measured and predicted) and the model's communication
     time on real networks, against the number of workers."""
-    from parallel_layers._optional import pyplot
+    from parallel_layers.optional import pyplot
 
     plt = pyplot()
     if plt is None or not rows:

@@ -20,7 +20,7 @@ import re
 from collections import OrderedDict
 from typing import List, Optional
 
-from parallel_layers._optional import pyplot
+from parallel_layers.optional import pyplot
 
 from . import harness
 

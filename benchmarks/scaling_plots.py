@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence, Union
 
-from parallel_layers._optional import pyplot
+from parallel_layers.optional import pyplot
 
 from . import harness
 

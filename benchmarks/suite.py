@@ -73,7 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     write_csv = not (args.no_csv or args.smoke)
     device = torch.device(args.device)
 
-    from parallel_layers._optional import progress_bar as tqdm
+    from parallel_layers.optional import progress_bar as tqdm
 
     jobs = [(g, m) for g in groups for m in GROUPS[g]]
     print(f"parallel_layers bench: {mode} | {harness.device_name(device)} ({device}) | torch {torch.__version__}"

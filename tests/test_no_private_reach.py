@@ -28,13 +28,6 @@ OURS = set(SCANNED)
 
 # (file relative to the repository root, private name) -> why reaching it from that file is allowed.
 ALLOWED: Dict[Tuple[str, str], str] = {
-    **{(f, "_optional"): "parallel_layers/_optional.py wants a public name (optional.py); its other importers "
-                         "(benchmarks/suite.py, cli/demo.py, pipeline/timeline.py, elastic/layout_timeline.py) "
-                         "are outside this change"
-       for f in ("benchmarks/kernels.py", "benchmarks/parameter_server.py", "benchmarks/plots.py",
-                 "benchmarks/scaling_plots.py", "benchmarks/suite.py")},
-    ("parallel_layers/optim/flat_buffers.py", "_backend"): "outside this change: ops.backend_kernel is its public name",
-    ("parallel_layers/optim/flat_buffers.py", "_checks"): "outside this change: ops.scalar_tensor is its public name",
     **{("parallel_layers/planner/published.py", name): "owned by another change (planner/ is being rewritten)"
        for name in ("_phase_s", "_divisors", "_why_not")},
 }

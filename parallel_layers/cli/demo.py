@@ -269,7 +269,7 @@ def check_args(args) -> None:
     if world < 1:
         errs.append("dp, tp and pp must be positive")
     if args.model == "llama":
-        from .._optional import have
+        from ..optional import have
         if not have("transformers"):
             errs.append("--model llama needs transformers (pip install transformers)")
     from .demo_support import check_freeze_args
@@ -399,7 +399,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
         return {"already_done": start, "resumed_from": args.load} if rank == 0 else None
     bar = None
     if rank == 0 and not args.no_progress:
-        from .._optional import progress_bar
+        from ..optional import progress_bar
         bar = progress_bar(total=args.steps, initial=start, desc=f"{args.model} dp={args.dp} tp={args.tp} pp={args.pp}",
                    unit="step", dynamic_ncols=True)
     losses, step_times, skipped, val_losses = [], [], 0, []

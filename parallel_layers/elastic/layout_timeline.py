@@ -29,7 +29,7 @@ def _draw_one(ax, timelines: Sequence[Timeline], total_ms: float) -> None:
 
 def draw_panels(panels: List[Tuple[str, Sequence[Timeline]]], path: str, title: str = "") -> Optional[str]:
     """One panel per ``(title, timelines)``, stacked; None without matplotlib (or with nothing recorded)."""
-    from .._optional import pyplot
+    from ..optional import pyplot
     plt = pyplot()
     if plt is None or not panels:
         return None

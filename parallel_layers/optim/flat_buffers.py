@@ -32,8 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import _extension
-from ..ops import BACKENDS, _backend, pack_bucket
-from ..ops._checks import scalar_tensor
+from ..ops import BACKENDS, backend_kernel, pack_bucket, scalar_tensor
 from ..ops.bucket import reference_pack_bucket
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -229,7 +228,7 @@ class FlatBuffer:
             srcs.append(g if g.is_contiguous() else g.contiguous())
         # The offsets are ours and every source was checked above, so the kernel of ops.pack_bucket is
         # called directly: the op's per-tensor argument checks would cost more than the copy itself.
-        pack = _backend.kernel("pack_bucket", self.device, self.backend, reference_pack_bucket)
+        pack = backend_kernel("pack_bucket", self.device, self.backend, reference_pack_bucket)
         pack(srcs, self.grad, [self.offsets[i] for i in idx], torch.ones(1, device=self.device))
         views, params = self.grad_views, self.params
         for i in idx:
@@ -388,7 +387,7 @@ class FlatOptimizer(torch.optim.Optimizer):
         """
         key = (op, device)
         if key not in cache:
-            cache[key] = _backend.kernel(op, device, self._backend, reference)
+            cache[key] = backend_kernel(op, device, self._backend, reference)
         return cache[key]
 
     @torch.no_grad()

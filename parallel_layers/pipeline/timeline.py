@@ -151,7 +151,7 @@ def draw(timelines: Sequence[Timeline], path: str, title: str = "") -> Optional[
     """Draw the ranks' timelines (one row per rank; forward blue, backward green (in zero-bubble schedules
     its input-gradient half), weight gradients orange, waits grey; the microbatch written in each box,
     ``mb.chunk`` with virtual stages) to a PNG; None without matplotlib."""
-    from .._optional import pyplot
+    from ..optional import pyplot
     plt = pyplot()
     if plt is None:
         return None
