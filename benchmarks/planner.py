@@ -20,6 +20,12 @@ benchmarks/results/planner.csv (``case`` planner_memory: ``mem_mb`` measured pea
 one summary row each: median and worst absolute memory error (targets 5% / 15%), Spearman rank
 correlation of step times (target 0.8), median time error (20%), and whether the layout ranked first
 is within 10% of the fastest measured. Time figures on a loaded machine are noise: say so.
+
+At scale, on paper (``case`` planner_published; ``--published`` runs only these, no measurement): every
+row of Narayanan et al. 2021's Table 1 (:mod:`parallel_layers.planner.published`: GPT 1.7B-1T on 32-3072
+A100s), the planner's per-GPU throughput for their layout (the paper's FLOPs over the predicted step,
+``x``) beside the published one, the error, and (full mode) the layout the planner's search picks with its
+predicted throughput (``speedup``: the pick's over theirs) and why. Nothing is timed here.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -112,11 +118,16 @@ def _ranks(rank: int, world: int, todo: list, steps: int):
     return out
 
 
-def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None) -> List[dict]:
-    """Predict and measure every case of ``mode``; one CSV row per case and measure, then the summaries.
+def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None,
+            published_only: bool = False) -> List[dict]:
+    """Predict and measure every case of ``mode``; one CSV row per case and measure, then the summaries,
+    then (not in smoke mode) the published runs on paper (full mode: with the planner's search).
     ``device`` only names the run: the ranks are gloo processes on CPU."""
     from parallel_layers.planner import Request, calibrate, predict
     prof_cfg = PROFILES[mode]
+    pub_common = dict(harness.common_fields(mode, torch.device("cpu"), 1), dtype="fp16", backend="model")
+    if published_only:
+        return published_rows(pub_common, search=mode == "full", progress=progress)
     todo = cases()[:2] if prof_cfg["smoke"] else cases()
     if progress:
         progress("calibrating (2 gloo ranks)")
@@ -183,7 +194,65 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     print(f"planner memory: median |error| {med:.1%}, worst {worst:.1%}; time: Spearman {rho:.2f}, median |error| "
           f"{t_err:.0%}, first {names[first]} {meas_t[first] * 1e3:.1f} ms vs fastest {fastest * 1e3:.1f} ms",
           file=sys.stderr, flush=True)
+    if not prof_cfg["smoke"]:
+        rows += published_rows(pub_common, search=mode == "full", progress=progress)
     return rows
+
+
+def published_rows(common: dict, search: bool, progress: Optional[Callable[[str], None]] = None) -> List[dict]:
+    """One row per published run (predicted against published TFLOP/s per GPU; with ``search`` the
+    planner's pick), then the summary: median and worst |error| and how many picks differ from theirs."""
+    from parallel_layers.planner.published import MEGATRON_2021, compare
+    rows, errors, differ = [], [], 0
+    for run in MEGATRON_2021:
+        if progress:
+            progress(f"published {run.name} on {run.gpus} GPUs")
+        c = compare(run, search=search)
+        errors.append(abs(c.error))
+        pick = c.pick.layout.name() if c.pick else "-"
+        differ += bool(c.pick and c.pick.layout != c.theirs.layout)
+        label = (f"{run.name} GPT on {run.gpus} A100: tp{run.tp} x pp{run.pp} x dp{run.dp}, batch {run.batch}, "
+                 f"micro-batch {run.micro_batch}")
+        text = (f"published {run.tflops_per_gpu:g} TFLOP/s/GPU; predicted {c.predicted_tflops:.1f} ({c.error:+.1%}) "
+                f"for {c.theirs.layout.name()}, peak {c.theirs.peak_bytes / 2**30:.0f} GiB"
+                + ("" if c.theirs.feasible else f" (does not fit: {c.theirs.reason})"))
+        if search:
+            text += f" | pick {pick}: {c.pick_tflops:.1f} TFLOP/s/GPU of {c.searched} layouts | {c.why}"
+        print(f"planner published {run.name:>7s}: {text}", file=sys.stderr, flush=True)
+        rows.append(dict(common, case="planner_published", sizes=label, x=c.predicted_tflops,
+                         speedup=(c.pick_tflops / c.predicted_tflops) if search and c.pick else "",
+                         mem_mb=c.theirs.peak_bytes / 2**20, baseline=text))
+    med, worst = statistics.median(errors), max(errors)
+    rows.append(dict(common, case="planner_published_error", sizes=f"{len(errors)} published runs",
+                     x=med, baseline=f"median |error| {med:.1%}, worst {worst:.1%}"
+                     + (f"; the planner picks another layout for {differ} of {len(errors)}" if search else "")))
+    return rows
+
+
+def render_published(rows: List[Dict[str, str]]) -> List[str]:
+    """The README table of the newest ``planner_published`` rows (for benchmarks/readme.py's section)."""
+    from parallel_layers.planner.published import MEGATRON_2021, MICRO_BATCH_SOURCE, PAPER, PAPER_URL
+    runs = [r for r in rows if r.get("case") == "planner_published"]
+    if not runs:
+        return []
+    newest = max(r["run_id"] for r in runs)
+    runs = [r for r in runs if r["run_id"] == newest]
+    published = {run.name: run for run in MEGATRON_2021}
+    out = [f"Published: {PAPER} ({PAPER_URL}); micro-batch sizes from {MICRO_BATCH_SOURCE}. Predicted: "
+           f"the planner's time model on the A100 SXM 80GB data-sheet profile (50% matmul efficiency assumed), "
+           f"as the paper's eq. 3 FLOPs per GPU-second. Computed {newest[:16].replace('T', ' ')} UTC.", "",
+           "| model | GPUs | their tp x pp (dp) | published TFLOP/s/GPU | predicted | error | planner's pick | "
+           "pick TFLOP/s/GPU | why |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        name = r["sizes"].split(" ")[0]
+        run = published[name]
+        parts = r["baseline"].split(" | ")
+        err = parts[0].split("(")[1].split(")")[0]
+        pick = parts[1].split(":")[0].replace("pick ", "") if len(parts) > 1 else "-"
+        pick_tf = f"{float(r['x']) * float(r['speedup']):.1f}" if r.get("speedup") else "-"
+        out.append(f"| {name} | {run.gpus} | {run.tp} x {run.pp} ({run.dp}) | {run.tflops_per_gpu:g} | "
+                   f"{float(r['x']):.1f} | {err} | {pick} | {pick_tf} | {parts[2] if len(parts) > 2 else '-'} |")
+    return out + [""]
 
 
 def spearman(a: List[float], b: List[float]) -> float:
@@ -211,11 +280,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_profile_args(ap, smoke_help="two layouts, one step; never writes CSV",
                              quick_help="every layout, 2 timed steps")
+    ap.add_argument("--published", action="store_true",
+                    help="only the published runs on paper (no measurement; full mode: with the planner's search)")
     harness.add_csv_args(ap)
     args = ap.parse_args(argv)
     mode = harness.profile_of(args)
     t0 = time.time()
-    rows = collect(mode, torch.device("cpu"), progress=lambda s: print(s, file=sys.stderr, flush=True))
+    rows = collect(mode, torch.device("cpu"), progress=lambda s: print(s, file=sys.stderr, flush=True),
+                   published_only=args.published)
     print(f"({time.time() - t0:.1f} s)")
     harness.print_and_append(rows, harness.csv_target(args, f"{harness.RESULTS_DIR}/{CSV_NAME}"))
     return 0

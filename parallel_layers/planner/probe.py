@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from .accounting import OpTally, fused_attention_on_meta, held_bytes, tensors_reachable
+from .accounting import OpTally, attention_flop_formulas, fused_attention_on_meta, held_bytes, tensors_reachable
 from .spec import Layout, Request
 
 META = torch.device("meta")
@@ -170,7 +170,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
     with p3d.mode.accumulating(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         for chunk in p3d.chunks:
             is_first, is_last = bool(getattr(chunk, "is_first", False)), bool(getattr(chunk, "is_last", False))
-            tally, flops = OpTally(), FlopCounterMode(display=False)
+            tally, flops = OpTally(), FlopCounterMode(display=False, custom_mapping=attention_flop_formulas())
             phases = []
             with fused_attention_on_meta(), flops, tally:
                 for _mb in range(2):

@@ -49,9 +49,11 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
                 yield lay, r
 
 
-def plan(req: Request, profile: Profile, layouts: Optional[Iterable] = None, progress=None) -> List[Prediction]:
-    """Predict every candidate; feasible ones first, fastest first, then the infeasible ones with why."""
-    cache: dict = {}
+def plan(req: Request, profile: Profile, layouts: Optional[Iterable] = None, progress=None,
+         cache: Optional[dict] = None) -> List[Prediction]:
+    """Predict every candidate; feasible ones first, fastest first, then the infeasible ones with why
+    (``cache``: probes shared with other calls for the same request, see :func:`~.model.probe_layout`)."""
+    cache = {} if cache is None else cache
     out = []
     for lay, reason in (layouts if layouts is not None else candidate_layouts(req)):
         if reason is not None:
