@@ -16,7 +16,8 @@ What Table 1 does not give, and what is used here instead (said again in every r
 
 * the micro-batch size: the "Micro BS" column of BigScience's transcription of the table
   (github.com/bigscience-workshop/bigscience, experiments/meg-notes.md), which is not in the paper's
-  table; the paper's text uses micro-batch 1 for its largest models, as that column does;
+  table and whose origin that note does not give (secondary transcriptions of the paper's Table 2 show
+  micro-batch 1 for its PTD-P runs at 175B and 530B, as that column has for the largest models);
 * the chunks per rank of the interleaved schedule: the smallest v >= 2 that splits the rank's layers
   evenly (2, or 3 for the 76B and 530B rows: 15 and 3 layers per rank); with pp = 1, no pipeline;
 * the optimizer: Megatron-LM of 2021 kept fp32 master weights and Adam state on every data-parallel
