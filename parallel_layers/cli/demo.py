@@ -181,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", type=int, default=0, metavar="K", help="with --save: keep the newest K checkpoints "
                    "(0: all)")
     p.add_argument("--inject-kill", action="append", default=[], metavar="STEP:RANK",
-                   help="testing: kill -9 global rank RANK right after step STEP, once per run directory (a marker "
-                        "file under --save remembers it fired, so the restarted run goes past it); repeatable")
+                   help="testing: kill -9 global rank RANK right after step STEP (once its checkpoint write in "
+                        "flight is published), once per run directory (a marker file under --save remembers it "
+                        "fired, so the restarted run goes past it); repeatable")
     p.add_argument("--load", metavar="DIR", help="resume from a universal checkpoint (DIR/iter_NNNNNNN, or a --save "
                    "DIR: its latest) saved with any --dp/--tp/--pp/--zero/--schedule/--precision, and train up to "
                    "--steps; the comparison covers the resumed steps. Without --load, a --save DIR that holds a "
@@ -326,12 +327,16 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _maybe_kill(root: str, fault: str, step: int, rank: int) -> None:
+def _maybe_kill(root: str, fault: str, step: int, rank: int, checkpointer=None) -> None:
     """``--inject-kill STEP:RANK``: SIGKILL this process (kill -9: no cleanup, no exception) right after
-    step STEP on global rank RANK, the first time a run under ``root`` gets there."""
+    step STEP on global rank RANK, the first time a run under ``root`` gets there. The asynchronous write in
+    flight, if any, is let finish first: the work a kill loses is then at most the save interval, whatever
+    the machine's speed (a kill during a write, which loses the write too, is tests/test_async_checkpoint's)."""
     at, who = (int(t) for t in fault.split(":"))
     if (at, who) != (step, rank):
         return
+    if checkpointer is not None:
+        checkpointer.wait()
     marker = os.path.join(root, f".injected-kill-step{at}-rank{who}")
     if os.path.exists(marker):
         return
@@ -443,7 +448,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
             elif rank == 0:
                 print(line, flush=True)
         for fault in args.inject_kill:
-            _maybe_kill(args.save, fault, step + 1, rank)
+            _maybe_kill(args.save, fault, step + 1, rank, checkpointer)
         if args.save and (step + 1 == args.steps or (args.save_interval and (step + 1) % args.save_interval == 0)):
             data = {"iteration": step + 1, "recipe": {k: getattr(args, k) for k in RECIPE}}
             if checkpointer is None:
