@@ -119,7 +119,10 @@ class SavedBytes:
                 self.alive += self.refs[key][1]
                 self.peak = max(self.peak, self.alive)
             self.refs[key][0] += 1
-            return Handle(t, key)
+            # detached: a handle holding a saved OUTPUT with its grad_fn would make a reference cycle
+            # (tensor -> node -> saved variable -> handle -> tensor) that outlives the graph wherever a
+            # node's saved variables are not released by its backward (retain_graph: a zero-bubble B)
+            return Handle(t.detach(), key)
 
         def unpack(h):
             return h.t if isinstance(h, Handle) else h
