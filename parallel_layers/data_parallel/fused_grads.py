@@ -50,7 +50,8 @@ class _LinearWeightGradIntoBuffer(torch.autograd.Function):
         # under autocast F.linear computes in the autocast dtype; backward runs outside autocast, so it
         # casts as autograd's own cast nodes would: the GEMMs in that dtype, each gradient back to its input's
         device = h.device.type
-        ctx.compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)   # meta: none
+        ctx.compute_dtype = torch.get_autocast_dtype(device) if autocast else None
         return F.linear(h, weight)
 
     @staticmethod
