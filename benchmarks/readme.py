@@ -123,8 +123,12 @@ def render_scaling(title: str, command: str, per_device: Dict[str, List[Dict[str
 
 def render(results: str = os.path.join(ROOT, "benchmarks", "results")) -> str:
     body, machines, all_missed = [], set(), []
+    published = [r for r in read_csv(os.path.join(results, "planner.csv"))
+                 if r.get("case", "").startswith("planner_published")]
     for name, title, command in SECTIONS:
-        per_device = latest_rows(read_csv(os.path.join(results, name)))
+        # the planner's on-paper rows are a run of their own (--published), rendered as their own table
+        rows = [r for r in read_csv(os.path.join(results, name)) if r not in published]
+        per_device = latest_rows(rows)
         for device, run in per_device.items():
             machines.add(device)
             all_missed += [f"{title} on {device}: {m}" for m in missed_in(run)]
@@ -132,6 +136,11 @@ def render(results: str = os.path.join(ROOT, "benchmarks", "results")) -> str:
     scaling = latest_rows(read_csv(os.path.join(results, SCALING[0])))
     machines.update(scaling)
     body += render_scaling(SCALING[1], SCALING[2], scaling)
+    if published:
+        from .planner import render_published
+        body += ["#### Layout planner at scale, on paper: Narayanan et al. 2021 (Megatron-LM), Table 1", "",
+                 "Computed by `python -m benchmarks.planner --published`; nothing is timed.", ""]
+        body += render_published(published)
     if not body:
         return "(no results yet: run `make bench`, then `python -m benchmarks.readme`)"
     gpu = any(any(k in m for k in ("NVIDIA", "H100", "H200", "A100", "AMD Instinct")) for m in machines)
