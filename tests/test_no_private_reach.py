@@ -28,8 +28,6 @@ OURS = set(SCANNED)
 
 # (file relative to the repository root, private name) -> why reaching it from that file is allowed.
 ALLOWED: Dict[Tuple[str, str], str] = {
-    **{("parallel_layers/planner/published.py", name): "owned by another change (planner/ is being rewritten)"
-       for name in ("_phase_s", "_divisors", "_why_not")},
 }
 
 

@@ -120,7 +120,7 @@ def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
     return stride * size > req.devices_per_node if size > 1 else False
 
 
-def _phase_s(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float) -> float:
+def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float) -> float:
     t = (flops / prof.matmul_rate(req.precision) + traffic / prof.mem_bw + ops * prof.op_overhead) * slow
     for name, sizes in colls.items():
         kind = _COLL_KIND.get(name, "all_reduce")
@@ -154,8 +154,8 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     durations = {}
     for r, pr in enumerate(probes):
         for c, cc in enumerate(pr.chunks):
-            f = _phase_s(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow)
-            b = _phase_s(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow)
+            f = phase_seconds(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow)
+            b = phase_seconds(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow)
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b

@@ -37,8 +37,8 @@ from typing import Dict, List, Optional
 
 from ..models.gpt import GPTConfig
 from .hardware import BUILTIN, Profile
-from .model import Prediction, _phase_s, predict, probe_layout
-from .search import _divisors, _why_not, plan
+from .model import Prediction, phase_seconds, predict, probe_layout
+from .search import divisors, plan, why_not
 from .spec import Layout, Request
 
 PAPER = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
@@ -150,7 +150,7 @@ def tflops_per_gpu(run: PublishedRun, step_s: float) -> float:
 def breakdown(req: Request, pred: Prediction, prof: Profile, cache: Optional[dict] = None) -> Dict[str, float]:
     """Where a predicted step goes, in seconds of the busiest pipeline rank: its matmuls, its other ops'
     memory traffic, its per-op overhead and its tensor-parallel collectives (each the time model's own
-    term, :func:`~.model._phase_s` with the others left out), the pipeline's idle time (the simulated
+    term, :func:`~.model.phase_seconds` with the others left out), the pipeline's idle time (the simulated
     pipeline less that work: bubble and activation sends), then the step's other terms as predicted."""
     lay = pred.layout
     probes = probe_layout(req, lay, cache)
@@ -162,10 +162,10 @@ def breakdown(req: Request, pred: Prediction, prof: Profile, cache: Optional[dic
         for cc in pr.chunks:
             for fl, tr, ops, coll in ((cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f),
                                       (cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b)):
-                acc["matmul"] += _phase_s(req, lay, prof, fl, 0, 0, {}, slow) * lay.num_microbatches
-                acc["traffic"] += _phase_s(req, lay, prof, 0, tr, 0, {}, slow) * lay.num_microbatches
-                acc["op_overhead"] += _phase_s(req, lay, prof, 0, 0, ops, {}, slow) * lay.num_microbatches
-                acc["tp_comm"] += _phase_s(req, lay, prof, 0, 0, 0, coll, slow) * lay.num_microbatches
+                acc["matmul"] += phase_seconds(req, lay, prof, fl, 0, 0, {}, slow) * lay.num_microbatches
+                acc["traffic"] += phase_seconds(req, lay, prof, 0, tr, 0, {}, slow) * lay.num_microbatches
+                acc["op_overhead"] += phase_seconds(req, lay, prof, 0, 0, ops, {}, slow) * lay.num_microbatches
+                acc["tp_comm"] += phase_seconds(req, lay, prof, 0, 0, 0, coll, slow) * lay.num_microbatches
         per_rank.append(acc)
     busiest = max(per_rank, key=lambda a: sum(a.values()))
     out = dict(busiest)
@@ -184,7 +184,7 @@ def candidates(run: PublishedRun, checkpoint=(True,), schedules=("interleaved",)
     req = request(run)
     node = SETUP["devices_per_node"]
     params = paper_params(run.layers, run.hidden, SETUP["vocab"], SETUP["seq_len"])
-    for tp, pp in itertools.product(_divisors(node), _divisors(run.layers)):
+    for tp, pp in itertools.product(divisors(node), divisors(run.layers)):
         if run.gpus % (tp * pp):
             continue
         dp = run.gpus // (tp * pp)
@@ -192,7 +192,7 @@ def candidates(run: PublishedRun, checkpoint=(True,), schedules=("interleaved",)
             lay = layout_of(run.layers, run.batch, tp, pp, dp, run.micro_batch, sched, ck)
             if pp > 1 and lay.schedule != sched and "1f1b" in schedules:
                 continue                       # interleaved with one chunk is 1F1B: listed once
-            reason = _why_not(req, tp, pp, 1, lay.num_chunks)
+            reason = why_not(req, tp, pp, 1, lay.num_chunks)
             if reason is None and 2 * params / (tp * pp) > SETUP["memory_bytes"]:
                 reason = f"fp16 weights alone ({2 * params / (tp * pp) / 2**30:.0f} GiB a GPU) exceed the memory"
             if reason is None and run.batch % (dp * run.micro_batch):

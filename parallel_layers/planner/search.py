@@ -9,11 +9,11 @@ from .model import Prediction, predict
 from .spec import Layout, Request
 
 
-def _divisors(n: int) -> List[int]:
+def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _why_not(req: Request, tp: int, pp: int, cp: int, v: int) -> Optional[str]:
+def why_not(req: Request, tp: int, pp: int, cp: int, v: int) -> Optional[str]:
     """Why a mesh cannot run the model (None: it can)."""
     if req.heads() % tp or req.kv_heads() % tp or req.ffn() % tp:
         return f"tp={tp} does not divide the heads ({req.heads()}, kv {req.kv_heads()}) and FFN ({req.ffn()})"
@@ -32,13 +32,13 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
     fp32 master weights); with pp > 1, every schedule at ``pp x microbatch_factors`` micro-batches; with
     pp = 1 one micro-batch; checkpointing off and on."""
     zeros = [z for z in zero if (z in (1, 2) or req.precision == "fp32")]
-    for dp, tp, pp in itertools.product(_divisors(req.world), repeat=3):
+    for dp, tp, pp in itertools.product(divisors(req.world), repeat=3):
         if req.world % (dp * tp * pp):
             continue
         cp = req.world // (dp * tp * pp)
         for sched in (schedules if pp > 1 else ("1f1b",)):
             v = 2 if sched == "interleaved" else 1
-            reason = _why_not(req, tp, pp, cp, v)
+            reason = why_not(req, tp, pp, cp, v)
             ms = sorted({pp * f for f in microbatch_factors}) if pp > 1 else [1]
             for m, z, ck in itertools.product(ms, zeros, checkpoint):
                 lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=z, schedule=sched, num_microbatches=m, num_chunks=v,
