@@ -123,12 +123,12 @@ def render_scaling(title: str, command: str, per_device: Dict[str, List[Dict[str
 
 def render(results: str = os.path.join(ROOT, "benchmarks", "results")) -> str:
     body, machines, all_missed = [], set(), []
-    published = [r for r in read_csv(os.path.join(results, "planner.csv"))
-                 if r.get("case", "").startswith("planner_published")]
+    def on_paper(r):        # the planner's --published rows: a run of their own, rendered as their own table
+        return r.get("case", "").startswith("planner_published")
+
+    published = [r for r in read_csv(os.path.join(results, "planner.csv")) if on_paper(r)]
     for name, title, command in SECTIONS:
-        # the planner's on-paper rows are a run of their own (--published), rendered as their own table
-        rows = [r for r in read_csv(os.path.join(results, name)) if r not in published]
-        per_device = latest_rows(rows)
+        per_device = latest_rows([r for r in read_csv(os.path.join(results, name)) if not on_paper(r)])
         for device, run in per_device.items():
             machines.add(device)
             all_missed += [f"{title} on {device}: {m}" for m in missed_in(run)]
