@@ -77,6 +77,10 @@ def plan(out: str, python: str = sys.executable, build: Optional[Step] = None) -
              [python, "-m", "benchmarks.matmul", "--quick", "--csv", os.path.join(out, "matmul.csv")],
              120, env={**COMPILED, **FULL_TUNING},
              dry_argv=[python, "-m", "benchmarks.matmul", "--smoke", "--cpu-reference", "--no-csv"]),
+        # the layout planner's memory and time predictions against this GPU's allocator and clock (one rank)
+        Step("planner-device", [python, "-m", "benchmarks.planner_device", "--quick",
+                                "--csv", os.path.join(out, "planner_device.csv")], 120, env={**COMPILED, **ONE_CONFIG},
+             dry_argv=[python, "-m", "benchmarks.planner_device", "--smoke", "--no-csv"]),
         Step("kernel-benchmarks", kernels + ["--quick", "--device", "cuda", "--csv", os.path.join(out, "kernels.csv")],
              90, env=COMPILED, dry_argv=kernels + ["--smoke", "--device", "cpu", "--no-csv", "--only", "adamw"]),
         # ZeRO-Offload: the step with the optimizer state in host memory against on the GPU, and the overlap
