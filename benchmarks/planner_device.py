@@ -216,7 +216,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     harness.add_csv_args(ap, CSV_PATH)
     args = ap.parse_args(argv)
     mode = harness.profile_of(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # an indexed device: torch.cuda.set_device and NCCL's device_id refuse a bare "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu" and mode != "smoke":
         print("no CUDA device: this check compares the planner with one GPU's allocator and clock; on CPU run "
               "--smoke (the same code path) or python -m benchmarks.planner (gloo ranks)")

@@ -95,8 +95,11 @@ def linear_epilogue_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Wrap rows/columns past the edge onto valid ones: loads stay unmasked along M and N, the store is masked.
-    rm = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
-    rn = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    # No max_contiguous/multiple_of hints on them: at the wrap the run restarts at 0, so a vector load across
+    # it reads a misaligned address when N (or M) is odd (H100: "misaligned address" on the bias of N = 47).
+    # Loads along K (unit stride) keep their vector width from the strides' own divisibility.
+    rm = offs_m % M
+    rn = offs_n % N
     rk = tl.arange(0, BLOCK_K)
 
     # int64 row/column offsets: M * stride_xm can pass 2**31.
@@ -122,7 +125,7 @@ def linear_epilogue_kernel(
 
     # ---- epilogue, on the float32 accumulator in registers ----
     if HAS_BIAS:
-        bias = tl.load(b_ptr + rn).to(tl.float32)
+        bias = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
     out_m = offs_m.to(tl.int64)
     out_n = offs_n.to(tl.int64)
