@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from ..distributed import collectives as C
 from ..ops.bucket import pack_bucket, unpack_bucket
+from ..weak_hooks import weak_hook
 from .buffers import Bucket, ParamAndGradBuffer
 
 _REDUCE_OPS = ("all_reduce", "reduce_scatter")
@@ -124,7 +125,8 @@ class DataParallel(nn.Module):
         # Scale at landing (fused into the write) when the collective runs in the grad dtype; a low-precision
         # communication scales in the pack kernel instead (scale BEFORE the down-cast).
         self._prescale = self.comm_dtype == self.grad_dtype and self.dp_size > 1
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.buffer.params]
+        on_grad = weak_hook(self, type(self)._on_grad_ready)      # a strong one would leak the whole model
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.buffer.params]
         self._index_params()
         self._reset_iteration()
         self.last_sync_timeline: Optional[dict] = None

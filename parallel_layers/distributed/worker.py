@@ -61,6 +61,8 @@ class OrderedWorker:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 self._failed = exc
                 work._finish(exc)
+            # not held while the thread waits for the next: the callable's tensors belong to its caller
+            fn = work = None
 
 
 __all__ = ["BackgroundWork", "OrderedWorker"]

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..weak_hooks import weak_hook
 from . import protocol as wire
 from .protocol import PSLayout, Traffic
 
@@ -94,7 +95,8 @@ class ParameterServerWorker(nn.Module):
         self._post_pull()
         self.traffic.step()
         self.step_traffic = {"sent": 0, "received": 0}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        on_grad = weak_hook(self, type(self)._on_grad_ready)      # a strong one would leak the whole model
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
         self.wait_per_module = bool(wait_per_module)
         if self.wait_per_module:
             for m in module.modules():

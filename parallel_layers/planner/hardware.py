@@ -45,7 +45,9 @@ class Profile:
     once on the machine (None: one device per rank; a CPU host with fewer cores than ranks shares them);
     ``fragmentation``: fraction added to the predicted peak for the allocator's unusable gaps;
     ``op_overhead``: seconds each operator call costs besides its work (kernel launch, host dispatch);
-    ``measured``: whether the figures were measured here (``--calibrate``) or assumed."""
+    ``measured``: whether the figures were measured here (``--calibrate``) or assumed; ``async_dispatch``: the
+    host queues operators ahead of the device (a GPU's stream), so a phase takes the longer of the device's
+    work and the host's dispatch rather than their sum (a CPU rank does both in turn)."""
     name: str
     flops: Dict[str, float]
     peak_flops: Dict[str, float]
@@ -57,6 +59,7 @@ class Profile:
     op_overhead: float = 5e-6
     measured: bool = False
     notes: str = ""
+    async_dispatch: bool = False
 
     def link(self, kind: str, inter_node: bool) -> Link:
         table = self.inter if inter_node else self.intra
@@ -90,7 +93,7 @@ class Profile:
 def _gpu(name, peaks, hbm, nvlink_each_way, ib_per_gpu, efficiency=0.5, notes=""):
     return Profile(name=name, flops={k: v * efficiency for k, v in peaks.items()}, peak_flops=dict(peaks),
                    mem_bw=hbm * 0.7, intra={"*": Link(5e-6, 1.0 / nvlink_each_way)},
-                   inter={"*": Link(10e-6, 1.0 / ib_per_gpu)}, fragmentation=0.05, measured=False,
+                   inter={"*": Link(10e-6, 1.0 / ib_per_gpu)}, fragmentation=0.05, measured=False, async_dispatch=True,
                    notes=notes or f"data-sheet peaks; assumed {efficiency:.0%} matmul efficiency, 70% of HBM "
                                   f"bandwidth, ring collectives with NCCL-like latencies")
 

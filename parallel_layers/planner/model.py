@@ -121,7 +121,9 @@ def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
 
 
 def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float) -> float:
-    t = (flops / prof.matmul_rate(req.precision) + traffic / prof.mem_bw + ops * prof.op_overhead) * slow
+    device = flops / prof.matmul_rate(req.precision) + traffic / prof.mem_bw
+    host = ops * prof.op_overhead
+    t = (max(device, host) if prof.async_dispatch else device + host) * slow
     for name, sizes in colls.items():
         kind = _COLL_KIND.get(name, "all_reduce")
         if kind is None:

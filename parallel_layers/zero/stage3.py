@@ -91,6 +91,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..distributed import collectives as C
+from ..weak_hooks import weak_hook
 from .sharded_param import ParamInfo, is_sharded, raw_grad, set_raw_grad, set_sharded_info, sharded_class, sharded_info
 from .stage3_units import (
     MIN_UNIT_NUMEL,
@@ -221,11 +222,15 @@ class ZeroStage3(nn.Module):
             u.full.untyped_storage().resize_(0)
             u.grad_full.untyped_storage().resize_(0)
             for mod in u.modules:
-                mod.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u, a))
-                mod.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+                # hooks name their unit by index: a unit holds its parameters, whose hooks torch keeps out of
+                # the garbage collector's sight, so a hook holding the unit would never be freed
+                i = u.index
+                mod.register_forward_pre_hook(weak_hook(self, lambda z, m, a, i=i: z._pre_forward(z.units[i], a)))
+                mod.register_forward_hook(weak_hook(self, lambda z, m, a, out, i=i: z._post_forward(z.units[i], out)))
+            on_grad = weak_hook(self, lambda z, p, i=u.index: z._on_grad(z.units[i], p))
             for p in u.params:
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p))
+                    p.register_post_accumulate_grad_hook(on_grad)
 
     def _check_grad_dtype(self, grad_dtype: Optional[torch.dtype]) -> torch.dtype:
         if grad_dtype is None or grad_dtype == torch.float32:
@@ -394,9 +399,9 @@ class ZeroStage3(nn.Module):
         (what ``t.register_hook`` installs too, for less Python per module call), or on ``t`` itself for
         a leaf."""
         if t.grad_fn is not None:
-            t.grad_fn.register_prehook(lambda grads, u=u: self._pre_backward(u))
+            t.grad_fn.register_prehook(weak_hook(self, lambda z, grads, i=u.index: z._pre_backward(z.units[i])))
         else:
-            t.register_hook(lambda g, u=u: self._pre_backward(u))
+            t.register_hook(weak_hook(self, lambda z, g, i=u.index: z._pre_backward(z.units[i])))
 
     def _end_forward(self, u: Unit) -> None:
         """``u``'s modules have run: free its parameters (gathered again for its backward)."""
