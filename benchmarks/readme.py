@@ -45,7 +45,11 @@ SECTIONS = [("kernels.csv", "Fused kernels", f"{BENCH} --only kernels"),
             ("checkpoint.csv", "Checkpoints: time lost per save, asynchronous against synchronous",
              f"{BENCH} --only resilience"),
             ("planner.csv", "Layout planner: predicted against measured memory and step time (26 layouts, 2-8 ranks)",
-             f"{BENCH} --only plan")]
+             f"{BENCH} --only plan"),
+            ("planner_device.csv", "Layout planner on one GPU: predicted against measured peak memory and step time",
+             "python -m benchmarks.planner_device --quick"),
+            ("host_offload.csv", "ZeRO-Offload on a GPU: optimizer state in host memory against in GPU memory",
+             "python -m benchmarks.host_offload --quick")]
 SCALING = ("scaling.csv", "Scaling curves", f"{BENCH} --only scaling")
 PLOTS = [("ratios.png", "every case against its baseline"),
          ("speedup.png", "kernel speedup per backend"),
@@ -90,8 +94,9 @@ def render_section(title: str, command: str, per_device: Dict[str, List[Dict[str
                    "of copy BW | target | met |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in run:
+            ratio = fmt(r['speedup']) + 'x' if r.get('speedup') else '-'
             out.append(f"| {r['case']} | {r['sizes']} | {r['dtype']} | {r['backend']} | {fmt(r['ours_median_ms'])} "
-                       f"| {r['baseline']} | {fmt(r['base_median_ms'])} | {fmt(r['speedup'])}x "
+                       f"| {r['baseline']} | {fmt(r['base_median_ms'])} | {ratio} "
                        f"| {fmt(r.get('gbps', ''))} | {fmt(r.get('bw_fraction', ''), 2)} | {r['target'] or '-'} "
                        f"| {met_text(r['met'])} |")
         missed = missed_in(run)

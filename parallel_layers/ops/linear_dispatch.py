@@ -156,14 +156,20 @@ def _reason(entry: dict) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _machine(device: torch.device) -> str:
-    """What a measurement depends on besides the shape: the GPU and the library versions (once per
-    device: the key is built on every automatic CUDA call)."""
+    """What a measurement depends on besides the shape: the GPU and the library versions (looked up once
+    per device: the key is built on every automatic CUDA call)."""
+    return _machine_of(device.type, device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else None))
+
+
+@functools.lru_cache(maxsize=None)
+def _machine_of(device_type: str, index: Optional[int]) -> str:
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = torch.cuda.get_device_name(index) if device_type == "cuda" else device_type
     return f"{name} | torch {torch.__version__} triton {triton_version}"
 
 
