@@ -214,3 +214,22 @@ def test_probe_twin_ranks_equal_their_own_probe():
     assert [(p.static, p.sync) for p in fast] == [(p.static, p.sync) for p in full]
     assert [[(c.saved, c.peak, c.flops_f, c.flops_b, c.traffic_f, c.ops_b) for c in p.chunks] for p in fast] == \
         [[(c.saved, c.peak, c.flops_f, c.flops_b, c.traffic_f, c.ops_b) for c in p.chunks] for p in full]
+
+
+def test_gpu_profiles_overlap_host_dispatch_with_device_work():
+    """A GPU's host queues operators ahead of the device, so a phase costs the longer of the two; a CPU rank
+    does both in turn. Same counts, two profiles that differ only in that."""
+    import dataclasses
+
+    from parallel_layers.planner.model import phase_seconds
+    gpu = dataclasses.replace(BUILTIN["h100"], op_overhead=1e-5)
+    cpu = dataclasses.replace(gpu, async_dispatch=False)
+    assert BUILTIN["a100"].async_dispatch and BUILTIN["h200"].async_dispatch
+    req, lay = _req(1), Layout()
+    flops, traffic, ops = 2e12, 1e9, 1000
+    device = flops / gpu.matmul_rate(req.precision) + traffic / gpu.mem_bw
+    host = ops * 1e-5
+    assert phase_seconds(req, lay, gpu, flops, traffic, ops, {}, 1.0) == pytest.approx(max(device, host))
+    assert phase_seconds(req, lay, cpu, flops, traffic, ops, {}, 1.0) == pytest.approx(device + host)
+    # host-bound: many tiny operators
+    assert phase_seconds(req, lay, gpu, 1e6, 0, 10**6, {}, 1.0) == pytest.approx(10.0, rel=1e-3)
