@@ -71,7 +71,8 @@ def test_dp_and_zero_smoke_rows(monkeypatch, dist_pools):
     assert all(r["mem_mb"] > 0 for r in rows if "bytes_per_param" in r["case"])
     rows = zero3.collect("smoke", CPU)
     _check(rows, ["zero3_train_step_dp2", "zero3_peak_memory_dp2"])
-    assert rows[0]["speedup"] > 0 and rows[1]["mem_mb"] > 0
+    # RSS growth: at smoke sizes a step can fit in memory an earlier phase freed (0 MB, no ratio judged)
+    assert rows[0]["speedup"] > 0 and rows[1]["mem_mb"] >= 0
 
 
 def test_generic_3d_smoke_rows(monkeypatch, dist_pools):
