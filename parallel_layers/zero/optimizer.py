@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives as C
+from ..weak_hooks import weak_hook
 from . import full_state
 from . import memory as M
 from .host_offload import HostOffload, HostShard, LaunchedBuckets, segments_of
@@ -205,12 +206,7 @@ class ZeroOptimizer(ShardedAdamW):
         """Record which parameters a backward reaches and, at its end, put guards in ``p.grad``. The hooks
         run after DataParallel's (registered earlier), and the end-of-backward callback after its
         reduction. A weak reference: a dropped optimizer leaves inert hooks."""
-        ref, record_grad = weakref.ref(self), weakref.WeakMethod(self._on_grad)
-
-        def on_grad(p):
-            method = record_grad()
-            if method is not None:
-                method(p)
+        ref, on_grad = weakref.ref(self), weak_hook(self, type(self)._on_grad)
 
         def drop_placeholder(grad, pref):
             # before autograd accumulates into .grad: a placeholder holds nothing to add to

@@ -19,11 +19,11 @@ in the shard too) and clipping behave as in :mod:`.optimizer`.
 """
 from __future__ import annotations
 
-import weakref
 from typing import List, Optional, Tuple
 
 import torch
 
+from ..weak_hooks import weak_hook
 from . import full_state
 from . import memory as M
 from .host_offload import HostOffload, HostShard, ReducedUnits, segments_of
@@ -108,12 +108,7 @@ class ZeroStage3Optimizer(ShardedAdamW):
                          segments=segments_of([u.shard_numel for u in z.units]))
         host.master.copy_(shard)
         self._h_reduced = ReducedUnits(z)
-        host_poll = weakref.WeakMethod(self._host_poll)
-
-        def poll(p):
-            method = host_poll()
-            if method is not None:
-                method()
+        poll = weak_hook(self, lambda opt, p: opt._host_poll())
 
         for p in z.module.parameters():
             if p.requires_grad:       # after ZeroStage3's own hooks: they reduce the unit before it
