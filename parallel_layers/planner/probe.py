@@ -9,7 +9,7 @@ process can play any rank), then
 * :func:`static_terms`: the bytes it holds once a step has begun (parameters, gradient buffers and
   shards, optimizer state, ZeRO-3's gathered parameters), read from its tensors' storages;
 * :func:`microbatch_probe`: runs two micro-batches of each of the rank's stages forward and backward
-  under :class:`~.accounting.OpTally` and ``torch.utils.flop_counter.FlopCounterMode``: the bytes kept
+  under :class:`~.accounting.OpTally` and :class:`~.accounting.FlopTally`: the bytes kept
   for backward, the peak of one micro-batch, the FLOPs, the memory traffic of the other ops and every
   tensor-parallel / context-parallel collective, each per phase.
 
@@ -26,9 +26,15 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
 
-from .accounting import OpTally, attention_flop_formulas, fused_attention_on_meta, held_bytes, tensors_reachable
+from .accounting import (
+    FlopTally,
+    OpTally,
+    attention_flop_formulas,
+    fused_attention_on_meta,
+    held_bytes,
+    tensors_reachable,
+)
 from .spec import Layout, Request
 
 META = torch.device("meta")
@@ -170,7 +176,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
     with p3d.mode.accumulating(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         for chunk in p3d.chunks:
             is_first, is_last = bool(getattr(chunk, "is_first", False)), bool(getattr(chunk, "is_last", False))
-            tally, flops = OpTally(), FlopCounterMode(display=False, custom_mapping=attention_flop_formulas())
+            tally, flops = OpTally(), FlopTally(attention_flop_formulas())
             phases = []
             with fused_attention_on_meta(), flops, tally:
                 for _mb in range(2):
@@ -207,8 +213,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
             f1, b1, f2, b2 = phases
             # what stays for the step: ZeRO-3's full gradients (autograd's .grad, held across micro-batches);
             # other stages' gradients live in the data-parallel buffers, counted with the rank's tensors.
-            # (Read off the parameters: after a checkpointed backward the tally still lists some recomputed
-            # tensors that the allocator has freed, so its live count after backward is not used.)
+            # (Read off the parameters themselves: the gradients are what stays, whatever else the tally saw.)
             persist = (held_bytes([q.grad for q in chunk.parameters() if q.grad is not None])
                        if p3d.zero == 3 else 0)
             if not is_last:
