@@ -266,3 +266,19 @@ def test_gpu_profiles_overlap_host_dispatch_with_device_work():
     assert phase_seconds(req, lay, cpu, flops, traffic, ops, {}, 1.0) == pytest.approx(device + host)
     # host-bound: many tiny operators
     assert phase_seconds(req, lay, gpu, 1e6, 0, 10**6, {}, 1.0) == pytest.approx(10.0, rel=1e-3)
+
+
+def test_held_sends_add_one_activation_per_earlier_send():
+    """On gloo a pipeline send keeps its tensor to the step's end: a calibrated (gloo) profile adds every
+    send of the rank but the last, one activation each (1F1B, m 4: rank 0 sends 4 activations, rank 1 4
+    gradients); a GPU profile adds nothing (NCCL's sends finish on their own)."""
+    import dataclasses
+    layout = Layout(pp=2, schedule="1f1b", num_microbatches=4)
+    gpu = dataclasses.replace(BUILTIN["h100"], fragmentation=0.0)
+    gloo = dataclasses.replace(gpu, sends_held=True)
+    plain, held = predict(_req(2), layout, gpu), predict(_req(2), layout, gloo)
+    act = 2 * 64 * GPT.d_model * 4            # a micro-batch of 8 / 4 sequences, fp32
+    for r in range(2):
+        assert "messages" not in plain.memory[r]
+        assert held.memory[r]["messages"] == 3 * act
+        assert sum(held.memory[r].values()) == sum(plain.memory[r].values()) + 3 * act

@@ -34,6 +34,14 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _mean_time(fn, reps: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
 def matmul_flops(n: int = 512, dtype=torch.float32, reps: int = 5) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return 2 * n ** 3 / _median_time(lambda: a @ b, reps)
@@ -62,7 +70,11 @@ def op_overhead(reps: int = 20) -> float:
 
 
 def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]:
-    """On every rank: the median time of each collective kind at SMALL and LARGE bytes (the slowest rank's)."""
+    """On every rank: the mean time of each collective kind at SMALL and LARGE bytes (the slowest rank's).
+
+    The mean, not the median: a step pays every collective's time, the slow wake-ups included, and on a
+    shared CPU those are frequent (on the 2-core CI machine a 16 KB all-reduce of 2 ranks takes 0.2 ms or
+    3.7 ms: the median of a few reps landed on either, so the fitted latency varied 10x between runs)."""
     import torch.distributed as dist
 
     from ..distributed import collectives as C
@@ -85,7 +97,7 @@ def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]
                 elif rank < 2:                   # one pair: rank 0 sends, rank 1 receives
                     (dist.send if rank == 0 else dist.recv)(full, 1 - rank)
                 dist.barrier()
-            t = torch.tensor([_median_time(op, reps)], dtype=torch.float64)
+            t = torch.tensor([_mean_time(op, reps)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times.append(t.item())
         out[kind] = times
@@ -101,15 +113,16 @@ def _solve(kind: str, n: int, t_small: float, t_large: float) -> Link:
     return Link(alpha=alpha, beta=beta)
 
 
-def calibrate(world: int = 2, reps: int = 5, name: str = "this machine") -> Profile:
-    """Measure and return a profile (collectives over ``world`` gloo ranks started here)."""
+def calibrate(world: int = 2, reps: int = 5, name: str = "this machine", collective_reps: int = 30) -> Profile:
+    """Measure and return a profile (collectives over ``world`` gloo ranks started here; each timed over
+    ``collective_reps`` calls, the compute figures as the median of ``reps``)."""
     from ..testing.workers import WorkerPool
     torch.set_num_threads(1)
     flops = {"fp32": matmul_flops(), "bf16": matmul_flops(dtype=torch.bfloat16)}
     bw = memory_bandwidth()
     overhead = op_overhead()
     with WorkerPool(world, pg_timeout_s=120) as pool:
-        times = pool.run(_collective_rank, reps, timeout=600)[0]
+        times = pool.run(_collective_rank, collective_reps, timeout=600)[0]
     links = {kind: _solve(kind, world, *ts) for kind, ts in times.items()}
     links["*"] = links["all_reduce"]
     links["all_to_all"] = links["all_gather"]
@@ -119,7 +132,7 @@ def calibrate(world: int = 2, reps: int = 5, name: str = "this machine") -> Prof
         slots = os.cpu_count() or 1
     return Profile(name=name, flops=flops, peak_flops=dict(flops), mem_bw=bw, intra=links,
                    inter={k: Link(v.alpha, v.beta) for k, v in links.items()}, compute_slots=slots,
-                   fragmentation=0.0, op_overhead=overhead, measured=True,
+                   fragmentation=0.0, op_overhead=overhead, measured=True, sends_held=True,
                    notes=f"calibrated: one-thread matmul and copy, collectives over {world} gloo ranks; "
                          f"{slots} cores shared by the ranks")
 

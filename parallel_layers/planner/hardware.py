@@ -47,7 +47,9 @@ class Profile:
     ``op_overhead``: seconds each operator call costs besides its work (kernel launch, host dispatch);
     ``measured``: whether the figures were measured here (``--calibrate``) or assumed; ``async_dispatch``: the
     host queues operators ahead of the device (a GPU's stream), so a phase takes the longer of the device's
-    work and the host's dispatch rather than their sum (a CPU rank does both in turn)."""
+    work and the host's dispatch rather than their sum (a CPU rank does both in turn); ``sends_held``: a
+    pipeline send keeps its tensor until the step ends (gloo reports a send complete only once waited for,
+    and the engine waits for sends at the end of the step; NCCL's finish on their own)."""
     name: str
     flops: Dict[str, float]
     peak_flops: Dict[str, float]
@@ -60,6 +62,7 @@ class Profile:
     measured: bool = False
     notes: str = ""
     async_dispatch: bool = False
+    sends_held: bool = False
 
     def link(self, kind: str, inter_node: bool) -> Link:
         table = self.inter if inter_node else self.intra

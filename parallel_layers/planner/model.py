@@ -7,6 +7,7 @@ Memory of pipeline rank ``r`` (every dp/cp/tp coordinate of it holds the same):
   + max over its chunks of one micro-batch's peak   (probe: forward or backward, whichever is higher)
   + (in_flight[r] - 1) x bytes a micro-batch keeps  (in_flight: ``simulate`` of the schedule's streams)
   + what the other chunks keep for the whole step   (ZeRO-3's full gradients of an interleaved rank)
+  + (its sends - 1) x one activation's bytes         (only where sends are held to the step's end: gloo)
 
 and ``fragmentation`` of the profile on top for the feasibility check (the allocator's gaps).
 
@@ -141,6 +142,7 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     streams = build_all(layout.schedule, p, m, v)
     in_flight = simulate(streams, v)["max_in_flight"]
     memory = []
+    act_bytes = probes[0].chunks[0].out_bytes
     for r, pr in enumerate(probes):
         saved = max(c.saved for c in pr.chunks)
         mb_peak = max(c.peak for c in pr.chunks)
@@ -148,6 +150,12 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
         others = sum(c.persist for c in pr.chunks) - max(c.persist for c in pr.chunks)
         terms = dict(pr.static)
         terms["activations"] = mb_peak + max(in_flight[r] - 1, 0) * saved + others
+        if prof.sends_held and p > 1:
+            # every activation and gradient this rank sent stays until the step's end; the last one's
+            # tensor is still the micro-batch's own at the peak
+            sends = sum(1 for item in streams[r] if isinstance(item, tuple) for ins in item
+                        if ins.op.startswith("SEND"))
+            terms["messages"] = max(sends - 1, 0) * act_bytes
         memory.append(terms)
     totals = [sum(t.values()) for t in memory]
     peak = int(max(totals) * (1 + prof.fragmentation))
@@ -161,7 +169,6 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b
-    act_bytes = probes[0].chunks[0].out_bytes
     latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) if p > 1 else 0.0
     sim = simulate_timing(streams, v, latency=latency, durations=durations)
     terms = {"pipeline": sim["step"]}
