@@ -385,7 +385,7 @@ def format_table(rows: List[Dict[str, object]]) -> str:
             ("of copy", lambda r: _num(r, "bw_fraction", "{:.0%}")),
             ("MB/rank", lambda r: _num(r, "mem_mb", "{:.1f}")),
             ("target", lambda r: _short(r.get("target") or "-", 24)),
-            ("met", lambda r: r.get("met") or "-")]
+            ("met", lambda r: "-" if r.get("met") in (None, "") else str(r["met"]))]
     cells = [[fn(r) for _, fn in cols] for r in rows]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _) in enumerate(cols)]
     lines = ["  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
