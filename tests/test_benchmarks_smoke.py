@@ -82,6 +82,9 @@ def test_suite_table_and_misses():
     assert "2.00x" in table[2] and "0.50x" in table[3]
     misses = harness.missed(rows)
     assert len(misses) == 2 and misses[0].startswith("dp/b") and misses[1].startswith("pipeline/bubble")
+    # summaries carry met as a bool (benchmarks/planner.py): both values print as themselves
+    judged = harness.format_table([_row(case="yes", met=True), _row(case="no", met=False)]).splitlines()
+    assert judged[2].endswith("True") and judged[3].endswith("False")
 
 
 def test_bench_cli_rejects_unknown_group_and_lists_groups():
