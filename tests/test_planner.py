@@ -282,3 +282,15 @@ def test_held_sends_add_one_activation_per_earlier_send():
         assert "messages" not in plain.memory[r]
         assert held.memory[r]["messages"] == 3 * act
         assert sum(held.memory[r].values()) == sum(plain.memory[r].values()) + 3 * act
+
+
+def test_parallel_probes_rank_exactly_what_one_process_ranks():
+    """``plan(..., jobs=2)`` probes in two spawned processes and predicts the same layouts, to the byte and
+    the second, as the serial search (GPT on 4 ranks: every dp x tp x pp x cp, ZeRO 1, 1F1B)."""
+    from parallel_layers.planner.search import plan
+    req = _req(4)
+    layouts = list(candidate_layouts(req, zero=[1], schedules=["1f1b"], checkpoint=[False]))
+    serial = plan(req, BUILTIN["h100"], layouts)
+    parallel = plan(req, BUILTIN["h100"], layouts, jobs=2)
+    assert len(serial) == len(layouts) > 6
+    assert [p.as_dict() for p in parallel] == [p.as_dict() for p in serial]

@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .hardware import BUILTIN, load_profile
 from .search import candidate_layouts, draw, plan, to_json
 from .spec import Request
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
     ap.add_argument("--checkpoint", default="off,on", help="activation checkpointing: off, on or off,on")
     ap.add_argument("--top", type=int, default=10, help="feasible layouts to print")
+    ap.add_argument("--jobs", type=int, default=_cores(),
+                    help=f"processes that probe layouts at once (default: the usable cores, {_cores()} here)")
     ap.add_argument("--json", help="write every layout's prediction here")
     ap.add_argument("--png", help="draw the memory bars and step times here")
     ap.add_argument("--calibrate", metavar="PATH", help="measure this machine over --world gloo ranks, save the "
@@ -87,7 +97,7 @@ def main(argv=None) -> int:
           f"{prof.name} ({'measured' if prof.measured else 'assumed efficiencies: ' + prof.notes}); "
           f"{sum(r is None for _, r in layouts)} layouts to predict", file=sys.stderr)
     ranked = plan(req, prof, layouts, progress=lambda name: print(f"  predicting {name}", file=sys.stderr,
-                                                                  flush=True))
+                                                                  flush=True), jobs=args.jobs)
     print(f"{'layout':44s} {'tokens/s':>12s} {'MFU':>6s} {'step ms':>9s} {'bubble':>6s} {'MiB/rank':>9s}  "
           f"largest rank, MiB by term")
     feasible = [p for p in ranked if p.feasible]

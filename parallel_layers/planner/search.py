@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from .hardware import Profile
-from .model import Prediction, predict
+from .model import Prediction, predict, probe_layout
 from .spec import Layout, Request
 
 
@@ -49,13 +49,46 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
                 yield lay, r
 
 
+def _probe_group(req: Request, group: List[Layout]) -> dict:
+    """In a worker process: the probes of ``group`` (layouts that share their micro-batch probe), as the
+    cache entries :func:`~.model.probe_layout` fills."""
+    cache: dict = {}
+    for lay in group:
+        probe_layout(req, lay, cache)
+    return cache
+
+
+def probe_in_parallel(req: Request, layouts: Sequence[Layout], jobs: int, cache: dict, progress=None) -> None:
+    """Fill ``cache`` with the probes of ``layouts`` over ``jobs`` processes (each probe is seconds of
+    single-threaded Python on the meta device, so a search scales with the cores). Layouts that share a
+    micro-batch probe go to the same process, so nothing expensive is probed twice; each process plays its
+    ranks under its own fake process group."""
+    import concurrent.futures
+    import multiprocessing
+    groups: Dict[tuple, List[Layout]] = {}
+    for lay in layouts:
+        key = (lay.tp, lay.pp, lay.cp, lay.num_chunks, lay.checkpoint, lay.num_microbatches * lay.dp, lay.zero == 3)
+        groups.setdefault(key, []).append(lay)
+    ctx = multiprocessing.get_context("spawn")     # a fresh interpreter: no process group, no forked threads
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(_probe_group, req, group) for group in groups.values()]
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            cache.update(future.result())
+            if progress:
+                progress(f"(probed {done} of {len(futures)} groups of layouts)")
+
+
 def plan(req: Request, profile: Profile, layouts: Optional[Iterable] = None, progress=None,
-         cache: Optional[dict] = None) -> List[Prediction]:
+         cache: Optional[dict] = None, jobs: int = 1) -> List[Prediction]:
     """Predict every candidate; feasible ones first, fastest first, then the infeasible ones with why
-    (``cache``: probes shared with other calls for the same request, see :func:`~.model.probe_layout`)."""
+    (``cache``: probes shared with other calls for the same request, see :func:`~.model.probe_layout`;
+    ``jobs`` > 1: probe in that many processes first, see :func:`probe_in_parallel`)."""
     cache = {} if cache is None else cache
+    layouts = list(layouts if layouts is not None else candidate_layouts(req))
+    if jobs > 1:
+        probe_in_parallel(req, [lay for lay, reason in layouts if reason is None], jobs, cache, progress)
     out = []
-    for lay, reason in (layouts if layouts is not None else candidate_layouts(req)):
+    for lay, reason in layouts:
         if reason is not None:
             out.append(Prediction(lay, [], 0, 0.0, {}, 0.0, 0.0, 0.0, False, reason))
             continue
@@ -102,4 +135,4 @@ def draw(ranked: List[Prediction], path: str, memory_bytes: float, top: int = 16
     return path
 
 
-__all__ = ["candidate_layouts", "plan", "to_json", "draw"]
+__all__ = ["candidate_layouts", "plan", "probe_in_parallel", "to_json", "draw"]
