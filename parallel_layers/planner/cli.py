@@ -15,16 +15,15 @@ import json
 import os
 import sys
 
+from ..cpu_affinity import available_cores
 from .hardware import BUILTIN, load_profile
 from .search import candidate_layouts, draw, plan, to_json
 from .spec import Request
 
 
 def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    cores = available_cores()
+    return len(cores) if cores else (os.cpu_count() or 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
