@@ -11,6 +11,7 @@
    reference GPT and HF Llama, dp2 x tp2 x pp2 and tp2 x pp4, ZeRO-1 and ZeRO-3, with checkpointing;
    and under the NCCL-rules backend.
 """
+import contextlib
 import copy
 import itertools
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from parallel_layers.pipeline.backward_split import backward_input
+from parallel_layers.pipeline.saved_tensors import SavedTensors
 from parallel_layers.pipeline.schedules import (
     Instr,
     ScheduleError,
@@ -140,19 +142,23 @@ def _grads(module):
     return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
 
 
-def _full_and_split(stage, make_inputs, run):
-    """The stage's gradients (inputs', weights') from one full backward and from B then W, same RNG."""
+def _full_and_split(stage, make_inputs, run, ledger=True):
+    """The stage's gradients (inputs', weights') from one full backward and from B then W, same RNG;
+    ``ledger``: the split's forward runs under a :class:`SavedTensors` ledger, as in the engine (B
+    releases what only the input path used)."""
     twin = copy.deepcopy(stage)
     out = {}
     for name, mod in (("full", stage), ("split", twin)):
         torch.manual_seed(3)
         xs = make_inputs()
-        loss = run(mod, xs)
+        saved = SavedTensors() if ledger and name == "split" else None
+        with saved.hooks() if saved is not None else contextlib.nullcontext():
+            loss = run(mod, xs)
         if name == "full":
             loss.backward()
             out[name] = ([x.grad for x in xs], _grads(mod))
         else:
-            in_grads, pending = backward_input([loss], [None], xs)
+            in_grads, pending = backward_input([loss], [None], xs, saved)
             assert all(p.grad is None for p in mod.parameters()), "B touched a weight gradient"
             assert pending.held_bytes > 0
             pending.run()
@@ -169,8 +175,8 @@ def _assert_bit_identical(out):
         assert gf[n] is None or torch.equal(gf[n], gs[n]), n
 
 
-@pytest.mark.parametrize("checkpoint", [False, True])
-def test_b_then_w_equals_full_backward_on_a_gpt_stage(checkpoint):
+@pytest.mark.parametrize("checkpoint,ledger", [(False, False), (False, True), (True, True)])
+def test_b_then_w_equals_full_backward_on_a_gpt_stage(checkpoint, ledger):
     from parallel_layers.models.gpt import GPTConfig
     from parallel_layers.pipeline import build_gpt_stages
 
@@ -183,7 +189,7 @@ def test_b_then_w_equals_full_backward_on_a_gpt_stage(checkpoint):
         s, n = mod(xs[0], targets)
         return s / n
 
-    out = _full_and_split(stage, lambda: [torch.randn(2, 16, 32, requires_grad=True)], run)
+    out = _full_and_split(stage, lambda: [torch.randn(2, 16, 32, requires_grad=True)], run, ledger)
     _assert_bit_identical(out)
 
 
@@ -242,6 +248,67 @@ def test_stage_without_an_input_gradient_runs_everything_in_w():
     assert grads == [] and emb.weight.grad is None
     pending.run()
     assert emb.weight.grad is not None and lin.weight.grad is not None
+
+
+def _nbytes(*ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def test_b_releases_exactly_what_only_the_input_path_saved_and_computes_vector_weights():
+    """fc2(gelu(fc1(ln(x)))): GELU's input is saved by GELU alone and the norm's weights are vectors
+    (their gradient is computed in B, so the norm's saved input goes too); the Linears' inputs stay for
+    W, with one kept output gradient per Linear. Counted against the tensors themselves."""
+    torch.manual_seed(0)
+    ln, fc1, fc2 = nn.LayerNorm(8), nn.Linear(8, 32), nn.Linear(32, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    saved = SavedTensors()
+    with saved.hooks():
+        a = ln(x)
+        h = fc1(a)
+        g = torch.nn.functional.gelu(h)
+        y = fc2(g)
+    weights = [p for m in (ln, fc1, fc2) for p in m.parameters()]
+    # x, LayerNorm's mean and rstd (4 x 1 each), h, and the Linears' inputs a and g
+    assert saved.held_bytes(exclude=weights) == _nbytes(x, a, h, g) + 2 * 4 * 4
+    (gx,), pending = backward_input([y.pow(2).sum()], [None], [x], saved)
+    assert ln.weight.grad is None                      # computed in B, accumulated only in W
+    assert pending.saved_bytes == _nbytes(a, g)        # x, the norm's statistics and h released
+    assert pending.grad_bytes == _nbytes(h, y) + _nbytes(ln.weight, ln.bias)   # kept dy of fc1, fc2 + early
+    pending.run()
+    assert all(p.grad is not None for p in weights)
+
+
+def test_w_recomputes_a_checkpointed_segment_once_for_all_its_branches():
+    """Torch's checkpoint recomputes once per backward call; W makes one call per weight branch (two
+    here) and must still pay one recomputation: forward, B's and W's, three runs in all."""
+    from torch.utils.checkpoint import checkpoint
+
+    runs = []
+    fc1, fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def segment(x):
+        runs.append(1)
+        return fc2(torch.tanh(fc1(x)))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    saved = SavedTensors()
+    with saved.hooks():
+        y = checkpoint(segment, x, use_reentrant=False).sum()
+    _, pending = backward_input([y], [None], [x], saved)
+    assert len(pending.branches) == 2 and len(runs) == 2
+    pending.run()
+    assert len(runs) == 3 and fc1.weight.grad is not None and fc2.weight.grad is not None
+
+
+def test_a_released_tensor_unpacked_again_is_a_clear_error():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    saved = SavedTensors()
+    with saved.hooks():
+        y = torch.tanh(lin(x)).sum()                  # tanh saves its output: the input path alone uses it
+    backward_input([y], [None], [x], saved)
+    with pytest.raises(RuntimeError, match="was released .used by the input gradient only"):
+        y.backward()
 
 
 # ---------------------------------------------------------------------- 3. parity in real processes

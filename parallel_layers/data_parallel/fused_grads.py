@@ -47,6 +47,7 @@ class _LinearWeightGradIntoBuffer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight):
         ctx.save_for_backward(h, weight)
+        ctx.param = weight      # the Parameter itself: under saved-tensor hooks an unpacked one is a plain tensor
         # under autocast F.linear computes in the autocast dtype; backward runs outside autocast, so it
         # casts as autograd's own cast nodes would: the GEMMs in that dtype, each gradient back to its input's
         device = h.device.type
@@ -73,7 +74,7 @@ class _LinearWeightGradIntoBuffer(torch.autograd.Function):
                 out.add_(g2.t().matmul(h2).to(out.dtype), alpha=alpha)
 
         if grad_needed(weight):
-            grad_sink(weight).write_grad(weight, write)
+            grad_sink(ctx.param).write_grad(ctx.param, write)
         return grad_h, None
 
 
@@ -83,6 +84,7 @@ class _EmbeddingGradIntoBuffer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, idx, weight):
         ctx.save_for_backward(idx, weight)
+        ctx.param = weight
         return F.embedding(idx, weight)
 
     @staticmethod
@@ -96,7 +98,7 @@ class _EmbeddingGradIntoBuffer(torch.autograd.Function):
             out.index_add_(0, idx.reshape(-1), rows, alpha=alpha)
 
         if grad_needed(weight):
-            grad_sink(weight).write_grad(weight, write)
+            grad_sink(ctx.param).write_grad(ctx.param, write)
         return None, None
 
 

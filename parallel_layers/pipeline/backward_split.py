@@ -22,21 +22,32 @@ Every node computes from the same gradients and saved tensors as in one full bac
 equals the full backward bit for bit (a weight used twice in one stage accumulates its two parts in
 the same order as long as there are two; tested).
 
-Memory held between B and W: the graph's saved tensors (the forward's activations, as between forward
-and backward) plus the kept boundary gradients, one per weight branch; :attr:`PendingWeightGrad.held_bytes`
-counts the latter. The schedule bounds how many microbatches wait for their W (:func:`simulate`).
+Memory held between B and W: the kept boundary gradients (one per weight branch) and the forward's
+saved tensors the weight branches still need. Run under a :class:`.saved_tensors.SavedTensors` ledger
+(the engine does), B releases every saved tensor that only the input path used, as it goes (attention's,
+the activation function's input, dropout masks): for a GPT block what stays is the Linears' inputs
+(7 x d per token) and their output gradients (9 x d), about what the forward saved. Without a ledger
+the whole graph's saved tensors stay until W. Norm scales and lone biases (branches of vectors only)
+get their gradient in B: deferring them would keep a full activation gradient and the norm's input for
+a reduction. :attr:`PendingWeightGrad.held_bytes` counts what is held; the schedule bounds how many
+microbatches wait for their W (:func:`simulate`).
 
 Activation checkpointing (torch's non-reentrant checkpoint) recomputes a segment on the first unpack of
-its saved tensors, in B; a node that W runs unpacks again, which the retained graph allows. A reentrant
+its saved tensors in each backward call: once in B and once more in W (all of W's calls share one
+recomputation, ``GraphExecGroup``), so a checkpointed stage runs its forward three times, not two. A reentrant
 checkpoint is one opaque node whose own backward computes its weights' gradients: those land in B (still
 exact, just not deferred).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from .saved_tensors import SavedTensors
 
 
 def _leaf_node(t: torch.Tensor):
@@ -48,32 +59,68 @@ def _leaf_node(t: torch.Tensor):
 
 class PendingWeightGrad:
     """What W of one (microbatch, chunk) needs, kept from B: per weight branch, the boundary edges with the
-    gradients that reached them, and the weights that branch writes; and the gradients B already computed
-    for weights shared between branches."""
+    gradients that reached them, and the weights that branch writes; the gradients B already computed
+    (weights shared between branches, vector-only branches); and the forward's saved tensors still held."""
 
-    def __init__(self, branches: List[tuple], shared: List[tuple], full: Optional[tuple] = None):
+    def __init__(self, branches: List[tuple], early: List[tuple], full: Optional[tuple] = None,
+                 saved: Optional[SavedTensors] = None, weights: Sequence[torch.Tensor] = ()):
         self.branches = branches   # [(edges, grads, weights)]
-        self.shared = shared       # [(weight, its gradient of this microbatch)]
+        self.early = early         # [(weight, its gradient of this microbatch, computed in B)]
         self._full = full          # (outputs, grad_outputs): no input needed a gradient, W is the whole backward
+        self._saved = saved
+        self._weights = list(weights)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients kept between B and W: at the weight branches' boundaries, and the weight
+        gradients B computed."""
+        kept = [g for _, grads, _ in self.branches for g in grads] + [g for _, g in self.early]
+        return sum(g.numel() * g.element_size() for g in kept)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of the forward's saved tensors still held for W (0 when the forward ran without a
+        :class:`SavedTensors` ledger: then the whole graph's are, uncounted)."""
+        return 0 if self._saved is None else self._saved.held_bytes(exclude=self._weights)
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the gradients kept between B and W (the graph's saved activations come on top)."""
-        kept = [g for _, grads, _ in self.branches for g in grads] + [g for _, g in self.shared]
-        return sum(g.numel() * g.element_size() for g in kept)
+        """What this microbatch holds between B and W: :attr:`grad_bytes` + :attr:`saved_bytes`."""
+        return self.grad_bytes + self.saved_bytes
 
     def run(self) -> None:
         """W: accumulate the weight gradients into ``.grad`` (hooks fire here) and free the graph."""
+        self._saved = None
         if self._full is not None:
             outputs, grads = self._full
             self._full = None
             torch.autograd.backward(outputs, grads)
             return
-        branches, shared, self.branches, self.shared = self.branches, self.shared, [], []
-        for edges, grads, weights in branches:
-            torch.autograd.backward(edges, grads, inputs=weights)
-        for w, g in shared:           # through the weight's own accumulator: its hooks run as in a backward
+        branches, early, self.branches, self.early = self.branches, self.early, [], []
+        with _one_recompute():
+            for edges, grads, weights in branches:
+                torch.autograd.backward(edges, grads, inputs=weights)
+        for w, g in early:            # through the weight's own accumulator: its hooks run as in a backward
             torch.autograd.backward([w], [g], inputs=[w])
+
+
+@contextlib.contextmanager
+def _one_recompute():
+    """A context in which torch's non-reentrant checkpoint recomputes each segment once for all of W's
+    backward calls (one per weight branch, over disjoint parts of the graph), not once per call:
+    ``torch.utils.checkpoint.GraphExecGroup`` (a no-op where torch lacks it or the caller opened one)."""
+    group_type = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    group = group_type() if group_type is not None else None
+    try:
+        if group is not None:
+            group.__enter__()
+    except RuntimeError:              # groups do not nest: the caller's holds W's calls already
+        group = None
+    try:
+        yield
+    finally:
+        if group is not None:
+            group.__exit__(None, None, None)
 
 
 def _leaves_below(nodes) -> List:
@@ -112,19 +159,28 @@ def _reaches(roots, targets) -> Dict[object, bool]:
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[Optional[torch.Tensor]],
-                   inputs: Sequence[torch.Tensor]) -> tuple:
+                   inputs: Sequence[torch.Tensor], saved: Optional[SavedTensors] = None) -> tuple:
     """B of one stage: returns ``(input gradients, PendingWeightGrad)``. ``outputs``/``grad_outputs`` as
     for ``torch.autograd.backward`` (a scalar loss: grad None); ``inputs``: the stage's inputs (leaves that
     require grad; an input that does not gets None). Run ``PendingWeightGrad.run()`` later for W.
+    ``saved``: the ledger the stage's forward ran under (:class:`.saved_tensors.SavedTensors`); the saved
+    tensors only the input path used are released after B.
 
     Each boundary's weight branch runs in W as its own backward restricted to that branch's weights, so
-    autograd computes nothing on the input path again. A weight that two branches reach (used twice in
-    the stage) would then get one branch's part twice (through the input path); its gradient is
-    computed in B instead (as an input of the ``autograd.grad`` call) and accumulated in W."""
+    autograd computes nothing on the input path again. Two kinds of weights get their gradient in B
+    instead (as inputs of the ``autograd.grad`` call), accumulated into ``.grad`` in W:
+
+    * a weight that two branches reach (used twice in the stage): W would give it one branch's part
+      twice (through the input path);
+    * the weights of a branch that has only vectors (norm scales and shifts, a lone bias): their
+      gradient is a reduction over the tokens, cheap on the critical path, while deferring it would keep
+      a full activation gradient and the norm's input until W (as Megatron-LM defers only the weight
+      GEMMs)."""
     outputs, grad_outputs = list(outputs), list(grad_outputs)
     in_nodes = {n for n in (_leaf_node(x) for x in inputs) if n is not None}
     if not in_nodes:            # nothing to send back (the first stage): all of the backward is W
-        return [None] * len(inputs), PendingWeightGrad([], [], (outputs, grad_outputs))
+        weights = [leaf.variable for leaf in _leaves_below([o.grad_fn for o in outputs])]
+        return [None] * len(inputs), PendingWeightGrad([], [], (outputs, grad_outputs), saved, weights)
     roots = [o.grad_fn for o in outputs]
     to_input = _reaches(roots, in_nodes)
     # boundaries: nodes on the input path with edges leaving it towards weights (their branch), and
@@ -136,6 +192,9 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[Optio
             leaves = _leaves_below(off)
             if leaves:
                 branch_of[n] = leaves
+    early_nodes = []            # weights whose gradient B computes
+    for n in [n for n, leaves in branch_of.items() if all(leaf.variable.dim() <= 1 for leaf in leaves)]:
+        early_nodes += branch_of.pop(n)
     off_roots = [(o, g) for o, g in zip(outputs, grad_outputs) if o.grad_fn is not None
                  and not to_input.get(o.grad_fn, False)]
     root_leaves = [_leaves_below([o.grad_fn]) for o, _ in off_roots]
@@ -143,32 +202,39 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[Optio
     for leaves in list(branch_of.values()) + root_leaves:
         for leaf in leaves:
             count[leaf] = count.get(leaf, 0) + 1
-    shared_nodes = [leaf for leaf, k in count.items() if k > 1]
-    shared_set = set(shared_nodes)
+    early_nodes = list(dict.fromkeys(early_nodes + [leaf for leaf, k in count.items() if k > 1]))
+    early_set = set(early_nodes)
     kept: Dict[object, tuple] = {}
     handles = [n.register_prehook(lambda grads, n=n: kept.__setitem__(n, grads)) for n in branch_of]
     try:
-        on_path = [(o, g) for o, g in zip(outputs, grad_outputs) if to_input.get(o.grad_fn, False)]
+        # every output with a graph: an off-path output's part of an early weight is computed here too
+        live = [(o, g) for o, g in zip(outputs, grad_outputs) if o.grad_fn is not None]
         wanted = [x for x in inputs if _leaf_node(x) is not None]
-        shared_w = [leaf.variable for leaf in shared_nodes]
-        got = torch.autograd.grad([o for o, _ in on_path], wanted + shared_w, [g for _, g in on_path],
-                                  retain_graph=True, allow_unused=True)
+        early_w = [leaf.variable for leaf in early_nodes]
+        # what only the input path uses can go: W never runs those nodes
+        releasable = {n for n, on in to_input.items() if on} - set(branch_of)
+        with saved.recording(releasable) if saved is not None else contextlib.nullcontext():
+            got = torch.autograd.grad([o for o, _ in live], wanted + early_w, [g for _, g in live],
+                                      retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
+    if saved is not None:
+        saved.release_only_used_by(releasable, "used by the input gradient only, after B")
     by_input = dict(zip(map(id, wanted), got[:len(wanted)]))
-    shared = [(w, g) for w, g in zip(shared_w, got[len(wanted):]) if g is not None]
+    early = [(w, g) for w, g in zip(early_w, got[len(wanted):]) if g is not None]
     branches = []
     for node, leaves in branch_of.items():
-        weights = [leaf.variable for leaf in leaves if leaf not in shared_set]
+        weights = [leaf.variable for leaf in leaves if leaf not in early_set]
         edges = [(GradientEdge(node, i), g) for i, g in enumerate(kept.get(node, ())) if g is not None]
         if weights and edges:
             branches.append(([e for e, _ in edges], [g for _, g in edges], weights))
     for (o, g), leaves in zip(off_roots, root_leaves):
-        weights = [leaf.variable for leaf in leaves if leaf not in shared_set]
+        weights = [leaf.variable for leaf in leaves if leaf not in early_set]
         if weights:
             branches.append(([get_gradient_edge(o)], [torch.ones_like(o) if g is None else g], weights))
-    return [by_input.get(id(x)) for x in inputs], PendingWeightGrad(branches, shared)
+    all_weights = [w for _, _, ws in branches for w in ws] + early_w
+    return [by_input.get(id(x)) for x in inputs], PendingWeightGrad(branches, early, None, saved, all_weights)
 
 
 def split_backward(outputs, grad_outputs, inputs):

@@ -48,6 +48,7 @@ called once after the schedule.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -57,6 +58,7 @@ import torch.nn as nn
 from ..distributed import collectives as C
 from .backward_split import backward_input
 from .p2p import peer_failure
+from .saved_tensors import SavedTensors
 from .schedules import Instr, build_schedule, check_schedule_args, layout_of, place_of, stage_of
 from .timeline import Timeline, bubble_breakdown, bubble_fraction, draw, gather_timelines
 from .token_loss import IGNORE_INDEX, TokenLoss, count_labels_each
@@ -93,6 +95,7 @@ class _StepState:
         self.mb_side = mb_side                                      # per microbatch: side inputs (kwargs)
         self.inputs_of: Dict[Tuple[int, int], torch.Tensor] = {}   # received input (requires grad)
         self.pending_w: Dict[Tuple[int, int], object] = {}          # B ran, W not yet: PendingWeightGrad
+        self.saved: Dict[Tuple[int, int], SavedTensors] = {}        # F ran, B not yet (zero-bubble schedules)
         self.outstanding: list = []            # posted communication steps not yet waited for (W schedules)
         self.outputs: Dict[Tuple[int, int], torch.Tensor] = {}     # output, or the scaled loss
         self.out_grads: Dict[Tuple[int, int], torch.Tensor] = {}   # d loss / d output
@@ -131,7 +134,7 @@ class PipelineEngine:
         # B/W split: the schedule has W instructions (then B is the input gradient alone)
         self.split_backward = any(isinstance(step, Instr) and step.op == "W" for step in self.steps)
         self.peak_pending_w = 0            # most microbatches waiting for their W at once, last step
-        self.peak_pending_w_bytes = 0      # most bytes of kept boundary gradients at once, last step
+        self.peak_pending_w_bytes = 0      # most bytes held between B and W at once (kept gradients, saved tensors)
         self.tensor_shape = None if tensor_shape is None else tuple(int(x) for x in tensor_shape)
         self.broadcast_loss = broadcast_loss
         self.ignore_index = ignore_index       # labels equal to it do not count in the loss (None: all count)
@@ -171,10 +174,15 @@ class PipelineEngine:
                              f"of num_microbatches")
         return list(t.chunk(self.num_microbatches, dim=0))
 
-    def _timed(self, op, mb, chunk, fn):
+    def _timed(self, op, mb, chunk, fn, state: Optional["_StepState"] = None):
         t0 = time.perf_counter()
-        if op == "F" and self.autocast is not None:
-            with torch.autocast(self.device.type, dtype=self.autocast):
+        if op == "F":
+            with contextlib.ExitStack() as scope:
+                if self.autocast is not None:
+                    scope.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
+                if self.split_backward and state is not None and state.train:
+                    # B releases what only the input path used (:mod:`.saved_tensors`)
+                    scope.enter_context(state.saved.setdefault((mb, chunk), SavedTensors()).hooks())
                 out = fn()
         else:
             out = fn()
@@ -311,19 +319,20 @@ class PipelineEngine:
                 x = state.inputs_of[(mb, chunk)] if state.train else state.inputs_of.pop((mb, chunk))
             side = state.mb_side[mb]
             if stage == self.num_stages - 1:
-                out = self._timed("F", mb, chunk, lambda: self.chunks[chunk](x, state.mb_targets[mb], **side))
+                out = self._timed("F", mb, chunk, lambda: self.chunks[chunk](x, state.mb_targets[mb], **side), state)
                 part = state.token_loss.weigh(out, mb)
                 if state.train:
                     state.outputs[(mb, chunk)] = part
             else:
-                state.outputs[(mb, chunk)] = self._timed("F", mb, chunk, lambda: self.chunks[chunk](x, **side))
+                state.outputs[(mb, chunk)] = self._timed("F", mb, chunk, lambda: self.chunks[chunk](x, **side), state)
             return
         out = state.outputs.pop((mb, chunk))
         grad = None if stage == self.num_stages - 1 else state.out_grads.pop((mb, chunk))
         x = state.inputs_of.pop((mb, chunk), None)
         if self.split_backward:
             inputs = [x] if x is not None else []
-            in_grads, pending = self._timed("B", mb, chunk, lambda: backward_input([out], [grad], inputs))
+            saved = state.saved.pop((mb, chunk), None)
+            in_grads, pending = self._timed("B", mb, chunk, lambda: backward_input([out], [grad], inputs, saved))
             state.pending_w[(mb, chunk)] = pending
             self.peak_pending_w = max(self.peak_pending_w, len(state.pending_w))
             self.peak_pending_w_bytes = max(self.peak_pending_w_bytes,
