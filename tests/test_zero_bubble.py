@@ -300,6 +300,26 @@ def test_w_recomputes_a_checkpointed_segment_once_for_all_its_branches():
     assert len(runs) == 3 and fc1.weight.grad is not None and fc2.weight.grad is not None
 
 
+def test_the_graph_and_its_saved_tensors_die_after_w():
+    """The ledger (and through it every handle) must go with the graph: a held tensor with a grad_fn
+    would close a cycle through C++ that keeps each microbatch's graph alive after its W."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    ln, fc = nn.LayerNorm(8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    saved = SavedTensors()
+    with saved.hooks():
+        y = fc(torch.tanh(fc(ln(x)))).sum()       # fc's inputs have grad_fns
+    _, pending = backward_input([y], [None], [x], saved)
+    pending.run()
+    ref = weakref.ref(saved)
+    del saved, pending, y
+    gc.collect()
+    assert ref() is None
+
+
 def test_a_released_tensor_unpacked_again_is_a_clear_error():
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
