@@ -69,6 +69,7 @@ class PendingWeightGrad:
         self._full = full          # (outputs, grad_outputs): no input needed a gradient, W is the whole backward
         self._saved = saved
         self._weights = list(weights)
+        self._held: Optional[int] = None
 
     @property
     def grad_bytes(self) -> int:
@@ -85,12 +86,15 @@ class PendingWeightGrad:
 
     @property
     def held_bytes(self) -> int:
-        """What this microbatch holds between B and W: :attr:`grad_bytes` + :attr:`saved_bytes`."""
-        return self.grad_bytes + self.saved_bytes
+        """What this microbatch holds between B and W: :attr:`grad_bytes` + :attr:`saved_bytes` (counted
+        once: nothing changes between B and W)."""
+        if self._held is None:
+            self._held = self.grad_bytes + self.saved_bytes
+        return self._held
 
     def run(self) -> None:
         """W: accumulate the weight gradients into ``.grad`` (hooks fire here) and free the graph."""
-        self._saved = None
+        self._saved, self._held = None, 0
         if self._full is not None:
             outputs, grads = self._full
             self._full = None
@@ -100,8 +104,8 @@ class PendingWeightGrad:
         with _one_recompute():
             for edges, grads, weights in branches:
                 torch.autograd.backward(edges, grads, inputs=weights)
-        for w, g in early:            # through the weight's own accumulator: its hooks run as in a backward
-            torch.autograd.backward([w], [g], inputs=[w])
+        if early:                     # through the weights' own accumulators: their hooks run as in a backward
+            torch.autograd.backward([w for w, _ in early], [g for _, g in early], inputs=[w for w, _ in early])
 
 
 @contextlib.contextmanager
