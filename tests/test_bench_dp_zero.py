@@ -126,6 +126,9 @@ def test_pipeline_smoke_rows_and_timeline_pngs(monkeypatch, dist_pools, tmp_path
     for r in rows:
         if r["case"].startswith("bubble"):
             assert "median rep" in r["baseline"] and "schedule" in r["baseline"], r["baseline"]
+        if r["case"] == "act_memory_zb-h1_over_1f1b":      # the allocator's peak, ours and torch's
+            assert "allocator peak" in r["baseline"] and "torch's zb-h1" in r["baseline"], r["baseline"]
+            assert r["mem_mb"] > 0, r
         if r["case"] == "bubble_1f1b":    # the shared pools are not bound
             assert "ranks not bound" in r["baseline"] or "binding unknown" in r["baseline"], r["baseline"]
     pngs = sorted(os.listdir(tmp_path))
