@@ -278,6 +278,28 @@ def test_b_releases_exactly_what_only_the_input_path_saved_and_computes_vector_w
     assert all(p.grad is not None for p in weights)
 
 
+def test_w_of_plain_linears_is_computed_without_autograd_bit_for_bit():
+    """addmm (bias) and mm (no bias, 3-D input) Linears: W computes their weight gradients itself (no
+    autograd call per Linear, whose traversal of the stage below made W quadratic in the layers), with
+    the formulas autograd's nodes use: bit for bit the full backward. A Linear whose saved tensors are
+    not the ledger's (no ledger) goes through autograd, with the same result."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16, bias=False), nn.Tanh(), nn.Linear(16, 4))
+    make = lambda: [torch.randn(3, 5, 8, requires_grad=True)]          # noqa: E731
+    run = lambda m, xs: m(xs[0]).pow(2).mean()                        # noqa: E731
+    for ledger in (True, False):
+        mod.zero_grad(set_to_none=True)
+        _assert_bit_identical(_full_and_split(mod, make, run, ledger=ledger))
+    for ledger, linears in ((True, 3), (False, 0)):
+        x = make()[0]
+        saved = SavedTensors() if ledger else None
+        with saved.hooks() if ledger else contextlib.nullcontext():
+            y = run(mod, [x])
+        _, pending = backward_input([y], [None], [x], saved)
+        assert len(pending.linears) == linears and len(pending.branches) == 3 - linears
+        pending.run()
+
+
 def test_w_recomputes_a_checkpointed_segment_once_for_all_its_branches():
     """Torch's checkpoint recomputes once per backward call; W makes one call per weight branch (two
     here) and must still pay one recomputation: forward, B's and W's, three runs in all."""

@@ -16,7 +16,13 @@ This works on the autograd graph, for any ``nn.Module`` stage (no change to its 
 3. W: ``torch.autograd.backward`` from those boundary edges (``GradientEdge``) with the kept gradients,
    restricted to the weights (``inputs=``), so the input path is not computed again. Gradients are
    accumulated into ``.grad`` as a plain backward does, so post-accumulate-grad hooks (data parallel
-   buckets, ZeRO) fire in W, not in B. The graph is freed at the end of W.
+   buckets, ZeRO) fire in W, not in B. The graph is freed at the end of W. A boundary that is a plain
+   ``F.linear`` (``addmm``/``mm`` of an input-path tensor and a weight's transpose, its saved tensors in
+   the ledger) needs no autograd call: W computes its weight and bias gradients with the formulas the
+   node uses (bit for bit) and accumulates every such gradient in one call. Each autograd call walks
+   all of the graph below its boundary, so one per Linear made W quadratic in the layers of a stage
+   (measured, 32 blocks of d 64 on a stage: W 25.1 ms by autograd calls, 7.1 ms direct, against 12.0 ms
+   for the whole backward).
 
 Every node computes from the same gradients and saved tensors as in one full backward, so B then W
 equals the full backward bit for bit (a weight used twice in one stage accumulates its two parts in
@@ -63,8 +69,10 @@ class PendingWeightGrad:
     (weights shared between branches, vector-only branches); and the forward's saved tensors still held."""
 
     def __init__(self, branches: List[tuple], early: List[tuple], full: Optional[tuple] = None,
-                 saved: Optional[SavedTensors] = None, weights: Sequence[torch.Tensor] = ()):
+                 saved: Optional[SavedTensors] = None, weights: Sequence[torch.Tensor] = (),
+                 linears: Sequence["_LinearW"] = ()):
         self.branches = branches   # [(edges, grads, weights)]
+        self.linears = list(linears)   # weight branches of plain matmul nodes, computed without autograd
         self.early = early         # [(weight, its gradient of this microbatch, computed in B)]
         self._full = full          # (outputs, grad_outputs): no input needed a gradient, W is the whole backward
         self._saved = saved
@@ -76,6 +84,7 @@ class PendingWeightGrad:
         """Bytes of the gradients kept between B and W: at the weight branches' boundaries, and the weight
         gradients B computed."""
         kept = [g for _, grads, _ in self.branches for g in grads] + [g for _, g in self.early]
+        kept += [lin.grad_out for lin in self.linears]
         return sum(g.numel() * g.element_size() for g in kept)
 
     @property
@@ -101,11 +110,64 @@ class PendingWeightGrad:
             torch.autograd.backward(outputs, grads)
             return
         branches, early, self.branches, self.early = self.branches, self.early, [], []
+        linears, self.linears = self.linears, []
         with _one_recompute():
             for edges, grads, weights in branches:
                 torch.autograd.backward(edges, grads, inputs=weights)
-        if early:                     # through the weights' own accumulators: their hooks run as in a backward
-            torch.autograd.backward([w for w, _ in early], [g for _, g in early], inputs=[w for w, _ in early])
+        # through the weights' own accumulators, in one call: their hooks run as in a backward
+        done = early + [pair for lin in linears for pair in lin.weight_grads()]
+        if done:
+            torch.autograd.backward([w for w, _ in done], [g for _, g in done], inputs=[w for w, _ in done])
+
+
+class _LinearW:
+    """W of one ``addmm``/``mm`` node whose second operand is a weight's transpose (``F.linear``): its
+    weight gradient (and its bias's) computed here, with the formulas autograd's node uses, instead of
+    one more autograd call. A call costs a traversal of everything below its boundary node (the whole
+    stage below), so one per Linear made W's overhead grow with the square of the layers."""
+
+    __slots__ = ("weight", "bias", "x", "grad_out", "column_major")
+
+    def __init__(self, weight, bias, x, grad_out, column_major):
+        self.weight, self.bias, self.x, self.grad_out = weight, bias, x, grad_out
+        self.column_major = column_major
+
+    def weight_grads(self) -> List[tuple]:
+        dy, x = self.grad_out, self.x
+        # autograd's mm_mat2_backward for mat2 = weight.t(), then TBackward's transpose
+        grad_w = dy.t().mm(x) if self.column_major else x.t().mm(dy).t()
+        out = [(self.weight, grad_w)]
+        if self.bias is not None:     # the engine sums the broadcast bias's gradient back to its shape
+            out.append((self.bias, dy.sum_to_size(self.bias.shape)))
+        return out
+
+
+def _linear_w(node, leaves, grads, saved: Optional[SavedTensors], to_input, computed_in_b) -> Optional[_LinearW]:
+    """The :class:`_LinearW` of a boundary node when it is exactly ``addmm(bias, x, W.t())`` or
+    ``mm(x, W.t())`` with ``x`` on the input path, scale factors 1, and its saved tensors in the ledger
+    (not a checkpoint's, which would recompute when read outside B); None otherwise (autograd does it)."""
+    name = type(node).__name__
+    if saved is None or name not in ("AddmmBackward0", "MmBackward0") or not saved.saved_by(node):
+        return None
+    if not grads or grads[0] is None or getattr(node, "_saved_alpha", 1) != 1 or getattr(node, "_saved_beta", 1) != 1:
+        return None
+    nexts = [n for n, _ in node.next_functions]
+    bias_node, x_node, t_node = (nexts if name == "AddmmBackward0" else [None] + nexts)
+    if x_node is None or not to_input.get(x_node, False) or type(t_node).__name__ != "TBackward0":
+        return None
+    w_node = t_node.next_functions[0][0]
+    weight = getattr(w_node, "variable", None)
+    bias = getattr(bias_node, "variable", None) if bias_node is not None else None
+    if weight is None or weight.dim() != 2 or (bias_node is not None and bias is None):
+        return None
+    if {id(leaf.variable) for leaf in leaves} != {id(t) for t in (weight, bias) if t is not None}:
+        return None
+    if any(leaf in computed_in_b for leaf in leaves):
+        return None
+    sizes = tuple(int(v) for v in node._saved_mat2_sym_sizes)
+    strides = tuple(int(v) for v in node._saved_mat2_sym_strides)
+    x = node._saved_mat1 if name == "AddmmBackward0" else node._saved_self
+    return _LinearW(weight, bias, x, grads[0], strides[0] == 1 and strides[1] == sizes[0])
 
 
 @contextlib.contextmanager
@@ -227,6 +289,12 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[Optio
         saved.release_only_used_by(releasable, "used by the input gradient only, after B")
     by_input = dict(zip(map(id, wanted), got[:len(wanted)]))
     early = [(w, g) for w, g in zip(early_w, got[len(wanted):]) if g is not None]
+    linears = []
+    for node in list(branch_of):
+        lin = _linear_w(node, branch_of[node], kept.get(node), saved, to_input, early_set)
+        if lin is not None:
+            linears.append(lin)
+            del branch_of[node]
     branches = []
     for node, leaves in branch_of.items():
         weights = [leaf.variable for leaf in leaves if leaf not in early_set]
@@ -238,7 +306,9 @@ def backward_input(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[Optio
         if weights:
             branches.append(([get_gradient_edge(o)], [torch.ones_like(o) if g is None else g], weights))
     all_weights = [w for _, _, ws in branches for w in ws] + early_w
-    return [by_input.get(id(x)) for x in inputs], PendingWeightGrad(branches, early, None, saved, all_weights)
+    all_weights += [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
+    return [by_input.get(id(x)) for x in inputs], PendingWeightGrad(branches, early, None, saved, all_weights,
+                                                                    linears)
 
 
 def split_backward(outputs, grad_outputs, inputs):

@@ -59,6 +59,7 @@ class SavedTensors:
 
     def __init__(self):
         self._handles: List[_Handle] = []
+        self._owners: Set[int] = set()              # sequence numbers of the nodes that saved through it
         self._releasable: Optional[Set] = None      # while recording B
 
     @staticmethod
@@ -71,11 +72,16 @@ class SavedTensors:
         """Context manager for the forward: every tensor autograd saves goes through this ledger."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
+    def saved_by(self, node) -> bool:
+        """Whether ``node``'s saved tensors went through this ledger (not through a checkpoint's hooks)."""
+        return _sequence_nr(node) in self._owners
+
     def _pack(self, t: torch.Tensor) -> _Handle:
         # autograd creates a node (taking the thread's next sequence number), then saves its tensors
         owner = _next_sequence_nr() - 1 if _next_sequence_nr is not None else -1
         handle = _Handle(t.detach(), owner)     # detached: see the module docstring
         self._handles.append(handle)
+        self._owners.add(owner)
         return handle
 
     def _unpack(self, handle: _Handle) -> torch.Tensor:
