@@ -114,10 +114,18 @@ class PendingWeightGrad:
         with _one_recompute():
             for edges, grads, weights in branches:
                 torch.autograd.backward(edges, grads, inputs=weights)
-        # through the weights' own accumulators, in one call: their hooks run as in a backward
-        done = early + [pair for lin in linears for pair in lin.weight_grads()]
-        if done:
-            torch.autograd.backward([w for w, _ in done], [g for _, g in done], inputs=[w for w, _ in done])
+        # each Linear's gradient accumulated as soon as computed: W holds one at a time besides .grad
+        _accumulate(early)
+        while linears:
+            _accumulate(linears.pop(0).weight_grads())
+
+
+def _accumulate(grads: List[tuple]) -> None:
+    """``(weight, gradient)`` pairs into ``.grad`` through the weights' own accumulators, so their hooks run
+    as in a backward (a call whose roots are the leaves themselves walks no graph)."""
+    if grads:
+        weights = [w for w, _ in grads]
+        torch.autograd.backward(weights, [g for _, g in grads], inputs=weights)
 
 
 class _LinearW:
