@@ -275,6 +275,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
         png = None
         if png_base and m == max(ms):
             for n in ("ours_1f1b", "ours_interleaved", "ours_zb-h1", "ours_zbv"):
+                dist.barrier()     # rank 0 drew the previous PNG: the others would wait for it inside the step
                 run(n)
                 path = png_base.replace(".png", f"_{n[5:]}_p{world}_m{m}.png")
                 out = variants[n][0].draw_timeline(path)
