@@ -178,23 +178,18 @@ def _linear_w(node, leaves, grads, saved: Optional[SavedTensors], to_input, comp
     return _LinearW(weight, bias, x, grads[0], strides[0] == 1 and strides[1] == sizes[0])
 
 
-@contextlib.contextmanager
-def _one_recompute():
+def _one_recompute() -> contextlib.ExitStack:
     """A context in which torch's non-reentrant checkpoint recomputes each segment once for all of W's
     backward calls (one per weight branch, over disjoint parts of the graph), not once per call:
     ``torch.utils.checkpoint.GraphExecGroup`` (a no-op where torch lacks it or the caller opened one)."""
+    scope = contextlib.ExitStack()
     group_type = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
-    group = group_type() if group_type is not None else None
-    try:
-        if group is not None:
-            group.__enter__()
-    except RuntimeError:              # groups do not nest: the caller's holds W's calls already
-        group = None
-    try:
-        yield
-    finally:
-        if group is not None:
-            group.__exit__(None, None, None)
+    if group_type is not None:
+        try:
+            scope.enter_context(group_type())
+        except RuntimeError:          # groups do not nest: the caller's holds W's calls already
+            pass
+    return scope
 
 
 def _leaves_below(nodes) -> List:
