@@ -14,6 +14,10 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Parallel3D checks that every replicated parameter is bit-identical on every rank after EVERY step of the
+# suite (by default only the first steps and every 100th): no model can drift silently in a test.
+# Set before the worker pools start, so every worker inherits it.
+os.environ.setdefault("PARALLEL_LAYERS_REPLICA_CHECK", "every")
 
 import pytest  # noqa: E402
 

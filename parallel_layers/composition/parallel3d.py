@@ -107,6 +107,7 @@ from .config import (
     check_together,
     split_keywords,
 )
+from .replica_check import ReplicaCheck, check_same_batch, check_tensors
 from .replicas import replica_mode
 
 
@@ -206,7 +207,8 @@ class Parallel3D:
                  data_parallel: Optional[DataParallelConfig] = None, precision: Optional[PrecisionConfig] = None,
                  seed: int = 0, device: Optional[torch.device] = None, loss_fn: Optional[Callable] = None,
                  recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
-                 ignore_index: Optional[int] = IGNORE_INDEX, cp_method: str = "ring", layout=None, **deprecated):
+                 ignore_index: Optional[int] = IGNORE_INDEX, cp_method: str = "ring", layout=None,
+                 replica_check: Union[ReplicaCheck, str, None] = "default", **deprecated):
         settings, warning, unexpected = split_keywords(
             dict(deprecated, optimizer=optimizer, pipeline=pipeline, data_parallel=data_parallel, precision=precision))
         if unexpected:
@@ -297,7 +299,9 @@ class Parallel3D:
         self.model = nn.ModuleList(self.chunks)
         self.duplicate_ids = frozenset(duplicates)
         self.mode = replica_mode(self.model, self.replica_group, tied, duplicates, self.tied_group,
-                                 optimizer_config=optimizer, data_parallel=data_parallel)
+                                 optimizer_config=optimizer, data_parallel=data_parallel, tp_group=self.tp_group)
+        self.replica_check = ReplicaCheck.default() if replica_check == "default" else replica_check
+        self.steps_taken = 0
         self.optimizer = self.mode.optimizer
         self.dp, self.z = getattr(self.mode, "dp", None), getattr(self.mode, "z", None)
         # fp16: the engine runs the last stage through _ScaledLossStage (same parameters, scaled backward)
@@ -349,6 +353,12 @@ class Parallel3D:
         global batch (torch's number: nan when none counts), "grad_norm": ...}`` on every rank, plus
         ``skipped`` (fp16, or ``skip_nonfinite``) and ``loss_scale`` (fp16)."""
         mode = self.mode
+        self._check_batch_shapes(inputs, targets, side)
+        step = self.steps_taken + 1
+        checked = self.replica_check is not None and self.replica_check.due(step)
+        if checked and self.replica_check.batch:
+            check_same_batch(dict(side, inputs=inputs, targets=targets), self._mesh_groups(), step,
+                             self._flag_device())
         x, y, side = self._this_ranks_batch(inputs, targets, side)
         counted, denominator = self._loss_denominator(targets)
         mode.begin_step()
@@ -376,7 +386,59 @@ class Parallel3D:
         if self.scaler is not None:
             self.scaler.update(found_inf)
             out["loss_scale"] = float(self.scaler.scale.item())
+        self.steps_taken = step
+        if checked:
+            self.check_replicas()
         return out
+
+    # ------------------------------------------------------------------ the replica invariant
+    def _mesh_groups(self) -> list:
+        m = self.mesh
+        return [m.pp_group, m.dp_group, getattr(m, "cp_group", None), m.tp_group]
+
+    def replica_groups(self) -> list:
+        """``(what, group, [(name, tensor)])``: the tensors this rank holds that must be bit-identical on
+        every rank of ``group``: parameters tp does not split (over tp), every parameter where ZeRO does
+        not shard it (over the dp x cp replicas), the tied embedding's copies (over the first and last
+        stage; under ZeRO-3 their shards lie at different offsets and are not compared)."""
+        names = {}
+        for chunk in self.chunks:
+            for n, p in chunk.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), chunk.dense_name(n))
+        held = [(names.get(id(p), "?"), p, t) for p, t in self.mode.held_tensors()]
+        groups = []
+        if self.tp_group is not None:
+            groups.append(("tp replicas", self.tp_group,
+                           [(n, t) for n, p, t in held if getattr(p, "partition_dim", None) is None]))
+        if self.replicas > 1 and self.mode.replicated_over_dp:
+            groups.append(("data-parallel replicas", self.replica_group, [(n, t) for n, _, t in held]))
+        if self.tied_group is not None and self.mode.replicated_over_dp:
+            groups.append(("tied weights of the first and last stage", self.tied_group,
+                           [(names.get(id(p), "?"), p) for p in self.mode.tied]))
+        return groups
+
+    def check_replicas(self) -> None:
+        """Raise :class:`~parallel_layers.composition.replica_check.ReplicaDivergence` on every rank when a
+        replicated tensor (:meth:`replica_groups`) differs between the ranks that hold it. A collective over
+        the whole mesh; :meth:`train_step` calls it on the steps ``replica_check`` names."""
+        check_tensors(self.replica_groups(), self._mesh_groups(), self.steps_taken, self._flag_device())
+
+    def _check_batch_shapes(self, inputs: torch.Tensor, targets: torch.Tensor, side: dict) -> None:
+        """Targets and side inputs that do not line up with the inputs, refused before the step (the last
+        stage's loss would otherwise meet them mid-schedule)."""
+        if not torch.is_tensor(inputs) or not torch.is_tensor(targets):
+            raise TypeError(f"Parallel3D.train_step: inputs and targets must be tensors, got "
+                            f"{type(inputs).__name__} and {type(targets).__name__}")
+        n = 2 if inputs.dim() >= 2 and targets.dim() >= 2 else 1      # rows, and tokens where both have them
+        if tuple(targets.shape[:n]) != tuple(inputs.shape[:n]):
+            raise ValueError(f"Parallel3D.train_step: targets of shape {tuple(targets.shape)} do not match the "
+                             f"inputs of shape {tuple(inputs.shape)}: the labels need one row per sequence"
+                             + (" and one label per token (shifted labels keep the input's length: pad the "
+                                "last position with the ignore_index)" if n == 2 else ""))
+        for k, v in side.items():
+            if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] != inputs.shape[0]:
+                raise ValueError(f"Parallel3D.train_step: side input {k!r} has {v.shape[0]} rows, the inputs "
+                                 f"{inputs.shape[0]}: every rank passes the whole global batch of each")
 
     @property
     def grad_device(self) -> torch.device:

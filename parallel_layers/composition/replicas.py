@@ -10,10 +10,11 @@ mode                   gradients over dp           optimizer
 =====================  ==========================  ======================================================
 
 A step, as ``Parallel3D`` drives it: :meth:`begin_step`; the pipeline runs inside :meth:`accumulating`
-(every microbatch's backward only accumulates); :meth:`reduce` sums the tied weights' gradients over
-the first and last stage and reduces over dp once; :meth:`norm_pieces` gives the gradient pieces this
-rank counts in the global norm (and whether they are shards, so the norm sums them over dp);
-:meth:`step` applies the clip coefficient, the loss scale and the skip flag.
+(every microbatch's backward only accumulates); :meth:`reduce` sums the tp-partial gradients of
+replicated parameters over tp (per-head q/k norms: :func:`~parallel_layers.tensor_parallel.partial_grads`),
+the tied weights' gradients over the first and last stage, and reduces over dp once;
+:meth:`norm_pieces` gives the gradient pieces this rank counts in the global norm (and whether they are
+shards, so the norm sums them over dp); :meth:`step` applies the clip coefficient, the loss scale and the skip flag.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.nn as nn
 from ..data_parallel.ddp import DataParallel
 from ..distributed import collectives as C
 from ..pipeline.stage import sum_tied_grads
+from ..tensor_parallel.partial_grads import partial_grad_params, sum_partial_grads
 from ..zero.optimizer import ZeroOptimizer
 from ..zero.stage3 import ZeroStage3
 from ..zero.stage3_optimizer import ZeroStage3Optimizer
@@ -50,15 +52,32 @@ def _torch_adamw_groups(model: nn.Module, weight_decay: float, no_decay) -> list
 class ReplicaMode:
     """The interface (see the module docstring). ``model``: this rank's stages in one ``nn.ModuleList``;
     ``tied``: the weights tied between the first and last stage that this rank holds; ``duplicates``:
-    ids of those that are the last stage's copy (left out of the norm, the first stage counts them)."""
+    ids of those that are the last stage's copy (left out of the norm, the first stage counts them);
+    ``tp_group``: where the tp-partial gradients of replicated parameters are summed."""
     zero: int
     optimizer: torch.optim.Optimizer
     shards_grads = False            # gradient pieces are disjoint over dp (the norm sums them over dp)
+    replicated_over_dp = True       # every dp replica holds whole parameters (not ZeRO-3's shards)
 
     def __init__(self, model: nn.Module, dp_group, tied: Sequence[nn.Parameter], duplicates: Set[int],
-                 tied_group):
-        self.model, self.dp_group = model, dp_group
+                 tied_group, tp_group=None):
+        self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
         self.tied, self.duplicates, self.tied_group = list(tied), set(duplicates), tied_group
+        self.partial = partial_grad_params(model) if tp_group is not None else []
+
+    def _grad_of(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """Where ``p``'s accumulated gradient of this step is, before the reduction over dp."""
+        return p.grad
+
+    def sum_partial_grads(self) -> None:
+        """Sum the tp-partial gradients of replicated parameters over tp (before anything reads them)."""
+        if self.partial:
+            sum_partial_grads([self._grad_of(p) for p in self.partial], self.tp_group)
+
+    def held_tensors(self) -> List[tuple]:
+        """``(param, tensor)``: what this rank holds of each parameter between steps (the whole parameter,
+        or under ZeRO-3 each piece of its shard), for the replica check."""
+        return [(p, p) for p in self.model.parameters()]
 
     def begin_step(self) -> None:
         raise NotImplementedError
@@ -97,15 +116,20 @@ class _Bucketed(ReplicaMode):
     """The modes over a ``DataParallel`` grad buffer: backwards accumulate under ``no_sync``, then the tied
     gradients (fp32 main grads) are summed and the buffer reduced over dp once."""
 
-    def __init__(self, model, dp_group, tied, duplicates, tied_group, reduce_op: str, bucket_cap_mb: float):
-        super().__init__(model, dp_group, tied, duplicates, tied_group)
+    def __init__(self, model, dp_group, tied, duplicates, tied_group, reduce_op: str, bucket_cap_mb: float,
+                 tp_group=None):
+        super().__init__(model, dp_group, tied, duplicates, tied_group, tp_group)
         self.dp = DataParallel(model, dp_group, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb,
                                first_bucket_cap_mb=min(1.0, bucket_cap_mb))
 
     def accumulating(self):
         return self.dp.no_sync()
 
+    def _grad_of(self, p):
+        return p.main_grad
+
     def reduce(self) -> None:
+        self.sum_partial_grads()
         for p in self.tied:
             C.all_reduce(p.main_grad, self.tied_group)
         self.dp.sync_gradients()
@@ -116,8 +140,9 @@ class Replicated(_Bucketed):
     zero = 0
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: DataParallelConfig):
-        super().__init__(model, dp_group, tied, duplicates, tied_group, "all_reduce", data_parallel.bucket_cap_mb)
+                 data_parallel: DataParallelConfig, tp_group=None):
+        super().__init__(model, dp_group, tied, duplicates, tied_group, "all_reduce", data_parallel.bucket_cap_mb,
+                         tp_group)
         o = optimizer_config
         self.optimizer = torch.optim.AdamW(_torch_adamw_groups(model, o.weight_decay, o.no_decay), lr=o.lr,
                                            betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
@@ -143,8 +168,9 @@ class ShardedGrads(_Bucketed):
     shards_grads = True
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: DataParallelConfig):
-        super().__init__(model, dp_group, tied, duplicates, tied_group, "reduce_scatter", data_parallel.bucket_cap_mb)
+                 data_parallel: DataParallelConfig, tp_group=None):
+        super().__init__(model, dp_group, tied, duplicates, tied_group, "reduce_scatter", data_parallel.bucket_cap_mb,
+                         tp_group)
         self.zero = data_parallel.zero
         self.optimizer = ZeroOptimizer(self.dp, stage=self.zero, **optimizer_config.adamw_options(),
                                        **optimizer_config.zero_options())
@@ -176,10 +202,11 @@ class ShardedParams(ReplicaMode):
     then one reduce-scatter over dp averages them into the fp32 gradient shard and frees the full ones."""
     zero = 3
     shards_grads = True
+    replicated_over_dp = False
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: Optional[DataParallelConfig] = None):
-        super().__init__(model, dp_group, tied, duplicates, tied_group)
+                 data_parallel: Optional[DataParallelConfig] = None, tp_group=None):
+        super().__init__(model, dp_group, tied, duplicates, tied_group, tp_group)
         # one wrapper over all of this rank's stages: units = every block, root = the rest (no gradient
         # buckets: data_parallel's bucket_cap_mb does not apply)
         self.z = ZeroStage3(model, dp_group, prefetch=False)
@@ -194,7 +221,8 @@ class ShardedParams(ReplicaMode):
         self.z.release_gathered()                  # no collective: the other ranks may never get there
 
     def reduce(self) -> None:
-        sum_tied_grads(self.tied, self.tied_group)  # on the full gradients
+        self.sum_partial_grads()                   # on the full gradients
+        sum_tied_grads(self.tied, self.tied_group)
         self.z.reduce_scatter_and_free()           # once per step, over dp; reshard
 
     def norm_pieces(self) -> List[torch.Tensor]:
@@ -215,6 +243,9 @@ class ShardedParams(ReplicaMode):
     def full_parameters(self):
         return self.z.summon_full_params()
 
+    def held_tensors(self) -> List[tuple]:
+        return [(p, self.z.shard_buffer[start:start + n]) for p, _, start, n in self.optimizer.shard_pieces()]
+
     def model_state_dict(self) -> dict:
         return self.z.state_dict()
 
@@ -223,11 +254,11 @@ class ShardedParams(ReplicaMode):
 
 
 def replica_mode(model: nn.Module, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: DataParallelConfig) -> ReplicaMode:
+                 data_parallel: DataParallelConfig, tp_group=None) -> ReplicaMode:
     """The mode for ``data_parallel.zero`` (0: plain data parallelism)."""
     mode = {0: Replicated, 1: ShardedGrads, 2: ShardedGrads, 3: ShardedParams}[data_parallel.zero]
     return mode(model, dp_group, tied, duplicates, tied_group, optimizer_config=optimizer_config,
-                data_parallel=data_parallel)
+                data_parallel=data_parallel, tp_group=tp_group)
 
 
 __all__ = ["ReplicaMode", "Replicated", "ShardedGrads", "ShardedParams", "replica_mode"]

@@ -20,6 +20,18 @@ that count heads or features (``num_heads``, ``num_key_value_heads``, ``split_si
 and, when it holds a ``config``, a local copy with ``num_attention_heads`` and ``num_key_value_heads``
 divided (Phi-3 reads them in forward). ``parallelize`` checks that tp divides both head counts.
 
+A split module's other parameters (modules that are not linears: a q/k norm inside attention) run on
+this rank's shard of the projections, so they are placed by their shape, with ``head_dim`` the
+attention's (or the config's):
+
+- a vector of ``head_dim`` (Qwen3's, Gemma 3's per-head q/k norms: one weight shared by every head) stays
+  replicated with a tp-partial gradient (style ``"partial"``: summed over tp each step);
+- a ``[heads, head_dim]`` or ``[kv_heads, head_dim]`` weight (Cohere's per-head norms: one row per head) is
+  split by heads (style ``"heads"``);
+- anything else, e.g. a norm over all heads' projections at once (OLMo2's q/k norms, ``heads x head_dim``
+  features, which tp has split), is refused naming the module: its statistics would need every rank's
+  shard.
+
 The token embedding goes over the vocabulary, the LM head column-wise with its logits gathered (the
 user's loss sees whole logits); tied, they split alike and stay one parameter.
 """
@@ -76,6 +88,50 @@ def _fused_spec(name: str, child: nn.Module, attn: nn.Module, config) -> dict:
     return {"style": "colwise", "sections": sections}
 
 
+def _head_dim(module: nn.Module, config) -> Optional[int]:
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    return (getattr(module, "head_dim", None) or getattr(config, "head_dim", None)
+            or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None))
+
+
+def _inner_plan(prefix: str, module: nn.Module, config) -> Dict[str, object]:
+    """Styles of the non-linear modules with parameters inside a split ``module`` (see the module docstring)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = _head_dim(module, config)
+    plan: Dict[str, object] = {}
+    for sub, child in module.named_modules():
+        own = list(child.parameters(recurse=False))
+        if not sub or not own or _is_linear(child) or any(_is_linear(a) for a in _ancestors(module, sub)):
+            continue
+        name = f"{prefix}.{sub}"
+        shapes = [tuple(p.shape) for p in own]
+        if head_dim and all(s == (head_dim,) for s in shapes):
+            plan[name] = "partial"
+        elif head_dim and all(len(s) == 2 and s[0] in (heads, kv) and s[1] == head_dim for s in shapes):
+            plan[name] = "heads"
+        else:
+            what = (f"it normalizes over all heads' features at once ({shapes[0][0]} = heads x head_dim "
+                    f"{head_dim}), which tensor parallelism splits over the ranks"
+                    if head_dim and len(shapes[0]) == 1 and shapes[0][0] in
+                    {h * head_dim for h in (heads, kv) if isinstance(h, int)} else
+                    f"its parameters {shapes} are neither one vector of head_dim={head_dim} shared by every "
+                    f"head nor one row per head")
+            raise PlanError(f"infer_tp_plan: cannot place {name} ({type(child).__name__}) inside the split "
+                            f"{prefix} ({type(module).__name__}): {what}. Train this model with tp=1 (dp, pp and "
+                            f"ZeRO still apply), or pass tp_plan= that leaves {prefix} unsplit")
+    return plan
+
+
+def _ancestors(root: nn.Module, dotted: str):
+    """The modules between ``root`` (excluded) and ``root.<dotted>`` (excluded)."""
+    parts, m = dotted.split(".")[:-1], root
+    for part in parts:
+        m = getattr(m, part)
+        yield m
+
+
 def _module_plan(prefix: str, module: nn.Module, config) -> Dict[str, object]:
     """Plan entries for ``module``'s direct linears (names under ``prefix``), or {} when it has none."""
     linears = {n: c for n, c in module.named_children() if _is_linear(c)}
@@ -103,6 +159,7 @@ def _module_plan(prefix: str, module: nn.Module, config) -> Dict[str, object]:
                         and isinstance(getattr(module.config, a, None), int)]
         if attrs or config_attrs:
             plan[prefix] = {"style": "divide", "attrs": attrs, "config_attrs": config_attrs}
+    plan.update(_inner_plan(prefix, module, config))
     return plan
 
 

@@ -23,6 +23,12 @@ style              replaces                      becomes
 ``"divide"``       any module                    the same module, integer attributes divided by tp
 ``"share"``        any module                    the same module; its parameters tied to split ones
                                                  become those split ones (a holder of a tied copy)
+``"partial"``      any module                    the same module; it runs on this rank's shard (a
+                                                 per-head q/k norm), so its replicated parameters
+                                                 get tp-partial gradients (``partial_grads``)
+``"heads"``        any module                    the same module, every parameter split along dim 0
+                                                 (per-head weights ``[heads, head_dim]``, Cohere's
+                                                 q/k norms)
 =================  ============================  ===============================================
 
 A style may also be a dict, ``{"style": "colwise", "gather_output": True}``: the other keys go to the
@@ -89,7 +95,8 @@ from ..distributed import collectives as C
 from ..mesh import ParallelMesh
 from . import dense_layouts
 from .embedding import VocabParallelEmbedding
-from .layers import ColumnParallelLinear, RowParallelLinear
+from .layers import ColumnParallelLinear, RowParallelLinear, set_parameter
+from .partial_grads import mark_partial
 
 _STYLES = {
     "colwise": (ColumnParallelLinear, nn.Linear, {}),
@@ -98,10 +105,12 @@ _STYLES = {
     "vocab": (VocabParallelEmbedding, nn.Embedding, {}),
     "divide": (None, nn.Module, {}),
     "share": (None, nn.Module, {}),
+    "partial": (None, nn.Module, {}),
+    "heads": (None, nn.Module, {}),
 }
 
 
-_KEPT = ("divide", "share")     # styles that keep the module (nothing replaced)
+_KEPT = ("divide", "share", "partial", "heads")     # styles that keep the module (nothing replaced)
 
 
 def _group_of(mesh) -> "dist.ProcessGroup":
@@ -246,6 +255,20 @@ def _check_heads(model: nn.Module, chosen: dict, tp: int) -> None:
                      f"(key/value heads are not replicated over ranks), or leave attention out of the plan")
 
 
+def _split_heads(name: str, module: nn.Module, group, tp: int) -> None:
+    """Style ``"heads"``: keep this rank's rows (heads) of every parameter of ``module``."""
+    rank = C.rank(group)
+    for pname, p in list(module.named_parameters(recurse=False)):
+        if p.ndim == 0 or p.shape[0] % tp:
+            raise ValueError(f"parallelize: module {name!r} ({type(module).__name__}): style 'heads' splits its "
+                             f"parameters along dim 0 (one row per head), but {pname} has shape {tuple(p.shape)}, "
+                             f"which does not divide by the tensor-parallel size {tp}")
+        rows = p.shape[0] // tp
+        set_parameter(module, pname, p.detach()[rank * rows:(rank + 1) * rows].clone(),
+                      requires_grad=p.requires_grad, tensor_parallel=True, partition_dim=0)
+    module.tp_group = group
+
+
 def _scaled_embedding(name: str, module: nn.Module, layer: nn.Module) -> nn.Module:
     """An ``nn.Embedding`` subclass with its own forward: keep Hugging Face's ``embed_scale`` (Gemma
     multiplies the looked-up rows by sqrt(hidden)); refuse any other."""
@@ -375,6 +398,10 @@ def parallelize(model: nn.Module, mesh: Union[ParallelMesh, "dist.ProcessGroup"]
             _divide(name, modules[name], options.get("attrs", ()), tp)
             if options.get("config_attrs"):
                 _local_config(name, modules[name], options["config_attrs"], tp, configs)
+        elif style == "partial":
+            mark_partial(modules[name])
+        elif style == "heads":
+            _split_heads(name, modules[name], group, tp)
         if style in _KEPT:
             continue
         parent_name, _, attr = name.rpartition(".")

@@ -1,0 +1,190 @@
+"""The replica invariant, checked: what several ranks hold as copies of one thing is bit-identical.
+
+A parameter replicated over a group (tp always, the dp x cp replicas where ZeRO does not shard it, the
+first and last stage's copies of a tied embedding) must hold the same bits on every rank of that group
+after every step; so must the global batch every rank is handed. A loss that agrees can hide replicas
+that drifted apart (a per-head q/k norm whose tp-partial gradient nobody summed trains each rank's copy
+differently), and a per-rank data loader silently trains on a batch no single process ever saw. Both
+are checked here, cheaply, and a mismatch raises naming the tensor, the group, the ranks and the step.
+
+How: each tensor's raw bits are read as integers and folded into two int64 checksums (their sum, and the
+sum of each element times its neighbour, so a permutation shows too), with wrap-around arithmetic that
+is exact in any summation order (so a GPU's reduction order cannot make equal tensors differ). One
+all-reduce per group compares them (``MIN`` of ``[c, -c]`` gives both the minimum and the maximum);
+only when they differ is the group's checksum table gathered to name the ranks. Every rank of the mesh
+then learns that some check failed (a ``MAX`` over each mesh dimension in turn), so all raise together
+instead of leaving the others waiting in the next collective.
+
+:class:`ReplicaCheck` says when: by default the first 3 steps of every run, then every 100th; ``every=1``
+checks every step (the test suite's setting, ``PARALLEL_LAYERS_REPLICA_CHECK=every``), ``None`` turns it
+off. Its cost is measured in benchmarks/README.md ("Replica check").
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import collectives as C
+
+ENV = "PARALLEL_LAYERS_REPLICA_CHECK"
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 24          # elements folded at once: bounds the int64 temporaries to 128 MiB
+
+
+class ReplicaDivergence(RuntimeError):
+    """Copies that must be bit-identical differ between ranks (names the tensors, group, ranks, step)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaCheck:
+    """When :class:`~parallel_layers.composition.parallel3d.Parallel3D` checks its replicas: at steps
+    ``1 .. first`` and then at every ``every``-th step (None: only the first ones). Pass
+    ``replica_check=None`` to ``Parallel3D`` to turn the check off."""
+    first: int = 3
+    every: Optional[int] = 100
+    batch: bool = True          # also check that every rank was handed the same global batch
+
+    def __post_init__(self):
+        if self.first < 0 or (self.every is not None and self.every < 1):
+            raise ValueError(f"ReplicaCheck: first={self.first} must be >= 0 and every={self.every} >= 1 or None")
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` (1 for the first step of the run) is checked."""
+        return step <= self.first or (self.every is not None and step % self.every == 0)
+
+    @classmethod
+    def default(cls) -> "ReplicaCheck":
+        """The default, or what ``PARALLEL_LAYERS_REPLICA_CHECK`` says: ``every`` (each step), ``off``, or
+        ``first,every`` (``3,100``)."""
+        value = os.environ.get(ENV, "").strip().lower()
+        if not value:
+            return cls()
+        if value == "every":
+            return cls(first=0, every=1)
+        if value == "off":
+            return cls(first=0, every=None, batch=False)
+        try:
+            first, every = (int(v) for v in value.split(","))
+        except ValueError:
+            raise ValueError(f"{ENV}={value!r}: use 'every', 'off' or 'first,every' (e.g. '3,100')") from None
+        return cls(first=first, every=every)
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 checksums of ``t``'s bits (see the module docstring), on ``t``'s device."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    bits = flat.view(_INT_OF_SIZE[flat.element_size()])
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    n = bits.numel()
+    for start in range(0, n, _CHUNK):
+        # one element of overlap so the neighbour products cross chunk boundaries
+        x = bits[start:min(n, start + _CHUNK + 1)].to(torch.int64)
+        out[0] += x[:_CHUNK].sum()
+        if x.numel() > 1:
+            out[1] += (x[:-1] * x[1:]).sum()
+    return out
+
+
+def _memo_checksum(t: torch.Tensor, memo: dict) -> torch.Tensor:
+    key = (t.untyped_storage().data_ptr() if t.numel() else 0, t.storage_offset(), tuple(t.shape), t.dtype)
+    if key not in memo:
+        memo[key] = checksum(t)
+    return memo[key]
+
+
+def _ranks(group) -> List[int]:
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - a group c10d does not know: its group ranks still tell
+        return list(range(C.world_size(group)))
+
+
+class _Pending:
+    """The checks of one call: (what, group, names, checksum table) per group, compared together."""
+
+    def __init__(self):
+        self.failures: List[str] = []
+
+    def compare(self, what: str, group, names: Sequence[str], sums: torch.Tensor, step: int) -> None:
+        """Compare ``sums`` ``[len(names), 2]`` over ``group``; a mismatch is recorded, naming the ranks."""
+        if group is None or C.world_size(group) == 1 or not names:
+            return
+        both = torch.cat([sums, -sums], dim=1)
+        C.all_reduce(both, group, op=dist.ReduceOp.MIN)
+        differ = (both[:, :2] != -both[:, 2:]).any(dim=1)
+        if not bool(differ.any()):
+            return
+        table = C.all_gather_dim0(sums.unsqueeze(0), group)          # [ranks, names, 2]; the whole group is here
+        ranks = _ranks(group)
+        lines = []
+        for i in torch.nonzero(differ).flatten().tolist():
+            kinds: Dict[Tuple[int, int], List[int]] = {}
+            for r, row in enumerate(table[:, i].tolist()):
+                kinds.setdefault(tuple(row), []).append(ranks[r])
+            split = " / ".join(f"ranks {v}" for v in sorted(kinds.values()))
+            lines.append(f"{names[i]} (copies differ: {split})")
+        shown = "; ".join(lines[:8]) + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
+        self.failures.append(f"{what} over the group of ranks {ranks} at step {step}: {shown}")
+
+
+def _agree_failed(failed: bool, mesh_groups: Sequence, device: torch.device) -> bool:
+    """Whether any rank of the mesh failed a check (a MAX over each mesh dimension in turn)."""
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=device)
+    for g in mesh_groups:
+        if g is not None and C.world_size(g) > 1:
+            C.all_reduce(flag, g, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _raise(pending: _Pending, mesh_groups: Sequence, device: torch.device, fix: str) -> None:
+    if not _agree_failed(bool(pending.failures), mesh_groups, device):
+        return
+    if pending.failures:
+        raise ReplicaDivergence("Parallel3D replica check: " + " | ".join(pending.failures) + f". {fix}")
+    raise ReplicaDivergence(f"Parallel3D replica check: another rank of the mesh found copies that differ "
+                            f"(its error names them); this rank stops with it. {fix}")
+
+
+PARAMETER_FIX = ("A replicated parameter trained differently on these ranks: its gradient was not the same "
+                 "on every copy (a tp-partial gradient left unsummed, a module the tensor-parallel plan did "
+                 "not place) or the ranks started from different weights. Give the model's recipe a tp_plan "
+                 "that places it (docs/custom_recipe.md), or report the model")
+BATCH_FIX = ("Every rank must be handed the same GLOBAL batch (each takes its own slice): a per-rank data "
+             "loader breaks that. Build the batch from the same seed/sampler on every rank, or gather the "
+             "ranks' batches into one before train_step")
+
+
+def check_tensors(groups: Sequence[Tuple[str, object, Sequence[Tuple[str, torch.Tensor]]]], mesh_groups: Sequence,
+                  step: int, device: torch.device, fix: str = PARAMETER_FIX) -> None:
+    """Raise :class:`ReplicaDivergence` on every rank when, for any ``(what, group, [(name, tensor)])``,
+    a tensor differs between the ranks of ``group``. A collective over every group of ``mesh_groups``."""
+    pending = _Pending()
+    memo: Dict[Tuple[int, int, tuple], torch.Tensor] = {}     # a tensor checked over several groups is read once
+    for what, group, named in groups:
+        if named:
+            sums = torch.stack([_memo_checksum(t, memo).to(device) for _, t in named])
+            pending.compare(what, group, [n for n, _ in named], sums, step)
+    _raise(pending, mesh_groups, device, fix)
+
+
+def check_same_batch(tensors: Dict[str, Optional[torch.Tensor]], mesh_groups: Sequence, step: int,
+                     device: torch.device) -> None:
+    """Raise on every rank when the ranks of the mesh were handed different global batches (``tensors``:
+    the inputs, targets and side inputs by name). Compared over each mesh dimension's group, which
+    together cover the mesh."""
+    named = [(k, t) for k, t in tensors.items() if torch.is_tensor(t)]
+    shapes = [(k, torch.tensor(list(t.shape) or [0], dtype=torch.int64)) for k, t in named]
+    groups = [("the global batch", g, [(f"{k} (shape)", s) for k, s in shapes] + named)
+              for g in mesh_groups if g is not None]
+    check_tensors(groups, mesh_groups, step, device, fix=BATCH_FIX)
+
+
+__all__ = ["ReplicaCheck", "ReplicaDivergence", "checksum", "check_tensors", "check_same_batch", "ENV"]
