@@ -28,9 +28,11 @@ attention's (or the config's):
   replicated with a tp-partial gradient (style ``"partial"``: summed over tp each step);
 - a ``[heads, head_dim]`` or ``[kv_heads, head_dim]`` weight (Cohere's per-head norms: one row per head) is
   split by heads (style ``"heads"``);
-- anything else, e.g. a norm over all heads' projections at once (OLMo2's q/k norms, ``heads x head_dim``
-  features, which tp has split), is refused naming the module: its statistics would need every rank's
-  shard.
+- a vector of ``heads x head_dim`` or ``kv_heads x head_dim`` (OLMo2's q/k norms over all heads'
+  features at once, which tp has split) becomes a ``ShardedRMSNorm`` (style ``"norm"``: its weight split
+  like the projection, the sum of squares all-reduced), when its forward is an RMSNorm that layer
+  reproduces bit for bit;
+- anything else is refused naming the module.
 
 The token embedding goes over the vocabulary, the LM head column-wise with its logits gathered (the
 user's loss sees whole logits); tied, they split alike and stay one parameter.
@@ -42,6 +44,7 @@ from typing import Dict, Optional
 import torch.nn as nn
 
 from ..tensor_parallel import dense_layouts
+from ..tensor_parallel.sharded_norm import dense_order
 from .recipe import get_module
 
 COLWISE = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "gate_proj", "up_proj", "fc1", "c_fc", "w1",
@@ -101,6 +104,11 @@ def _inner_plan(prefix: str, module: nn.Module, config) -> Dict[str, object]:
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = _head_dim(module, config)
     plan: Dict[str, object] = {}
+
+    def over_all_heads(shapes):
+        return bool(head_dim) and len(shapes) == 1 and len(shapes[0]) == 1 and shapes[0][0] in \
+            {h * head_dim for h in (heads, kv) if isinstance(h, int)}
+
     for sub, child in module.named_modules():
         own = list(child.parameters(recurse=False))
         if not sub or not own or _is_linear(child) or any(_is_linear(a) for a in _ancestors(module, sub)):
@@ -111,13 +119,14 @@ def _inner_plan(prefix: str, module: nn.Module, config) -> Dict[str, object]:
             plan[name] = "partial"
         elif head_dim and all(len(s) == 2 and s[0] in (heads, kv) and s[1] == head_dim for s in shapes):
             plan[name] = "heads"
+        elif over_all_heads(shapes) and dense_order(child) is not None:
+            plan[name] = "norm"
         else:
             what = (f"it normalizes over all heads' features at once ({shapes[0][0]} = heads x head_dim "
-                    f"{head_dim}), which tensor parallelism splits over the ranks"
-                    if head_dim and len(shapes[0]) == 1 and shapes[0][0] in
-                    {h * head_dim for h in (heads, kv) if isinstance(h, int)} else
+                    f"{head_dim}) and is not an RMSNorm that ShardedRMSNorm reproduces bit for bit"
+                    if over_all_heads(shapes) else
                     f"its parameters {shapes} are neither one vector of head_dim={head_dim} shared by every "
-                    f"head nor one row per head")
+                    f"head, nor one row per head, nor an RMSNorm over all heads")
             raise PlanError(f"infer_tp_plan: cannot place {name} ({type(child).__name__}) inside the split "
                             f"{prefix} ({type(module).__name__}): {what}. Train this model with tp=1 (dp, pp and "
                             f"ZeRO still apply), or pass tp_plan= that leaves {prefix} unsplit")

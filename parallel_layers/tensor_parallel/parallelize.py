@@ -29,6 +29,9 @@ style              replaces                      becomes
 ``"heads"``        any module                    the same module, every parameter split along dim 0
                                                  (per-head weights ``[heads, head_dim]``, Cohere's
                                                  q/k norms)
+``"norm"``         an RMSNorm                    ``ShardedRMSNorm``: its weight split like the
+                                                 projection before it, statistics all-reduced (a
+                                                 norm over all heads' features: OLMo2's q/k norms)
 =================  ============================  ===============================================
 
 A style may also be a dict, ``{"style": "colwise", "gather_output": True}``: the other keys go to the
@@ -97,6 +100,7 @@ from . import dense_layouts
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear, set_parameter
 from .partial_grads import mark_partial
+from .sharded_norm import ShardedRMSNorm
 
 _STYLES = {
     "colwise": (ColumnParallelLinear, nn.Linear, {}),
@@ -107,6 +111,7 @@ _STYLES = {
     "share": (None, nn.Module, {}),
     "partial": (None, nn.Module, {}),
     "heads": (None, nn.Module, {}),
+    "norm": (ShardedRMSNorm, nn.Module, {}),
 }
 
 
@@ -138,7 +143,7 @@ def _style(pattern: str, spec) -> tuple:
 
 
 def _check_sizes(name: str, module: nn.Module, style: str, tp: int) -> None:
-    if style in _KEPT or style == "vocab":
+    if style in _KEPT or style in ("vocab", "norm"):
         return  # divide: checked per attribute; share: nothing split; vocab: padded to a multiple of tp
     n_in, n_out = dense_layouts.linear_sizes(module)
     if style.startswith("colwise") and n_out % tp:
@@ -296,6 +301,8 @@ def _build(name: str, module: nn.Module, style: str, cls, options: dict, group, 
                          f"column-wise style, not {style!r}")
     if cls is VocabParallelEmbedding:
         return _scaled_embedding(name, module, cls.from_dense(module, tp_group=group, **options))
+    if cls is ShardedRMSNorm:
+        return cls.from_dense(module, group, name)
     dense = module if isinstance(module, nn.Linear) and not sections else \
         dense_layouts.as_linear(name, module, sections, tp)
     return dense_layouts.mark(cls.from_dense(dense, tp_group=group, **options), module, sections)
