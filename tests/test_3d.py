@@ -249,11 +249,11 @@ def body_train_and_save(rank, world, case, path):
 def body_load_and_resume(rank, world, case, path):
     model = _resume_model(case, seed=99)                # another init: everything must come from the files
     try:                                                # a neighbour's file is refused before anything loads
-        model.load_state_dict(torch.load(f"{path}/rank{(rank + 1) % world}.pt", weights_only=False))
+        model.load_state_dict(torch.load(f"{path}/rank{(rank + 1) % world}.pt", weights_only=True))
         wrong = None
     except ValueError as e:
         wrong = str(e)
-    model.load_state_dict(torch.load(f"{path}/rank{rank}.pt", weights_only=False))
+    model.load_state_dict(torch.load(f"{path}/rank{rank}.pt", weights_only=True))
     out = _resume_result(model, [model.train_step(x, y)["loss"] for x, y in _batches(STEPS)[2:]])
     out["wrong"] = wrong
     return out

@@ -361,7 +361,7 @@ def body_failed_write(rank, world, root):
             errors.append((type(exc).__name__, str(exc)))
 
     # resume from the checkpoint taken before the failure, in a fresh optimizer: nothing was lost
-    state = torch.load(ckpt, weights_only=False)
+    state = torch.load(ckpt, weights_only=True)
     model2 = _gpt(seed=7)
     model2.load_state_dict(state["model"])
     dp2, opt2 = _wrap(model2, 2, os.path.join(root, "resumed"))
@@ -417,7 +417,7 @@ def body_checkpoint(rank, world, stage, root):
     for b in batches[3:]:
         _step(rank, disk, disk_opt, b)
     results = {"continued": (_equal(final[0], _params(disk, stage)), _equal(final[1], _states(disk_opt)))}
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)
     results["snapshot"] = (_equal([saved[k] for k in STATES], [ref_sd[k] for k in STATES]), same_full)
 
     model = _gpt(seed=9)                          # the full state into a fresh offloaded optimizer

@@ -6,7 +6,10 @@ The same crash safety as the universal format (:mod:`parallel_layers.composition
 serialises its state, takes the crc32 of the bytes and writes them under a fresh name (temporary name,
 fsync, rename); global rank 0 writes ``meta.json`` (the files, their crc32, the data position and its
 own checksum) last, in one rename, once every rank's file is on disk. Loading checks the meta, every
-rank its file's crc32, and the ranks agree that all is sound before any state is touched.
+rank its file's crc32, and the ranks agree that all is sound before any state is touched. A file is read
+with ``torch.load(weights_only=True)`` (:func:`load_data`): tensors and plain containers, which is all the
+package writes; a pickle that would build any other object or call anything (code, in a checkpoint from
+someone else) is refused, not run.
 
 Like the universal format, a save is a snapshot (:func:`snapshot_per_rank`: the state copied to host
 memory, no collective) and a write (:func:`write_per_rank`: the save id agreed, then the files; collectives
@@ -18,10 +21,11 @@ import dataclasses
 import io
 import json
 import os
+import pickle
 import re
 import secrets
 import zlib
-from typing import Optional
+from typing import BinaryIO, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -79,6 +83,26 @@ def _to_host(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_host(v) for v in obj)
     return obj
+
+
+def load_data(source: Union[str, BinaryIO], what: str, trusted_hint: str = ""):
+    """``torch.load(source, weights_only=True)``: tensors, numbers, strings, dtypes and plain containers
+    only (all a checkpoint of the package holds). A pickle that references anything else (a function to
+    call, a class to build: code, if the checkpoint comes from someone else) is refused before it runs: a
+    :class:`CheckpointError` naming ``what`` and the global it asked for; ``trusted_hint`` tells a user
+    who trusts the file how to read it anyway."""
+    try:
+        return torch.load(source, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        asked = found.group(1) if found else str(exc).strip().splitlines()[-1][:300]
+        raise CheckpointError(f"{what} was refused: its pickle references {asked}, which a checkpoint may not "
+                              f"hold (loaded with weights_only=True: tensors and plain containers only; "
+                              f"unpickling it could run code). parallel_layers never writes such objects: the "
+                              f"checkpoint was altered or written by something else{trusted_hint}") from exc
+    except Exception as exc:  # noqa: BLE001 - torch raises several types for a damaged file
+        raise CheckpointError(f"{what} cannot be read ({type(exc).__name__}: {exc}): truncated or "
+                              f"corrupted") from exc
 
 
 def rank_file(rank: int, world: int, save_id: str) -> str:
@@ -160,8 +184,10 @@ def _read_own(directory: str, meta: dict) -> dict:
     if zlib.crc32(data) != entry["crc32"]:
         raise CheckpointError(f"per-rank checkpoint: {path} does not match its crc32 in {META}: corrupted or "
                               f"truncated; load an earlier checkpoint")
-    saved = torch.load(io.BytesIO(data), weights_only=False)
-    if saved.get("save") != meta["save"] or saved.get("rank") != rank:
+    saved = load_data(io.BytesIO(data), f"per-rank checkpoint: {path}",
+                      f"; if you trust it, torch.load({path!r}, weights_only=False)['state'] is this rank's "
+                      f"state for model.load_state_dict")
+    if not isinstance(saved, dict) or saved.get("save") != meta["save"] or saved.get("rank") != rank:
         raise CheckpointError(f"per-rank checkpoint: {path} belongs to another save or rank than its {META}")
     return saved["state"]
 
@@ -177,4 +203,4 @@ def load_per_rank(model, directory: str) -> dict:
 
 
 __all__ = ["FORMAT", "PerRankSnapshot", "snapshot_per_rank", "write_per_rank", "load_per_rank",
-           "read_per_rank_meta", "rank_file"]
+           "read_per_rank_meta", "rank_file", "load_data"]

@@ -7,7 +7,9 @@ were drawn on, and restored only on the same one: the case a torchrun restart is
 where a resumed run must continue bit for bit. The data position is the caller's (a JSON-able dict, e.g.
 ``{"iteration": 40}`` or a sampler's state); it is global (never per dp rank), so any dp size continues
 the same sample order. Everything here lands in ``meta.json`` (checksummed with it) as
-``meta["resume"]``.
+``meta["resume"]``. The streams are read back with ``torch.load(weights_only=True)``: a ``meta.json`` whose
+streams would build other objects or call anything (code, in a checkpoint from someone else) is refused
+on every rank, not run.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from ..composition.universal_checkpoint import CheckpointError
+from .per_rank import load_data
 
 
 def layout_of(model) -> dict:
@@ -32,8 +37,15 @@ def _encode(obj) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _decode(text: str):
-    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+def _decode(text, rank: int):
+    what = f"meta.json's resume state of rank {rank} (its random streams)"
+    if not isinstance(text, str):
+        raise CheckpointError(f"{what} is a {type(text).__name__}, not the base64 text the package writes")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise CheckpointError(f"{what} is not valid base64 ({exc})") from exc
+    return load_data(io.BytesIO(data), what)
 
 
 def rank_state(model) -> str:
@@ -61,10 +73,23 @@ def capture(model, data: Optional[dict]) -> Optional[dict]:
 def restore(model, resume: Optional[dict]) -> bool:
     """Restore this rank's random streams and skipped-step count from ``meta["resume"]`` when it was saved
     on the same layout; returns whether it did (no collective: every rank decides alike from the same
-    meta)."""
+    meta). Every rank reads every rank's entry (a few kB each), so an entry that is refused
+    (:func:`~parallel_layers.resilience.per_rank.load_data`) raises :class:`CheckpointError` on all of
+    them together, before any stream is set."""
     if not resume or resume.get("layout") != layout_of(model):
         return False
-    state = _decode(resume["ranks"][dist.get_rank()])
+    ranks, world = resume.get("ranks"), dist.get_world_size()
+    if not isinstance(ranks, list) or len(ranks) != world:
+        raise CheckpointError(f"meta.json's resume state holds {len(ranks) if isinstance(ranks, list) else 'no'} "
+                              f"rank entries for a layout of {world} ranks")
+    state = None
+    for r, text in enumerate(ranks):
+        entry = _decode(text, r)
+        if not isinstance(entry, dict) or not {"random", "skipped_steps"} <= entry.keys():
+            raise CheckpointError(f"meta.json's resume state of rank {r} is not the random streams and skipped-step "
+                                  f"count the package writes")
+        if r == dist.get_rank():
+            state = entry
     model.load_random_state(state["random"])
     model.skipped_steps = state["skipped_steps"]
     return True
