@@ -53,6 +53,20 @@ def test_checksum_tells_signed_zeros_and_empty_tensors_apart():
     assert torch.equal(checksum(big), checksum(big.contiguous()))
 
 
+def test_checksums_of_many_tensors_equal_each_ones_checksum(monkeypatch):
+    from parallel_layers.composition import replica_check as R
+
+    monkeypatch.setattr(R, "_CHUNK", 64)             # small chunks: tensors folded in several batches, some alone
+    torch.manual_seed(0)
+    ts = [torch.randn(n).to(dt) for n, dt in [(5, torch.float32), (0, torch.float32), (1, torch.bfloat16),
+                                              (17, torch.float32), (40, torch.float16), (300, torch.float32),
+                                              (33, torch.float32), (9, torch.int64)]]
+    ts.append(torch.rand(12) > 0.5)
+    ts.append(torch.randn(6, 4).t())                 # not contiguous
+    want = torch.stack([R.checksum(t) for t in ts])
+    assert torch.equal(R.checksums(ts), want)
+
+
 def test_replica_check_schedule_and_environment(monkeypatch):
     from parallel_layers.composition.replica_check import ENV, ReplicaCheck
 

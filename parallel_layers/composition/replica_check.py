@@ -93,11 +93,50 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _memo_checksum(t: torch.Tensor, memo: dict) -> torch.Tensor:
-    key = (t.untyped_storage().data_ptr() if t.numel() else 0, t.storage_offset(), tuple(t.shape), t.dtype)
-    if key not in memo:
-        memo[key] = checksum(t)
-    return memo[key]
+def _int_bits(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(_INT_OF_SIZE[flat.element_size()])
+
+
+def checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """:func:`checksum` of each of ``tensors``, ``[len(tensors), 2]``. Small tensors of one element size are
+    folded together, a few operations for any number of them (a model's norms and biases are hundreds
+    of tiny tensors: one pass each would cost more in dispatch than in bytes)."""
+    if not tensors:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    device = tensors[0].device
+    out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
+    batches: Dict[tuple, List[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() > _CHUNK // 4 or t.device != device:
+            out[i] = checksum(t).to(device)
+        else:
+            batches.setdefault((t.element_size() if t.dtype != torch.bool else 1,), []).append(i)
+    for idx in batches.values():
+        start = 0
+        while start < len(idx):
+            take, total = [], 0
+            while start < len(idx) and (not take or total + tensors[idx[start]].numel() <= _CHUNK):
+                take.append(idx[start])
+                total += tensors[idx[start]].numel()
+                start += 1
+            _fold(tensors, take, out)
+    return out
+
+
+def _fold(tensors, take: List[int], out: torch.Tensor) -> None:
+    sizes = [tensors[i].numel() for i in take]
+    if sum(sizes) == 0:
+        return
+    x = torch.cat([_int_bits(tensors[i]) for i in take]).to(torch.int64)
+    rows = torch.tensor(take, dtype=torch.int64, device=x.device)
+    seg = torch.repeat_interleave(rows, torch.tensor(sizes, dtype=torch.int64, device=x.device))
+    out[:, 0].index_add_(0, seg, x)
+    if x.numel() > 1:
+        same = seg[:-1] == seg[1:]                     # neighbours within one tensor only
+        out[:, 1].index_add_(0, seg[:-1], torch.where(same, x[:-1] * x[1:], torch.zeros_like(x[:-1])))
 
 
 def _ranks(group) -> List[int]:
@@ -167,11 +206,18 @@ def check_tensors(groups: Sequence[Tuple[str, object, Sequence[Tuple[str, torch.
     """Raise :class:`ReplicaDivergence` on every rank when, for any ``(what, group, [(name, tensor)])``,
     a tensor differs between the ranks of ``group``. A collective over every group of ``mesh_groups``."""
     pending = _Pending()
-    memo: Dict[Tuple[int, int, tuple], torch.Tensor] = {}     # a tensor checked over several groups is read once
+    unique: Dict[int, int] = {}             # a tensor checked over several groups is read once
+    tensors: List[torch.Tensor] = []
+    for _, _, named in groups:
+        for _, t in named:
+            if id(t) not in unique:
+                unique[id(t)] = len(tensors)
+                tensors.append(t)
+    sums = checksums(tensors).to(device)
     for what, group, named in groups:
         if named:
-            sums = torch.stack([_memo_checksum(t, memo).to(device) for _, t in named])
-            pending.compare(what, group, [n for n, _ in named], sums, step)
+            rows = torch.tensor([unique[id(t)] for _, t in named], dtype=torch.int64, device=device)
+            pending.compare(what, group, [n for n, _ in named], sums.index_select(0, rows), step)
     _raise(pending, mesh_groups, device, fix)
 
 
@@ -187,4 +233,4 @@ def check_same_batch(tensors: Dict[str, Optional[torch.Tensor]], mesh_groups: Se
     check_tensors(groups, mesh_groups, step, device, fix=BATCH_FIX)
 
 
-__all__ = ["ReplicaCheck", "ReplicaDivergence", "checksum", "check_tensors", "check_same_batch", "ENV"]
+__all__ = ["ReplicaCheck", "ReplicaDivergence", "checksum", "checksums", "check_tensors", "check_same_batch", "ENV"]
