@@ -27,7 +27,8 @@ import torch
 
 from . import harness
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "replica_check.csv")
+CSV_NAME = "replica_check.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 DEMO = dict(vocab_size=256, n_layer=4, d_model=64, n_head=4, max_seq_len=64)
 PROFILES = {
     "full": dict(size=DEMO, batch=16, reps=60, warmup=3, numel=1 << 24, sum_reps=20),
@@ -83,32 +84,28 @@ def _checksum_ms(numel, reps):
         torch.set_num_threads(threads)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    harness.add_profile_args(parser, "tiny sizes, seconds, no CSV", "fewer repetitions")
-    harness.add_csv_args(parser, CSV_PATH)
-    args = parser.parse_args(argv)
-    mode = harness.profile_of(args)
+def collect(mode: str, device: torch.device, progress=None) -> list:
+    """The suite's entry: the CSV rows of ``mode`` (``device`` only names the run: the ranks are gloo on CPU)."""
     p = PROFILES[mode]
-    device = torch.device("cpu")
-    common = harness.common_fields(mode, device, 1)
-    rows = []
-
+    cpu = torch.device("cpu")
+    common = harness.common_fields(mode, cpu, 1)
+    if progress:
+        progress("checksum")
     sums = _checksum_ms(p["numel"], p["sum_reps"])
     nbytes = p["numel"] * 4
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        copy_gbs = harness.copy_bandwidth(device, nbytes=max(nbytes, 1 << 20), reps=5)
+        copy_gbs = harness.copy_bandwidth(cpu, nbytes=max(nbytes, 1 << 20), reps=5)
     finally:
         torch.set_num_threads(threads)
     ck, base = harness.Stats.of(sums["checksum"]), harness.Stats.of(sums["sum"])
     gbs = nbytes / (ck.median_ms * 1e-3) / 1e9
-    row = harness.comparison_row(common, f"checksum fp32 {p['numel']} elements (1 thread)", ck, base,
-                                 baseline=f"x.sum(); {gbs:.2f} GB/s read = {gbs / copy_gbs:.2f} of copy "
-                                          f"bandwidth ({copy_gbs:.2f} GB/s, 1 thread)")
-    rows.append(row)
-
+    rows = [harness.comparison_row(common, f"checksum fp32 {p['numel']} elements (1 thread)", ck, base,
+                                   baseline=f"x.sum(); {gbs:.2f} GB/s read = {gbs / copy_gbs:.2f} of copy "
+                                            f"bandwidth ({copy_gbs:.2f} GB/s, 1 thread)")]
+    if progress:
+        progress("step, 4 ranks")
     outs = harness.run_ranks(_bench_rank, 4, args=(p["size"], p["batch"], p["reps"], p["warmup"]))
     times = outs[0]["times"]
     ratio = harness.PairedRatio.of(times["checked"], times["unchecked"])
@@ -117,9 +114,20 @@ def main(argv=None) -> int:
         common, "step dp2 x tp2 ZeRO-1, GPT L4 d64, checked every step", so, sb,
         baseline=f"unchecked; checked/unchecked {ratio.median:.3f} (95% CI {ratio.low:.3f}-{ratio.high:.3f}, "
                  f"{len(times['checked'])} pairs); {outs[0]['bytes'] / 1e6:.2f} MB checksummed per rank")
-    row["speedup"] = 1.0 / ratio.median
+    row["speedup"] = 1.0 / ratio.median        # the paired estimate, not the ratio of the two medians
     rows.append(row)
-    harness.print_and_append(rows, harness.csv_target(args, CSV_PATH))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_profile_args(parser, "tiny sizes, seconds, no CSV", "fewer repetitions")
+    harness.add_csv_args(parser, CSV_PATH)
+    args = parser.parse_args(argv)
+    rows = collect(harness.profile_of(args), torch.device("cpu"))
+    for r in rows:
+        print(f"{r['case']}: {r['ours_median_ms']:.3f} ms against {r['base_median_ms']:.3f} ms; {r['baseline']}")
+    harness.append_and_report(rows, harness.csv_target(args, CSV_PATH))
     return 0
 
 
