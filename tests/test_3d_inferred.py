@@ -19,11 +19,22 @@ pytest.importorskip("transformers")
 STEPS, BATCH, SEQ, LR, WD, CLIP = 2, 8, 12, 1e-4, 0.1, 1.0
 SHIPPED = ("llama", "qwen2", "gpt2")
 SIX = ("llama", "mistral", "qwen2", "gemma", "gpt2", "own")
+MORE = ("starcoder2", "gptj", "smollm3", "llama_tied")
+# Starcoder2's LayerNorm biases start at zero and move only by Adam's lr-sized steps, so their relative
+# error is that of a tensor of 1e-3: 4.6e-6 at dp2 x pp2 with no tp, 1.1e-5 at tp 2 (every weight matrix
+# within 2e-7)
+TOLERANCE = {"starcoder2": 3e-5}
 GROUPS = {   # (dp, tp, pp), ZeRO stage, schedule, families: every family in both layouts, at ZeRO-1 and ZeRO-3
     "tp2pp2-zero1-phi3-neox": ((2, 2, 2), 1, "1f1b", ("phi3", "gpt_neox")),
     "tp2pp2-zero3-six": ((2, 2, 2), 3, "1f1b", SIX),
     "pp4-zero1-six": ((2, 1, 4), 1, "gpipe", SIX),
     "pp4-zero3-phi3-neox": ((2, 1, 4), 3, "gpipe", ("phi3", "gpt_neox")),
+    # the families of issue 44: q/k norms per head (partial gradients summed over tp) and over all heads
+    # (ShardedRMSNorm), also under the NCCL rules; then the rest at ZeRO-1 and ZeRO-3
+    "tp2pp2-zero1-qk-norms": ((2, 2, 2), 1, "1f1b", ("qwen3", "olmo2")),
+    "tp2pp2-zero3-qk-norms": ((2, 2, 2), 3, "1f1b", ("qwen3", "olmo2")),
+    "tp2pp2-zero1-more": ((2, 2, 2), 1, "1f1b", MORE),
+    "tp2pp2-zero3-more": ((2, 2, 2), 3, "1f1b", MORE),
 }
 
 
@@ -127,4 +138,4 @@ def test_families_train_in_3d_with_no_recipe_like_one_process(dist_pools, group)
     dims, zero, schedule, kinds = GROUPS[group]
     outs = dist_pools(8).run(body_matrix, dims, zero, schedule, kinds)
     for kind in kinds:
-        _check(kind, outs)
+        _check(kind, outs, tol=TOLERANCE.get(kind, 1e-5))
