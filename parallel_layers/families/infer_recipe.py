@@ -14,8 +14,13 @@ structure and the config:
   ``get_output_embeddings()``; every stage: the rotary embedding (``shared``);
 - context: position ids (``arange`` unless given), the causal mask of ``transformers.masking_utils`` (a
   sliding-window mask where the model uses one; one per ``config.layer_types`` kind, each block taking
-  its ``attention_type``'s) and the rotary ``(cos, sin)``; each block gets the ones its forward names
-  (and any key a wrapper adds to the context, as context parallelism does);
+  its kind's, read off the block: its ``attention_type`` or its attention's ``layer_type`` / ``layer_idx``)
+  and the rotary ``(cos, sin)`` (one per kind where the rotary embedding takes a ``layer_type``: Gemma 3's
+  local and global tables); each block gets the ones its forward names (and any key a wrapper adds to
+  the context, as context parallelism does);
+- what the model's forwards compute between its parts (:mod:`.infer_forward`, checked against their
+  source: Granite's embedding multiplier and logit scaling, Cohere's logit scale, Gemma 2/3's final
+  soft-capping, Starcoder2's embedding dropout, Falcon's ALiBi); anything else they read is refused;
 - the tensor-parallel plan: :func:`~.infer_plan.infer_tp_plan` (fused sections, local head counts).
 
 **Your own model**: a module whose blocks sit in one ``nn.ModuleList`` or ``nn.Sequential`` attribute
@@ -30,10 +35,12 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Dict, List, Tuple
+import weakref
+from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
+from .infer_forward import alibi_context, local_heads, read_forwards
 from .infer_plan import infer_tp_plan
 from .recipe import Recipe, first_output, get_module
 from .recipe import positions as _positions
@@ -48,8 +55,12 @@ SKETCH = """Recipe(blocks="model.layers", first=["model.embed_tokens"], last=["m
        tp_plan=lambda model: {...})   # optional: the parallelize plan
 Parallel3D(model, mesh, recipe=recipe)"""
 # config options that change the forward in ways the inferred recipe does not reproduce
-UNSUPPORTED_CONFIG = ("final_logit_softcapping", "logits_scaling", "logit_scale", "embedding_multiplier",
-                      "output_multiplier_scale", "scale_emb")
+UNSUPPORTED_CONFIG = ("output_multiplier_scale", "scale_emb")
+# config options it reproduces where the model's forward applies them as infer_forward knows (else refused
+# unless neutral): option -> (what the forward reads, its neutral values)
+CONFIG_EXTRAS = {"final_logit_softcapping": ("config.final_logit_softcapping", (None,)),
+                 "logits_scaling": ("config.logits_scaling", (None, 1)), "logit_scale": ("logit_scale", (None, 1)),
+                 "embedding_multiplier": ("embedding_multiplier", (None, 1))}
 MASK_KINDS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 SIDE_FOR_BLOCKS = ("attention_mask", "position_ids", "position_embeddings")
 
@@ -95,6 +106,22 @@ def _child(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def block_kind(block: nn.Module, layer_types) -> Optional[str]:
+    """The attention kind of ``block`` (``"full_attention"``, ``"sliding_attention"``): its
+    ``attention_type``, else its attention's ``attention_type`` / ``layer_type``, else
+    ``config.layer_types[layer_idx]`` of a submodule's ``layer_idx``; None if none says."""
+    for attr in ("attention_type", "layer_type"):
+        for m in block.modules():
+            kind = getattr(m, attr, None)
+            if isinstance(kind, str):
+                return kind
+    for m in block.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int) and layer_types and 0 <= idx < len(layer_types):
+            return layer_types[idx]
+    return None
+
+
 def _mask_kinds(model: nn.Module, base: nn.Module, blocks: nn.Module) -> List[str]:
     config = model.config
     layer_types = getattr(config, "layer_types", None)
@@ -104,8 +131,12 @@ def _mask_kinds(model: nn.Module, base: nn.Module, blocks: nn.Module) -> List[st
         if unknown:
             _fail(model, f"config.layer_types holds {unknown}, attention kinds whose masks it does not know "
                          f"(known: {sorted(MASK_KINDS)})")
-        if len(kinds) > 1 and not all(hasattr(b, "attention_type") for b in blocks):
-            _fail(model, f"config.layer_types mixes {kinds} but the blocks have no attention_type attribute")
+        if len(kinds) > 1:
+            found = [block_kind(b, layer_types) for b in blocks]
+            if found != list(layer_types)[:len(blocks)] or len(blocks) != len(layer_types):
+                _fail(model, f"config.layer_types mixes {kinds} but its blocks do not say which kind each is "
+                             f"(read off each block's attention_type, or its attention's layer_type or layer_idx: "
+                             f"{found}, config.layer_types: {list(layer_types)})")
         return kinds
     source = inspect.getsource(sys.modules[type(base).__module__])
     if getattr(config, "sliding_window", None) is not None and MASK_KINDS["sliding_attention"] in source:
@@ -173,33 +204,70 @@ def infer_hf_decoder(model: nn.Module) -> Recipe:
                              f"{base_name!r} and the head {head_name!r}")
     positions, dropouts, norm, rotary = _place_base_children(model, base_name, base,
                                                              (blocks_name, tok_name, head_name))
+    fwd = read_forwards(model, base, lambda what: _fail(model, what))
+    found = {r for extra in fwd.embed + fwd.head for r in extra.reads}
+    for attr, (read, neutral) in CONFIG_EXTRAS.items():
+        value = getattr(config, attr, None)
+        if value not in neutral and read not in found:
+            _fail(model, f"config.{attr}={value} changes the forward in a way the inferred recipe does not reproduce "
+                         f"(its forward does not apply it as parallel_layers/families/infer_forward.py knows)")
     kinds = _mask_kinds(model, base, blocks)
+    layer_types = getattr(config, "layer_types", None)
+    if fwd.alibi and len(kinds) > 1:
+        _fail(model, f"it has ALiBi and attention kinds {kinds}: ALiBi is folded into one causal mask only")
+    per_kind_rotary = rotary is not None and "layer_type" in inspect.signature(
+        type(get_module(model, rotary)).forward).parameters
+    sides = SIDE_FOR_BLOCKS + (("alibi",) if fwd.alibi is not None else ())
     params = list(inspect.signature(type(blocks[0]).forward).parameters.values())[2:]   # after self, hidden
     needed = [p.name for p in params if p.default is inspect.Parameter.empty
-              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in SIDE_FOR_BLOCKS]
+              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in sides]
     if needed:
         _fail(model, f"its blocks ({type(blocks[0]).__name__}) need {needed}, which the inferred context does not "
-                     f"build (it gives {list(SIDE_FOR_BLOCKS)})")
+                     f"build (it gives {list(sides)})")
     accepted: Dict[type, Tuple[str, ...]] = {}
+    block_kinds: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+    early = [e for e in fwd.embed if not e.after_positions]
+    late = [e for e in fwd.embed if e.after_positions]
+    mask_kwargs = dict(fwd.mask_options)
+    heads = getattr(base, "num_heads", None) or config.num_attention_heads       # ALiBi's, all of them
 
     def embed(model, ids, attention_mask=None, position_ids=None):
         h = get_module(model, tok_name)(ids)
+        base = get_module(model, base_name) if base_name else model
+        for extra in early:
+            h = extra.apply(base, h)
         if positions is not None:
             h = h + get_module(model, positions)(_positions(h, position_ids))
         for name in dropouts:
             h = get_module(model, name)(h)
+        for extra in late:
+            h = extra.apply(base, h)
         return h
 
     def context(model, hidden, attention_mask=None, position_ids=None):
         from transformers import masking_utils
         position_ids = _positions(hidden, position_ids)
+        extra = {"position_ids": position_ids} if fwd.mask_position_ids else {}
         masks = {kind: getattr(masking_utils, MASK_KINDS[kind])(
             config=model.config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
-            position_ids=position_ids) for kind in kinds}
-        ctx = {"attention_mask": masks if len(kinds) > 1 else masks[kinds[0]], "position_ids": position_ids}
+            **extra, **mask_kwargs) for kind in kinds}
+        ctx = {"position_ids": position_ids}
+        if fwd.alibi is not None:
+            ctx["alibi"] = None
+            if fwd.alibi:
+                base = get_module(model, base_name) if base_name else model
+                ctx["alibi"], masks[kinds[0]] = alibi_context(model, base, hidden, attention_mask, masks[kinds[0]])
+        ctx["attention_mask"] = masks if len(kinds) > 1 else masks[kinds[0]]
         if rotary is not None:
-            ctx["position_embeddings"] = get_module(model, rotary)(hidden, position_ids)
+            rot = get_module(model, rotary)
+            ctx["position_embeddings"] = ({kind: rot(hidden, position_ids, kind) for kind in kinds} if per_kind_rotary
+                                          else rot(hidden, position_ids))
         return ctx
+
+    def kind_of(block):
+        if block not in block_kinds:
+            block_kinds[block] = block_kind(block, layer_types) or kinds[0]
+        return block_kinds[block]
 
     def block(block, h, ctx):
         # the side inputs its forward names; keys a wrapper added to the context (context parallelism's
@@ -207,16 +275,25 @@ def infer_hf_decoder(model: nn.Module) -> Recipe:
         cls = type(block)
         if cls not in accepted:
             params = inspect.signature(cls.forward).parameters
-            accepted[cls] = tuple(k for k in SIDE_FOR_BLOCKS if k in params)
-        kwargs = {k: v for k, v in ctx.items() if k in accepted[cls] or k not in SIDE_FOR_BLOCKS}
-        if isinstance(kwargs.get("attention_mask"), dict):          # one mask per attention kind
-            kwargs["attention_mask"] = kwargs["attention_mask"][getattr(block, "attention_type", kinds[0])]
+            accepted[cls] = tuple(k for k in sides if k in params)
+        kwargs = {k: v for k, v in ctx.items() if k in accepted[cls] or k not in sides}
+        for key in ("attention_mask", "position_embeddings"):       # one per attention kind
+            if isinstance(kwargs.get(key), dict):
+                kwargs[key] = kwargs[key][kind_of(block)]
+        if fwd.alibi:                                  # ALiBi of every head: this tensor-parallel rank's heads
+            kwargs["alibi"] = local_heads(kwargs.get("alibi"), heads, block)
+            kwargs["attention_mask"] = local_heads(kwargs.get("attention_mask"), heads, block)
         return first_output(block(h, **kwargs))
+
+    def head(model, h):
+        logits = get_module(model, head_name)(get_module(model, norm)(h))
+        for extra in fwd.head:
+            logits = extra.apply(model, logits)
+        return logits
 
     first = (tok_name,) + ((positions,) if positions else ()) + tuple(dropouts)
     return Recipe(blocks=blocks_name, first=first, last=(norm, head_name), shared=(rotary,) if rotary else (),
-                  embed=embed, head=lambda model, h: get_module(model, head_name)(get_module(model, norm)(h)),
-                  context=context, block=block,
+                  embed=embed, head=head, context=context, block=block,
                   tp_plan=lambda model: infer_tp_plan(model, blocks_name, tok_name, head_name))
 
 

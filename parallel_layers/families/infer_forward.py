@@ -1,0 +1,249 @@
+"""What a Hugging Face decoder's own forwards compute besides calling its parts, for :mod:`.infer_recipe`.
+
+The inferred recipe calls the model's own modules (token embedding, blocks, final norm, LM head); what the
+base model's forward and the ``*ForCausalLM`` forward compute *between* those calls must be computed too, or
+the recipe runs a different forward than the model's. Both forwards are read from their source (its syntax
+tree, so formatting and comments do not matter), and every ``self.<name>`` / ``self.config.<name>`` they
+read must be
+
+- a child module (the parts the recipe places: embeddings, blocks, norm, rotary, head);
+- bookkeeping that does not change what a training step computes (:data:`BOOKKEEPING`: caches, output
+  flags, the loss function, the attention kinds' ``config.layer_types`` / ``config.sliding_window``, which
+  :mod:`.infer_recipe` reads itself);
+- or an extra below, whose statement is found in the source as written here (``ast.unparse``'s spelling):
+
+===============================  =========  ==============================================================
+extra (what the forward reads)   where      the statement reproduced
+===============================  =========  ==============================================================
+``embedding_multiplier``         embedding  ``inputs_embeds = inputs_embeds * self.embedding_multiplier``
+                                            (Granite)
+``embedding_dropout``            embedding  ``nn.functional.dropout(hidden_states, p=self.embedding_dropout,
+                                            training=self.training)`` (Starcoder2)
+``config.logits_scaling``        head       ``logits = logits / self.config.logits_scaling`` (Granite)
+``logit_scale``                  head       ``logits = logits * self.logit_scale`` (Cohere)
+``config.final_logit_softcapping``  head    ``cap * tanh(logits / cap)`` where it is not None (Gemma 2, 3)
+``config.use_bidirectional_...``  masks     accepted while false; true is refused (its masks are not built)
+``use_alibi`` (and ``num_heads``, context   Falcon's ALiBi: ``build_alibi_tensor`` of the model's module,
+``config.hidden_size``)                     folded into the causal mask (:func:`alibi_context`)
+===============================  =========  ==============================================================
+
+Anything else (a method such as ``self._update_causal_mask``, an attribute such as ``self.scale_emb``, an
+option read as ``self.config.<name>``) is refused naming it: :class:`~.infer_recipe.InferenceError`.
+
+The keyword arguments of the forward's mask calls (``create_causal_mask(config=..., ...)`` or a
+``mask_kwargs`` dict) are read too: whether it passes ``position_ids`` and ``allow_is_causal_skip=False``
+(Falcon materialises its mask), and any other keyword is refused.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# what the forwards may read without changing what a training step computes
+BOOKKEEPING = {"config", "config.num_hidden_layers", "config.vocab_size", "vocab_size", "loss_function",
+               "gradient_checkpointing", "training", "config.return_dict", "config.use_return_dict",
+               "config.output_attentions", "config.output_hidden_states", "config.use_cache",
+               "warn_if_padding_and_no_attention_mask", "config.add_cross_attention",
+               "has_sliding_layers", "config.layer_types", "config.sliding_window"}
+# keyword arguments of transformers' mask functions the inferred context passes on as the forward does
+MASK_KEYWORDS = {"config", "inputs_embeds", "attention_mask", "past_key_values", "position_ids", "cache_position",
+                 "allow_is_causal_skip"}
+
+
+@dataclass(frozen=True)
+class Extra:
+    """One statement of a forward the recipe reproduces (see the module docstring)."""
+    reads: Tuple[str, ...]          # what the forward reads: "embedding_multiplier", "config.logits_scaling"
+    where: str                      # "embed" (the base model's forward) or "head" (the *ForCausalLM's)
+    pattern: str                    # a regex the forward's unparsed source must match
+    apply: Optional[Callable] = None   # (owner module, tensor) -> tensor; None: nothing to compute
+    refuse_if: Optional[Callable] = None   # (owner module) -> a reason to refuse, or None
+    after_positions: bool = False   # embedding extras: after the learned positions and dropouts (else before)
+
+
+def _softcap(owner, logits):
+    cap = owner.config.final_logit_softcapping
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def _bidirectional(owner):
+    if getattr(owner.config, "use_bidirectional_attention", False):
+        return ("config.use_bidirectional_attention=True (masks that let a sliding or full layer see later "
+                "tokens) is not reproduced: the inferred context builds causal masks")
+    return None
+
+
+EXTRAS = (
+    Extra(("embedding_multiplier",), "embed",
+          r"inputs_embeds = inputs_embeds \* self\.embedding_multiplier\n",
+          lambda base, h: h * base.embedding_multiplier),
+    Extra(("embedding_dropout",), "embed",
+          r"= nn\.functional\.dropout\(hidden_states, p=self\.embedding_dropout, training=self\.training\)",
+          lambda base, h: F.dropout(h, p=base.embedding_dropout, training=base.training), after_positions=True),
+    Extra(("config.logits_scaling",), "head", r"logits = logits / self\.config\.logits_scaling\n",
+          lambda model, x: x / model.config.logits_scaling),
+    Extra(("logit_scale",), "head", r"logits = logits \* self\.logit_scale\n", lambda model, x: x * model.logit_scale),
+    Extra(("config.final_logit_softcapping",), "head",
+          r"if self\.config\.final_logit_softcapping is not None:\n\s*logits = logits / "
+          r"self\.config\.final_logit_softcapping\n\s*logits = torch\.tanh\(logits\)\n\s*logits = logits \* "
+          r"self\.config\.final_logit_softcapping\n", _softcap),
+    Extra(("config.use_bidirectional_attention",), "embed", r"if self\.config\.use_bidirectional_attention:",
+          refuse_if=_bidirectional),
+    Extra(("use_alibi", "num_heads", "config.hidden_size"), "embed",
+          r"alibi = build_alibi_tensor\(mask, self\.num_heads, dtype=inputs_embeds\.dtype\)(.|\n)*"
+          r"alibi = alibi\.reshape\(batch_size, -1, \*alibi\.shape\[1:\]\)\n\s*causal_mask = torch\.masked_fill\("
+          r"alibi / math\.sqrt\(self\.config\.hidden_size // self\.num_heads\), causal_mask < -1, min_dtype\)"),
+)
+ALIBI = EXTRAS[-1]
+
+
+@dataclass
+class Forwards:
+    """What :func:`read_forwards` found: the extras to compute and how the masks are called."""
+    embed: List[Extra] = field(default_factory=list)
+    head: List[Extra] = field(default_factory=list)
+    alibi: Optional[bool] = None             # Falcon's ALiBi: None where the forward has none, else on/off
+    mask_position_ids: bool = True           # the forward passes position_ids to its mask calls
+    mask_options: Dict[str, object] = field(default_factory=dict)   # allow_is_causal_skip=False
+
+
+def _is_self(node) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _source(fn) -> Tuple[str, Set[str], List[Set[str]]]:
+    """``fn``'s unparsed body (docstring dropped), what it reads of ``self`` / ``self.config``, and the
+    keyword names of its causal-mask calls (``create_*causal_mask(...)``, Starcoder2's ``mask_function(...)``
+    and ``mask_kwargs`` dicts, naming ``config`` and ``inputs_embeds``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    body = tree.body[0]
+    if body.body and isinstance(body.body[0], ast.Expr) and isinstance(body.body[0].value, ast.Constant):
+        body.body = body.body[1:]
+    reads, masks = set(), []
+    for node in ast.walk(body):
+        if isinstance(node, ast.Attribute) and _is_self(node.value):
+            reads.add(node.attr)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                _is_self(node.value.value) and node.value.attr == "config":
+            reads.add(f"config.{node.attr}")
+        if isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if "causal_mask" not in func and func != "mask_function":    # not an encoder's bidirectional mask
+                continue
+            names = {k.arg for k in node.keywords if k.arg}
+        elif isinstance(node, ast.Dict):
+            names = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+        else:
+            continue
+        if {"config", "inputs_embeds"} <= names:
+            masks.append(names)
+            if isinstance(node, ast.Call):
+                skip = [k for k in node.keywords if k.arg == "allow_is_causal_skip"]
+                if skip and not (isinstance(skip[0].value, ast.Constant) and skip[0].value.value is False):
+                    names.add("allow_is_causal_skip=?")
+    # reading self.config.X also reads self.config: only the X is of interest
+    reads -= {"config"} if any(r.startswith("config.") for r in reads) else set()
+    return ast.unparse(body) + "\n", reads, masks
+
+
+def read_forwards(model: nn.Module, base: nn.Module, fail: Callable[[str], None]) -> Forwards:
+    """The extras of ``model``'s forward and of its base model ``base``'s (the same module for a model
+    without one), each checked against the source (their children are the parts :mod:`.infer_recipe` has
+    placed, or refused). ``fail(what)`` raises."""
+    out = Forwards()
+    owners = [({"head"} if base is not model else {"head", "embed"}, type(model).forward, model)]
+    if base is not model:
+        owners.append(({"embed"}, type(base).forward, base))
+    mask_calls: List[Set[str]] = []
+    for wheres, fn, owner in owners:
+        qual = f"{type(owner).__name__}.forward"
+        try:
+            text, reads, masks = _source(fn)
+        except (OSError, TypeError, SyntaxError) as exc:
+            fail(f"the source of {qual} cannot be read ({exc}), so what it computes around its parts is not known")
+        mask_calls += masks
+        known = set(BOOKKEEPING) | {n for n, _ in owner.named_children()}
+        for extra in EXTRAS:
+            if extra.where not in wheres or extra.reads[0] not in reads:
+                continue
+            if not re.search(extra.pattern, text):
+                fail(f"{qual} reads self.{extra.reads[0]} in a way the inferred recipe does not reproduce (it "
+                     f"knows the statement {extra.pattern!r}, in parallel_layers/families/infer_forward.py)")
+            why = extra.refuse_if(owner) if extra.refuse_if else None
+            if why:
+                fail(why)
+            known |= set(extra.reads)
+            if extra is ALIBI:
+                out.alibi = bool(owner.use_alibi)
+            elif extra.apply is not None:
+                (out.embed if extra.where == "embed" else out.head).append(extra)
+        unknown = sorted(reads - known)
+        if unknown:
+            fail(f"{qual} reads {', '.join('self.' + u for u in unknown)}, which the inferred recipe does not "
+                 f"reproduce (it computes the parts, the masks, positions and rotary tables, and the extras of "
+                 f"parallel_layers/families/infer_forward.py)")
+    if not mask_calls:
+        fail(f"{type(base).__name__}.forward builds no attention mask with transformers.masking_utils "
+             f"(create_causal_mask(config=..., inputs_embeds=...)), the masks the inferred context builds")
+    odd = sorted(set().union(*mask_calls) - MASK_KEYWORDS)
+    if odd:
+        fail(f"{type(base).__name__}.forward builds its masks with {odd}, which the inferred context does not pass")
+    out.mask_position_ids = any("position_ids" in m for m in mask_calls)
+    if all("allow_is_causal_skip" in m for m in mask_calls):
+        out.mask_options["allow_is_causal_skip"] = False
+    return out
+
+
+def alibi_context(model: nn.Module, base: nn.Module, hidden: torch.Tensor, attention_mask, causal_mask):
+    """Falcon's ALiBi, as ``FalconModel.forward`` builds it: ``(alibi, causal_mask)``, the bias of every head
+    ``[b, heads, 1, n]`` and the causal mask ``[b, heads, n, n]`` that holds it (scaled by 1/sqrt(head_dim));
+    the blocks take this tensor-parallel rank's heads (:func:`local_heads`)."""
+    build = sys.modules[type(base).__module__].build_alibi_tensor
+    batch, seq = hidden.shape[:2]
+    mask = torch.ones((batch, seq), device=hidden.device, dtype=torch.long) if attention_mask is None \
+        else attention_mask
+    alibi = build(mask, base.num_heads, dtype=hidden.dtype)
+    if causal_mask is not None and causal_mask.ndim == 4:
+        min_dtype = torch.finfo(hidden.dtype).min
+        if causal_mask.dtype == torch.bool:
+            causal_mask = torch.where(causal_mask, torch.full((), 0.0, device=causal_mask.device, dtype=hidden.dtype),
+                                      min_dtype)
+        alibi = alibi.reshape(batch, -1, *alibi.shape[1:])
+        causal_mask = torch.masked_fill(alibi / math.sqrt(model.config.hidden_size // base.num_heads),
+                                        causal_mask < -1, min_dtype)
+    return alibi, causal_mask
+
+
+def tp_slot(block: nn.Module) -> Tuple[int, int]:
+    """(rank, size) of the tensor-parallel group ``block``'s layers are split over ((0, 1) when dense)."""
+    for m in block.modules():
+        size = getattr(m, "tp_size", None)
+        if isinstance(size, int) and size > 1:
+            return int(m.tp_rank), size
+    return 0, 1
+
+
+def local_heads(t: Optional[torch.Tensor], heads: int, block: nn.Module) -> Optional[torch.Tensor]:
+    """``t`` ``[b, heads, ...]`` cut to the heads of this tensor-parallel rank (a column-parallel fused
+    ``[q|k|v]``-per-head projection gives rank r heads ``r*heads/tp .. (r+1)*heads/tp - 1``); ``t`` itself
+    when dense or when its dim 1 is not ``heads``."""
+    rank, size = tp_slot(block)
+    if t is None or size == 1 or t.ndim < 2 or t.shape[1] != heads:
+        return t
+    per = heads // size
+    return t[:, rank * per:(rank + 1) * per]
+
+
+__all__ = ["EXTRAS", "BOOKKEEPING", "Forwards", "read_forwards", "alibi_context", "local_heads", "tp_slot"]
