@@ -229,6 +229,33 @@ def test_forwards_the_inference_does_not_reproduce_are_refused_by_name():
         recipe_for(minicpm_like)
 
 
+def test_decoders_whose_forward_differed_silently_are_refused():
+    """Before, these got a recipe that ran a different forward (logits off, by the amount in brackets, at
+    2 layers): NanoChat calls its final norm before its blocks too (0.16), CTRL scales its embeddings and
+    adds a sinusoidal table it holds as a buffer (0.62). A mixture of experts whose config asks for the
+    routers' load-balancing loss in the model's loss is refused too; without it, its logits are exact."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from parallel_layers.pipeline import InferenceError, recipe_for
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+    def build(model_type, **extra):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **small, **extra))
+
+    with pytest.raises(InferenceError, match="NanoChatModel.forward calls self.norm more than once"):
+        recipe_for(build("nanochat", final_logit_softcapping=None))
+    with pytest.raises(InferenceError, match="CTRLModel.forward reads self.d_model_size, self.pos_encoding"):
+        recipe_for(build("ctrl", n_embd=32, n_layer=2, n_head=4, dff=64))
+    with pytest.raises(InferenceError, match="config.output_router_logits=True adds the routers' load-balancing"):
+        recipe_for(build("mixtral", num_local_experts=4, output_router_logits=True))
+    moe = build("mixtral", num_local_experts=4)
+    ids, mask = _batch("mixtral")
+    torch.testing.assert_close(_chained(copy.deepcopy(moe), ids, mask), logits_of(moe, ids, mask), rtol=0, atol=1e-6)
+
+
 def test_a_model_with_an_nn_sequential_of_blocks_splits_by_parameters():
     """Before, split_model refused an nn.Sequential of blocks ("has no nn.ModuleList"); now its children run
     in order and the blocks split like a ModuleList's."""

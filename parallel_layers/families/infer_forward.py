@@ -25,10 +25,17 @@ extra (what the forward reads)   where      the statement reproduced
 ``config.use_bidirectional_...``  masks     accepted while false; true is refused (its masks are not built)
 ``use_alibi`` (and ``num_heads``, context   Falcon's ALiBi: ``build_alibi_tensor`` of the model's module,
 ``config.hidden_size``)                     folded into the causal mask (:func:`alibi_context`)
+``config.output_router_logits``  loss       mixtures of experts: the routers' load-balancing loss, added to
+                                            the model's loss; accepted while false (the logits are the same)
+``multi_query``                  masks      GPT-BigCode's cross-attention mask (no encoder here)
 ===============================  =========  ==============================================================
 
+HyperCLOVAX multiplies by ``config.logits_scaling`` where Granite divides: both statements are known.
+
 Anything else (a method such as ``self._update_causal_mask``, an attribute such as ``self.scale_emb``, an
-option read as ``self.config.<name>``) is refused naming it: :class:`~.infer_recipe.InferenceError`.
+option read as ``self.config.<name>``) is refused naming it: :class:`~.infer_recipe.InferenceError`. So is
+a base model's forward that calls its final norm before its blocks too (NanoChat) or its embedding in or
+after them: the parts run in the order embedding, blocks, final norm.
 
 The keyword arguments of the forward's mask calls (``create_causal_mask(config=..., ...)`` or a
 ``mask_kwargs`` dict) are read too: whether it passes ``position_ids`` and ``allow_is_causal_skip=False``
@@ -43,7 +50,7 @@ import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -85,28 +92,47 @@ def _bidirectional(owner):
     return None
 
 
+def _router_loss(owner):
+    if getattr(owner.config, "output_router_logits", False):
+        return ("config.output_router_logits=True adds the routers' load-balancing loss (x router_aux_loss_coef) to "
+                "the model's loss, which the recipe's loss_fn (on the logits) does not see: set it False (the logits "
+                "are the same) or add that loss in a Recipe of your own")
+    return None
+
+
+ALIBI = Extra(("use_alibi", "num_heads", "config.hidden_size"), "embed",
+              r"alibi = build_alibi_tensor\(mask, self\.num_heads, dtype=inputs_embeds\.dtype\)(.|\n)*"
+              r"alibi = alibi\.reshape\(batch_size, -1, \*alibi\.shape\[1:\]\)\n\s*causal_mask = torch\.masked_fill\("
+              r"alibi / math\.sqrt\(self\.config\.hidden_size // self\.num_heads\), causal_mask < -1, min_dtype\)")
 EXTRAS = (
-    Extra(("embedding_multiplier",), "embed",
+    Extra(("embedding_multiplier",), "embed",                               # Granite, HyperCLOVAX
           r"inputs_embeds = inputs_embeds \* self\.embedding_multiplier\n",
           lambda base, h: h * base.embedding_multiplier),
-    Extra(("embedding_dropout",), "embed",
+    Extra(("embedding_dropout",), "embed",                                  # Starcoder2
           r"= nn\.functional\.dropout\(hidden_states, p=self\.embedding_dropout, training=self\.training\)",
           lambda base, h: F.dropout(h, p=base.embedding_dropout, training=base.training), after_positions=True),
-    Extra(("config.logits_scaling",), "head", r"logits = logits / self\.config\.logits_scaling\n",
+    Extra(("config.logits_scaling",), "head", r"logits = logits / self\.config\.logits_scaling\n",   # Granite
           lambda model, x: x / model.config.logits_scaling),
-    Extra(("logit_scale",), "head", r"logits = logits \* self\.logit_scale\n", lambda model, x: x * model.logit_scale),
-    Extra(("config.final_logit_softcapping",), "head",
+    Extra(("config.logits_scaling",), "head",                               # HyperCLOVAX multiplies
+          r"logits = self\.lm_head\(hidden_states\) \* self\.config\.logits_scaling\n",
+          lambda model, x: x * model.config.logits_scaling),
+    Extra(("logit_scale",), "head", r"logits = logits \* self\.logit_scale\n",                    # Cohere
+          lambda model, x: x * model.logit_scale),
+    Extra(("config.final_logit_softcapping",), "head",                      # Gemma 2, 3
           r"if self\.config\.final_logit_softcapping is not None:\n\s*logits = logits / "
           r"self\.config\.final_logit_softcapping\n\s*logits = torch\.tanh\(logits\)\n\s*logits = logits \* "
           r"self\.config\.final_logit_softcapping\n", _softcap),
     Extra(("config.use_bidirectional_attention",), "embed", r"if self\.config\.use_bidirectional_attention:",
-          refuse_if=_bidirectional),
-    Extra(("use_alibi", "num_heads", "config.hidden_size"), "embed",
-          r"alibi = build_alibi_tensor\(mask, self\.num_heads, dtype=inputs_embeds\.dtype\)(.|\n)*"
-          r"alibi = alibi\.reshape\(batch_size, -1, \*alibi\.shape\[1:\]\)\n\s*causal_mask = torch\.masked_fill\("
-          r"alibi / math\.sqrt\(self\.config\.hidden_size // self\.num_heads\), causal_mask < -1, min_dtype\)"),
+          refuse_if=_bidirectional),                                        # Gemma 3
+    ALIBI,                                                                  # Falcon
+    Extra(("config.output_router_logits", "num_experts", "num_experts_per_tok", "router_aux_loss_coef",
+           "aux_loss_coef"), "head",                                        # mixtures of experts
+          r"if output_router_logits:\n\s*aux_loss = load_balancing_loss_func\(outputs\.router_logits, [^\n]*\n\s*"
+          r"if labels is not None:\n\s*loss \+= self\.(router_)?aux_loss_coef \* aux_loss\.to\(loss\.device\)\n",
+          refuse_if=_router_loss),
+    Extra(("multi_query",), "embed",                                        # GPT-BigCode: cross-attention only
+          r"encoder_attention_mask = encoder_attention_mask\.bool\(\)\.unsqueeze\(2 if self\.multi_query else 1\)\n"),
 )
-ALIBI = EXTRAS[-1]
 
 
 @dataclass
@@ -123,45 +149,90 @@ def _is_self(node) -> bool:
     return isinstance(node, ast.Name) and node.id == "self"
 
 
-def _source(fn) -> Tuple[str, Set[str], List[Set[str]]]:
-    """``fn``'s unparsed body (docstring dropped), what it reads of ``self`` / ``self.config``, and the
-    keyword names of its causal-mask calls (``create_*causal_mask(...)``, Starcoder2's ``mask_function(...)``
-    and ``mask_kwargs`` dicts, naming ``config`` and ``inputs_embeds``)."""
+@dataclass
+class _Read:
+    """One forward, read: its unparsed body, what it reads of ``self`` / ``self.config``, the keyword
+    names of its causal-mask calls, the lines where it calls each ``self.<child>(...)`` and the line span of
+    each loop over a ``self.<child>``."""
+    text: str
+    reads: Set[str]
+    masks: List[Set[str]]
+    calls: Dict[str, List[int]]
+    loops: Dict[str, Tuple[int, int]]
+
+
+def _is_self(node) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _mask_call(node) -> Optional[Set[str]]:
+    """The keyword names of a causal-mask call (``create_*causal_mask(...)``, Starcoder2's
+    ``mask_function(...)``) or of a ``mask_kwargs`` dict (naming ``config`` and ``inputs_embeds``); None
+    for anything else (an encoder's bidirectional mask included)."""
+    if isinstance(node, ast.Call):
+        func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if "causal_mask" not in func and func != "mask_function":
+            return None
+        names = {k.arg for k in node.keywords if k.arg}
+        skip = [k for k in node.keywords if k.arg == "allow_is_causal_skip"]
+        if skip and not (isinstance(skip[0].value, ast.Constant) and skip[0].value.value is False):
+            names.add("allow_is_causal_skip=?")
+    elif isinstance(node, ast.Dict):
+        names = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    else:
+        return None
+    return names if {"config", "inputs_embeds"} <= names else None
+
+
+def _read(fn) -> _Read:
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     body = tree.body[0]
     if body.body and isinstance(body.body[0], ast.Expr) and isinstance(body.body[0].value, ast.Constant):
-        body.body = body.body[1:]
-    reads, masks = set(), []
+        body.body = body.body[1:]                                   # the docstring
+    out = _Read(ast.unparse(body) + "\n", set(), [], {}, {})
     for node in ast.walk(body):
         if isinstance(node, ast.Attribute) and _is_self(node.value):
-            reads.add(node.attr)
+            out.reads.add(node.attr)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
                 _is_self(node.value.value) and node.value.attr == "config":
-            reads.add(f"config.{node.attr}")
-        if isinstance(node, ast.Call):
-            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if "causal_mask" not in func and func != "mask_function":    # not an encoder's bidirectional mask
-                continue
-            names = {k.arg for k in node.keywords if k.arg}
-        elif isinstance(node, ast.Dict):
-            names = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
-        else:
-            continue
-        if {"config", "inputs_embeds"} <= names:
-            masks.append(names)
-            if isinstance(node, ast.Call):
-                skip = [k for k in node.keywords if k.arg == "allow_is_causal_skip"]
-                if skip and not (isinstance(skip[0].value, ast.Constant) and skip[0].value.value is False):
-                    names.add("allow_is_causal_skip=?")
+            out.reads.add(f"config.{node.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_self(node.func.value):
+            out.calls.setdefault(node.func.attr, []).append(node.lineno)
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            for sub in ast.walk(node.iter):
+                if isinstance(sub, ast.Attribute) and _is_self(sub.value):
+                    out.loops.setdefault(sub.attr, (node.lineno, node.end_lineno))
+        names = _mask_call(node)
+        if names is not None:
+            out.masks.append(names)
     # reading self.config.X also reads self.config: only the X is of interest
-    reads -= {"config"} if any(r.startswith("config.") for r in reads) else set()
-    return ast.unparse(body) + "\n", reads, masks
+    out.reads -= {"config"} if any(r.startswith("config.") for r in out.reads) else set()
+    return out
 
 
-def read_forwards(model: nn.Module, base: nn.Module, fail: Callable[[str], None]) -> Forwards:
+def _check_order(qual: str, read: _Read, blocks: str, before: Sequence[str], after: Sequence[str], fail) -> None:
+    """The parts the first stage runs are called before the loop over the blocks, the final ones after it
+    (NanoChat's forward also calls its final norm before its blocks: that is not the recipe's forward)."""
+    if blocks not in read.loops:
+        fail(f"{qual} has no loop over self.{blocks}, its blocks, so the order of its parts is not known")
+    start, end = read.loops[blocks]
+    for name in before:
+        if any(line >= start for line in read.calls.get(name, ())):
+            fail(f"{qual} calls self.{name} in or after the loop over its blocks; the inferred recipe calls it "
+                 f"once, before them")
+    for name in after:
+        lines = read.calls.get(name, ())
+        if len(lines) > 1 or any(line <= end for line in lines):
+            fail(f"{qual} calls self.{name} {'more than once' if len(lines) > 1 else 'before its blocks'}; the "
+                 f"inferred recipe calls it once, after its blocks (the final norm)")
+
+
+def read_forwards(model: nn.Module, base: nn.Module, fail: Callable[[str], None], blocks: str = "",
+                  before: Sequence[str] = (), after: Sequence[str] = ()) -> Forwards:
     """The extras of ``model``'s forward and of its base model ``base``'s (the same module for a model
     without one), each checked against the source (their children are the parts :mod:`.infer_recipe` has
-    placed, or refused). ``fail(what)`` raises."""
+    placed, or refused). In the base model's forward, ``before`` (children's names) must be called before
+    the loop over ``blocks``, ``after`` once after it. ``fail(what)`` raises."""
     out = Forwards()
     owners = [({"head"} if base is not model else {"head", "embed"}, type(model).forward, model)]
     if base is not model:
@@ -170,17 +241,21 @@ def read_forwards(model: nn.Module, base: nn.Module, fail: Callable[[str], None]
     for wheres, fn, owner in owners:
         qual = f"{type(owner).__name__}.forward"
         try:
-            text, reads, masks = _source(fn)
+            read = _read(fn)
         except (OSError, TypeError, SyntaxError) as exc:
             fail(f"the source of {qual} cannot be read ({exc}), so what it computes around its parts is not known")
-        mask_calls += masks
+        if owner is base and blocks:
+            _check_order(qual, read, blocks, before, after, fail)
+        mask_calls += read.masks
         known = set(BOOKKEEPING) | {n for n, _ in owner.named_children()}
-        for extra in EXTRAS:
-            if extra.where not in wheres or extra.reads[0] not in reads:
+        for first_read in dict.fromkeys(e.reads[0] for e in EXTRAS if e.where in wheres):
+            if first_read not in read.reads:
                 continue
-            if not re.search(extra.pattern, text):
-                fail(f"{qual} reads self.{extra.reads[0]} in a way the inferred recipe does not reproduce (it "
-                     f"knows the statement {extra.pattern!r}, in parallel_layers/families/infer_forward.py)")
+            options = [e for e in EXTRAS if e.where in wheres and e.reads[0] == first_read]
+            extra = next((e for e in options if re.search(e.pattern, read.text)), None)
+            if extra is None:
+                fail(f"{qual} reads self.{first_read} in a way the inferred recipe does not reproduce (it knows "
+                     f"{' or '.join(repr(e.pattern) for e in options)}, in parallel_layers/families/infer_forward.py)")
             why = extra.refuse_if(owner) if extra.refuse_if else None
             if why:
                 fail(why)
@@ -189,7 +264,7 @@ def read_forwards(model: nn.Module, base: nn.Module, fail: Callable[[str], None]
                 out.alibi = bool(owner.use_alibi)
             elif extra.apply is not None:
                 (out.embed if extra.where == "embed" else out.head).append(extra)
-        unknown = sorted(reads - known)
+        unknown = sorted(read.reads - known)
         if unknown:
             fail(f"{qual} reads {', '.join('self.' + u for u in unknown)}, which the inferred recipe does not "
                  f"reproduce (it computes the parts, the masks, positions and rotary tables, and the extras of "

@@ -204,7 +204,10 @@ def infer_hf_decoder(model: nn.Module) -> Recipe:
                              f"{base_name!r} and the head {head_name!r}")
     positions, dropouts, norm, rotary = _place_base_children(model, base_name, base,
                                                              (blocks_name, tok_name, head_name))
-    fwd = read_forwards(model, base, lambda what: _fail(model, what))
+    leaf = lambda name: name.rpartition(".")[2]                            # noqa: E731
+    fwd = read_forwards(model, base, lambda what: _fail(model, what), blocks=leaf(blocks_name),
+                        before=[leaf(n) for n in (tok_name, positions, *dropouts) if n],
+                        after=[leaf(norm)] + ([head_name] if base is model else []))
     found = {r for extra in fwd.embed + fwd.head for r in extra.reads}
     for attr, (read, neutral) in CONFIG_EXTRAS.items():
         value = getattr(config, attr, None)
