@@ -61,7 +61,7 @@ def _bench_rank(rank, world, size, batch, reps, warmup):
     for i in range(reps):
         for name in (("checked", "unchecked") if i % 2 == 0 else ("unchecked", "checked")):
             times[name].append(harness.slowest_rank_ms(lambda run=runs[name]: run.train_step(x, y)))
-    held = sum(t.numel() * t.element_size() for _, t in runs["checked"].mode.held_tensors())
+    held = sum(t.numel() * t.element_size() for _, t, _ in runs["checked"].mode.held_tensors())
     return dict(times=times, bytes=held)
 
 

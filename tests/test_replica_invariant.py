@@ -65,6 +65,18 @@ def test_checksums_of_many_tensors_equal_each_ones_checksum(monkeypatch):
     ts.append(torch.randn(6, 4).t())                 # not contiguous
     want = torch.stack([R.checksum(t) for t in ts])
     assert torch.equal(R.checksums(ts), want)
+    offsets = [3 * i for i in range(len(ts))]
+    assert torch.equal(R.checksums(ts, offsets), torch.stack([R.checksum(t, o) for t, o in zip(ts, offsets)]))
+
+
+def test_checksums_of_pieces_add_up_to_the_whole():
+    from parallel_layers.composition.replica_check import checksum, checksums
+
+    t = torch.randn(1000)
+    cuts = [0, 7, 300, 301, 1000]
+    pieces = [t[a:b] for a, b in zip(cuts, cuts[1:])]
+    assert torch.equal(checksums(pieces, cuts[:-1]).sum(0), checksum(t))
+    assert torch.equal(sum(checksum(p, o) for p, o in zip(pieces, cuts)), checksum(t))
 
 
 def test_replica_check_schedule_and_environment(monkeypatch):

@@ -107,7 +107,7 @@ from .config import (
     check_together,
     split_keywords,
 )
-from .replica_check import ReplicaCheck, check_same_batch, check_tensors
+from .replica_check import ReplicaCheck, Summed, check_same_batch, check_tensors, sharded_checksum
 from .replicas import replica_mode
 
 
@@ -400,21 +400,29 @@ class Parallel3D:
         """``(what, group, [(name, tensor)])``: the tensors this rank holds that must be bit-identical on
         every rank of ``group``: parameters tp does not split (over tp), every parameter where ZeRO does
         not shard it (over the dp x cp replicas), the tied embedding's copies (over the first and last
-        stage; under ZeRO-3 their shards lie at different offsets and are not compared)."""
+        stage; under ZeRO-3 each copy's checksum is summed from its shards over dp, a collective there)."""
         names = {}
         for chunk in self.chunks:
             for n, p in chunk.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), chunk.dense_name(n))
-        held = [(names.get(id(p), "?"), p, t) for p, t in self.mode.held_tensors()]
+        held = self.mode.held_tensors()
         groups = []
         if self.tp_group is not None:
-            groups.append(("tp replicas", self.tp_group,
-                           [(n, t) for n, p, t in held if getattr(p, "partition_dim", None) is None]))
+            groups.append(("tp replicas", self.tp_group, [(names.get(id(p), "?"), t) for p, t, _ in held
+                                                          if getattr(p, "partition_dim", None) is None]))
         if self.replicas > 1 and self.mode.replicated_over_dp:
-            groups.append(("data-parallel replicas", self.replica_group, [(n, t) for n, _, t in held]))
-        if self.tied_group is not None and self.mode.replicated_over_dp:
-            groups.append(("tied weights of the first and last stage", self.tied_group,
-                           [(names.get(id(p), "?"), p) for p in self.mode.tied]))
+            groups.append(("data-parallel replicas", self.replica_group,
+                           [(names.get(id(p), "?"), t) for p, t, _ in held]))
+        if self.tied_group is not None:
+            tied = []
+            for p in self.mode.tied:
+                if self.mode.replicated_over_dp:
+                    tied.append((names.get(id(p), "?"), p))
+                else:     # ZeRO-3: the stages' shards lie at other offsets; their checksums add up over dp
+                    pieces = [(t, offset) for q, t, offset in held if q is p]
+                    tied.append((names.get(id(p), "?"),
+                                 Summed(sharded_checksum(pieces, self.replica_group, self._flag_device()))))
+            groups.append(("tied weights of the first and last stage", self.tied_group, tied))
         return groups
 
     def check_replicas(self) -> None:

@@ -8,8 +8,9 @@ differently), and a per-rank data loader silently trains on a batch no single pr
 are checked here, cheaply, and a mismatch raises naming the tensor, the group, the ranks and the step.
 
 How: each tensor's raw bits are read as integers and folded into two int64 checksums (their sum, and the
-sum of each element times its neighbour, so a permutation shows too), with wrap-around arithmetic that
-is exact in any summation order (so a GPU's reduction order cannot make equal tensors differ). One
+sum of each element times its position, so a permutation shows too), with wrap-around arithmetic that
+is exact in any summation order (so a GPU's reduction order cannot make equal tensors differ), and
+additive over pieces (ZeRO-3's shards of a tied weight sum to the weight's checksum). One
 all-reduce per group compares them (``MIN`` of ``[c, -c]`` gives both the minimum and the maximum);
 only when they differ is the group's checksum table gathered to name the ranks. Every rank of the mesh
 then learns that some check failed (a ``MAX`` over each mesh dimension in turn), so all raise together
@@ -74,25 +75,6 @@ class ReplicaCheck:
         return cls(first=first, every=every)
 
 
-def checksum(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 checksums of ``t``'s bits (see the module docstring), on ``t``'s device."""
-    flat = t.detach().reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    bits = flat.view(_INT_OF_SIZE[flat.element_size()])
-    out = torch.zeros(2, dtype=torch.int64, device=t.device)
-    n = bits.numel()
-    for start in range(0, n, _CHUNK):
-        # one element of overlap so the neighbour products cross chunk boundaries
-        x = bits[start:min(n, start + _CHUNK + 1)].to(torch.int64)
-        out[0] += x[:_CHUNK].sum()
-        if x.numel() > 1:
-            out[1] += (x[:-1] * x[1:]).sum()
-    return out
-
-
 def _int_bits(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     if flat.dtype == torch.bool:
@@ -100,20 +82,35 @@ def _int_bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view(_INT_OF_SIZE[flat.element_size()])
 
 
-def checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`checksum` of each of ``tensors``, ``[len(tensors), 2]``. Small tensors of one element size are
-    folded together, a few operations for any number of them (a model's norms and biases are hundreds
-    of tiny tensors: one pass each would cost more in dispatch than in bytes)."""
+def checksum(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Two int64 checksums of ``t``'s bits (see the module docstring), on ``t``'s device: ``sum(x_i)`` and
+    ``sum(x_i * (offset + i + 1))``. Both are sums, so a tensor's checksum is the sum of its pieces' (each
+    with its ``offset`` in the tensor): ZeRO-3's shards of one parameter add up to the parameter's."""
+    bits = _int_bits(t)
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    n = bits.numel()
+    for start in range(0, n, _CHUNK):
+        x = bits[start:start + _CHUNK].to(torch.int64)
+        out[0] += x.sum()
+        out[1] += (x * torch.arange(offset + start + 1, offset + start + 1 + x.numel(), device=x.device)).sum()
+    return out
+
+
+def checksums(tensors: Sequence[torch.Tensor], offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """:func:`checksum` of each of ``tensors`` (with its offset), ``[len(tensors), 2]``. Small tensors of one
+    element size are folded together, a few operations for any number of them (a model's norms and biases
+    are hundreds of tiny tensors: one pass each would cost more in dispatch than in bytes)."""
     if not tensors:
         return torch.zeros(0, 2, dtype=torch.int64)
+    offsets = list(offsets) if offsets is not None else [0] * len(tensors)
     device = tensors[0].device
     out = torch.zeros(len(tensors), 2, dtype=torch.int64, device=device)
-    batches: Dict[tuple, List[int]] = {}
+    batches: Dict[int, List[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel() > _CHUNK // 4 or t.device != device:
-            out[i] = checksum(t).to(device)
+            out[i] = checksum(t, offsets[i]).to(device)
         else:
-            batches.setdefault((t.element_size() if t.dtype != torch.bool else 1,), []).append(i)
+            batches.setdefault(t.element_size() if t.dtype != torch.bool else 1, []).append(i)
     for idx in batches.values():
         start = 0
         while start < len(idx):
@@ -122,21 +119,32 @@ def checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
                 take.append(idx[start])
                 total += tensors[idx[start]].numel()
                 start += 1
-            _fold(tensors, take, out)
+            _fold(tensors, offsets, take, out)
     return out
 
 
-def _fold(tensors, take: List[int], out: torch.Tensor) -> None:
-    sizes = [tensors[i].numel() for i in take]
-    if sum(sizes) == 0:
+def _fold(tensors, offsets, take: List[int], out: torch.Tensor) -> None:
+    sizes = torch.tensor([tensors[i].numel() for i in take], dtype=torch.int64, device=out.device)
+    if int(sizes.sum()) == 0:
         return
-    x = torch.cat([_int_bits(tensors[i]) for i in take]).to(torch.int64)
-    rows = torch.tensor(take, dtype=torch.int64, device=x.device)
-    seg = torch.repeat_interleave(rows, torch.tensor(sizes, dtype=torch.int64, device=x.device))
+    x = torch.cat([_int_bits(tensors[i]).to(out.device) for i in take]).to(torch.int64)
+    rows = torch.tensor(take, dtype=torch.int64, device=out.device)
+    seg = torch.repeat_interleave(rows, sizes)
+    # each element's position in its tensor, plus its tensor's offset, plus one
+    firsts = torch.cumsum(sizes, 0) - sizes
+    base = torch.tensor([offsets[i] for i in take], dtype=torch.int64, device=out.device) - firsts + 1
+    pos = torch.arange(x.numel(), device=out.device) + torch.repeat_interleave(base, sizes)
     out[:, 0].index_add_(0, seg, x)
-    if x.numel() > 1:
-        same = seg[:-1] == seg[1:]                     # neighbours within one tensor only
-        out[:, 1].index_add_(0, seg[:-1], torch.where(same, x[:-1] * x[1:], torch.zeros_like(x[:-1])))
+    out[:, 1].index_add_(0, seg, x * pos)
+
+
+def sharded_checksum(pieces: Sequence[Tuple[torch.Tensor, int]], group, device: torch.device) -> torch.Tensor:
+    """The :func:`checksum` of a tensor whose pieces ``(piece, offset in the tensor)`` lie on the ranks of
+    ``group`` (ZeRO-3's shards): this rank's pieces' sums, summed over ``group`` (a collective)."""
+    sums = checksums([t for t, _ in pieces], [o for _, o in pieces]).to(device).sum(0) if pieces else \
+        torch.zeros(2, dtype=torch.int64, device=device)
+    C.all_reduce(sums, group)
+    return sums
 
 
 def _ranks(group) -> List[int]:
@@ -201,23 +209,31 @@ BATCH_FIX = ("Every rank must be handed the same GLOBAL batch (each takes its ow
              "ranks' batches into one before train_step")
 
 
-def check_tensors(groups: Sequence[Tuple[str, object, Sequence[Tuple[str, torch.Tensor]]]], mesh_groups: Sequence,
+@dataclasses.dataclass
+class Summed:
+    """A checksum already computed (``[2]`` int64), e.g. :func:`sharded_checksum`'s, in place of a tensor."""
+    sums: torch.Tensor
+
+
+def check_tensors(groups: Sequence[Tuple[str, object, Sequence[Tuple[str, object]]]], mesh_groups: Sequence,
                   step: int, device: torch.device, fix: str = PARAMETER_FIX) -> None:
-    """Raise :class:`ReplicaDivergence` on every rank when, for any ``(what, group, [(name, tensor)])``,
-    a tensor differs between the ranks of ``group``. A collective over every group of ``mesh_groups``."""
+    """Raise :class:`ReplicaDivergence` on every rank when, for any ``(what, group, [(name, tensor or
+    Summed)])``, a tensor differs between the ranks of ``group``. A collective over every group of
+    ``mesh_groups``."""
     pending = _Pending()
     unique: Dict[int, int] = {}             # a tensor checked over several groups is read once
     tensors: List[torch.Tensor] = []
     for _, _, named in groups:
         for _, t in named:
-            if id(t) not in unique:
+            if not isinstance(t, Summed) and id(t) not in unique:
                 unique[id(t)] = len(tensors)
                 tensors.append(t)
     sums = checksums(tensors).to(device)
     for what, group, named in groups:
         if named:
-            rows = torch.tensor([unique[id(t)] for _, t in named], dtype=torch.int64, device=device)
-            pending.compare(what, group, [n for n, _ in named], sums.index_select(0, rows), step)
+            table = torch.stack([t.sums.to(device) if isinstance(t, Summed) else sums[unique[id(t)]]
+                                 for _, t in named])
+            pending.compare(what, group, [n for n, _ in named], table, step)
     _raise(pending, mesh_groups, device, fix)
 
 
@@ -233,4 +249,5 @@ def check_same_batch(tensors: Dict[str, Optional[torch.Tensor]], mesh_groups: Se
     check_tensors(groups, mesh_groups, step, device, fix=BATCH_FIX)
 
 
-__all__ = ["ReplicaCheck", "ReplicaDivergence", "checksum", "checksums", "check_tensors", "check_same_batch", "ENV"]
+__all__ = ["ReplicaCheck", "ReplicaDivergence", "Summed", "checksum", "checksums", "sharded_checksum",
+           "check_tensors", "check_same_batch", "ENV"]

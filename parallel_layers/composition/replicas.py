@@ -75,9 +75,10 @@ class ReplicaMode:
             sum_partial_grads([self._grad_of(p) for p in self.partial], self.tp_group)
 
     def held_tensors(self) -> List[tuple]:
-        """``(param, tensor)``: what this rank holds of each parameter between steps (the whole parameter,
-        or under ZeRO-3 each piece of its shard), for the replica check."""
-        return [(p, p) for p in self.model.parameters()]
+        """``(param, tensor, offset)``: what this rank holds of each parameter between steps (the whole
+        parameter, or under ZeRO-3 each piece of its shard, at ``offset`` in the flattened parameter), for
+        the replica check."""
+        return [(p, p, 0) for p in self.model.parameters()]
 
     def begin_step(self) -> None:
         raise NotImplementedError
@@ -193,14 +194,6 @@ class ShardedGrads(_Bucketed):
 
     def step(self, clip_coef=None, grad_scale=None, found_inf=None) -> None:
         self.optimizer.step(clip_coef=clip_coef, grad_scale=grad_scale, found_inf=found_inf)
-        if self.tied and self.dp.dp_size > 1:
-            # The two stages' copies get the same summed gradient, but each stage's ZeRO shards lay the
-            # tied weight out at other offsets, and their updates came out a rounding apart (3.7e-9 on
-            # 682 of 4096 elements after one step, Gemma at dp 2 x pp 4, ZeRO-1): the first stage's copy
-            # is the one, sent to the last stage (one broadcast of the embedding, as its gradient's sum).
-            with torch.no_grad():
-                for p in self.tied:
-                    C.broadcast(p.data, 0, self.tied_group)
 
 
 class ShardedParams(ReplicaMode):
@@ -252,7 +245,8 @@ class ShardedParams(ReplicaMode):
         return self.z.summon_full_params()
 
     def held_tensors(self) -> List[tuple]:
-        return [(p, self.z.shard_buffer[start:start + n]) for p, _, start, n in self.optimizer.shard_pieces()]
+        return [(p, self.z.shard_buffer[start:start + n], offset)
+                for p, offset, start, n in self.optimizer.shard_pieces()]
 
     def model_state_dict(self) -> dict:
         return self.z.state_dict()

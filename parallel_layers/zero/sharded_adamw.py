@@ -441,12 +441,23 @@ class ShardedAdamW(torch.optim.Optimizer):
                 continue
             m = master[a - lo:b - lo]
             if wd is None:                # decoupled decay first (skipped with the step: keep = 0)
-                m.addcmul_(m, wd_of(a, b) * keep, value=-lr)
+                m.mul_(self._decay_factors(wd_of(a, b), lr, keep))
                 wd = 0.0
             adamw_step(m, grad[a:b], exp_avg[a - lo:b - lo], exp_avg_sq[a - lo:b - lo], lr=lr,
                        step=steps[idx:idx + 1], beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
                        maximize=maximize, grad_scale=scale, found_inf=inf,
                        param_copy=None if low is None else low[a:b], backend=self.backend)
+
+    def _decay_factors(self, wd: torch.Tensor, lr: float, keep: torch.Tensor) -> torch.Tensor:
+        """Per element ``float(1 - lr * wd)`` (1 where ``keep`` is 0), rounded once from double as the fused
+        kernel rounds its scalar: a parameter's update must not depend on whether its run mixes weight decays
+        (the same tied weight lies in a mixed run on one stage and a plain one on the other, and an
+        ``m - lr * wd * m`` here came out a rounding apart from the kernel's ``m * (1 - lr * wd)``)."""
+        factors = torch.ones_like(wd)
+        for value in {float(g["weight_decay"]) for g in self.param_groups}:
+            if value:
+                factors.masked_fill_(wd == value, 1.0 - lr * value)
+        return torch.where(keep > 0, factors, torch.ones_like(factors))
 
     def _wd_fill(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
         """``_wd_vector()[a:b]`` without the whole vector: filled from the pieces into ``out`` (a sub-group
