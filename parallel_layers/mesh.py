@@ -132,6 +132,21 @@ class ParallelMesh:
         self.pp_rank = self.rank // (tp * cp * dp)
         assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from (pp, dp, cp, tp)"
 
+    def tied_stage_group(self):
+        """The group of the first and last stage of this rank's pipeline (where a tied embedding's two copies
+        live), or None on a middle stage or with ``pp=1``. Made on first use, a collective over the world
+        (every rank calls it then, in the same order), and kept: each model built on the mesh reuses it
+        (a new gloo group per model kept three more threads polling in every long-lived process)."""
+        if not hasattr(self, "_tied_stage_group"):
+            mine = None
+            for ranks in _dim_ranks(self.pp, self.dp, self.cp, self.tp, "pp") if self.pp > 1 else []:
+                group = dist.new_group([ranks[0], ranks[-1]], timeout=self.timeout,
+                                       group_desc=f"tied embedding group [{ranks[0]}, {ranks[-1]}]")
+                if self.rank in (ranks[0], ranks[-1]):
+                    mine = group
+            self._tied_stage_group = mine
+        return self._tied_stage_group
+
     @property
     def replicas(self) -> int:
         """How many ranks hold the same parameters: ``dp x cp``."""

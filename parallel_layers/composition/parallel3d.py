@@ -93,7 +93,7 @@ from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
 from ..models.gpt_stages import build_gpt_stages
 from ..models.partitioned_checkpoint import SavedInputs
-from ..pipeline import PipelineEngine, tied_embedding_group
+from ..pipeline import PipelineEngine
 from ..pipeline.any_model import split_model
 from ..pipeline.schedules import layout_of
 from ..pipeline.timeline import draw
@@ -144,7 +144,7 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
                              f"recipe a tp_plan (docs/custom_recipe.md)")
         parallelize(model, tp_group, plan)
     # in a V the first and last stage are both on pipeline rank 0: tied weights are one module there
-    tied_group = tied_embedding_group(mesh.pp_group) if mesh.pp > 1 and layout == "loop" else None
+    tied_group = mesh.tied_stage_group() if mesh.pp > 1 and layout == "loop" else None
     chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
                          block_costs=block_costs, loss_fn=loss_fn, tied_group=tied_group, checkpoint=checkpoint,
                          sum_tied_grads_in_stage=False, layout=layout, saved_inputs=saved_inputs)
@@ -275,7 +275,7 @@ class Parallel3D:
             self.config = model
             self.description = dataclasses.asdict(model)
             # a collective over the whole world: every rank calls it, in the same order
-            self.tied_group = tied_embedding_group(mesh.pp_group) if (model.tie_embeddings and mesh.pp > 1
+            self.tied_group = mesh.tied_stage_group() if (model.tie_embeddings and mesh.pp > 1
                                                                       and layout_of(schedule) == "loop") else None
             chunks, tied, duplicates = _gpt_stages(model, mesh, self.tp_group, self.tied_group, num_chunks=num_chunks,
                                                    schedule=schedule, checkpoint=checkpoint, dtype=dtype,
