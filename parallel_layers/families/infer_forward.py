@@ -12,25 +12,18 @@ read must be
   :mod:`.infer_recipe` reads itself);
 - or an extra below, whose statement is found in the source as written here (``ast.unparse``'s spelling):
 
-===============================  =========  ==============================================================
-extra (what the forward reads)   where      the statement reproduced
-===============================  =========  ==============================================================
-``embedding_multiplier``         embedding  ``inputs_embeds = inputs_embeds * self.embedding_multiplier``
-                                            (Granite)
-``embedding_dropout``            embedding  ``nn.functional.dropout(hidden_states, p=self.embedding_dropout,
-                                            training=self.training)`` (Starcoder2)
-``config.logits_scaling``        head       ``logits = logits / self.config.logits_scaling`` (Granite)
-``logit_scale``                  head       ``logits = logits * self.logit_scale`` (Cohere)
-``config.final_logit_softcapping``  head    ``cap * tanh(logits / cap)`` where it is not None (Gemma 2, 3)
-``config.use_bidirectional_...``  masks     accepted while false; true is refused (its masks are not built)
-``use_alibi`` (and ``num_heads``, context   Falcon's ALiBi: ``build_alibi_tensor`` of the model's module,
-``config.hidden_size``)                     folded into the causal mask (:func:`alibi_context`)
-``config.output_router_logits``  loss       mixtures of experts: the routers' load-balancing loss, added to
-                                            the model's loss; accepted while false (the logits are the same)
-``multi_query``                  masks      GPT-BigCode's cross-attention mask (no encoder here)
-===============================  =========  ==============================================================
-
-HyperCLOVAX multiplies by ``config.logits_scaling`` where Granite divides: both statements are known.
+- embedding: ``inputs_embeds = inputs_embeds * self.embedding_multiplier`` (Granite, HyperCLOVAX);
+  ``nn.functional.dropout(hidden_states, p=self.embedding_dropout, training=self.training)`` (Starcoder2);
+- head: ``logits = logits / self.config.logits_scaling`` (Granite) or ``logits = self.lm_head(hidden_states)
+  * self.config.logits_scaling`` (HyperCLOVAX); ``logits = logits * self.logit_scale`` (Cohere);
+  ``cap * tanh(logits / cap)`` with ``cap = config.final_logit_softcapping`` where it is not None (Gemma 2, 3);
+- context: Falcon's ALiBi (``self.use_alibi``, ``self.num_heads``, ``self.config.hidden_size``):
+  ``build_alibi_tensor`` of the model's module, folded into the causal mask (:func:`alibi_context`);
+- accepted while off, refused while on: ``config.use_bidirectional_attention`` (Gemma 3: masks that see
+  later tokens are not built), ``config.output_router_logits`` (mixtures of experts: the routers'
+  load-balancing loss added to the model's loss, which the recipe's loss_fn does not see; the logits are
+  the same either way);
+- accepted: ``self.multi_query`` in GPT-BigCode's cross-attention mask (no encoder here).
 
 Anything else (a method such as ``self._update_causal_mask``, an attribute such as ``self.scale_emb``, an
 option read as ``self.config.<name>``) is refused naming it: :class:`~.infer_recipe.InferenceError`. So is
