@@ -20,6 +20,11 @@ STEPS, BATCH, SEQ, LR, WD, CLIP = 2, 8, 12, 1e-4, 0.1, 1.0
 SHIPPED = ("llama", "qwen2", "gpt2")
 SIX = ("llama", "mistral", "qwen2", "gemma", "gpt2", "own")
 MORE = ("starcoder2", "gptj", "smollm3", "llama_tied")
+# forwards beyond blocks and norms: sliding layers (Qwen2, Gemma 2/3), soft-capping (Gemma 2), multipliers
+# (Granite), logit scale and per-head norm rows (Cohere), ALiBi sliced per tp rank's heads (Falcon)
+EXTRAS = ("qwen2_sliding", "gemma2", "gemma3", "granite", "cohere", "cohere_qk", "falcon", "falcon_rope")
+# Gemma 2's own forward gives NaN on a left-padded row (its soft-capped scores of a fully masked query)
+UNPADDED = ("own", "gemma2")
 # Starcoder2's LayerNorm biases start at zero and move only by Adam's lr-sized steps, so their relative
 # error is that of a tensor of 1e-3: 4.6e-6 at dp2 x pp2 with no tp, 1.1e-5 at tp 2 (every weight matrix
 # within 2e-7)
@@ -35,6 +40,8 @@ GROUPS = {   # (dp, tp, pp), ZeRO stage, schedule, families: every family in bot
     "tp2pp2-zero3-qk-norms": ((2, 2, 2), 3, "1f1b", ("qwen3", "olmo2")),
     "tp2pp2-zero1-more": ((2, 2, 2), 1, "1f1b", MORE),
     "tp2pp2-zero3-more": ((2, 2, 2), 3, "1f1b", MORE),
+    "tp2pp2-zero1-extras": ((2, 2, 2), 1, "1f1b", EXTRAS),
+    "tp2pp2-zero3-extras": ((2, 2, 2), 3, "1f1b", EXTRAS),
 }
 
 
@@ -55,7 +62,7 @@ def _batches(kind):
         tgt = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         mask = torch.ones_like(ids)
         mask[1::2, :3] = 0                 # left padding, carried to every stage
-        out.append((ids, tgt, None if kind == "own" else mask))
+        out.append((ids, tgt, None if kind in UNPADDED else mask))
     return out
 
 

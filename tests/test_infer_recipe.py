@@ -110,12 +110,9 @@ def test_gemma3_with_every_layer_sliding_gets_its_local_rotary_table():
                                rtol=0, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="Qwen2ForCausalLM is served by the shipped LLAMA recipe (families/llama.py), "
-                                       "whose full causal mask ignores the sliding window; the inferred recipe is "
-                                       "exact (test above): llama.py's RECIPES must send Qwen2 to infer_hf_decoder")
 def test_qwen2_with_its_sliding_window_through_recipe_for():
     """Qwen2 with use_sliding_window=True trained silently wrong (0.22 off in the logits at a window of 4
-    over 12 tokens): recipe_for gave it Llama's recipe."""
+    over 12 tokens): recipe_for gave it Llama's recipe, whose one causal mask ignores the window."""
     model = family_model("qwen2_sliding", dtype=torch.float64)
     ids, mask = _batch("qwen2_sliding")
     torch.testing.assert_close(_chained(copy.deepcopy(model), ids, mask), logits_of(model, ids, mask), rtol=0,

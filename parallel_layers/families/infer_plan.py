@@ -11,8 +11,9 @@ row-wise (split input)      ``o_proj out_proj dense c_proj down_proj fc2 w2 fc_o
 fused, with sections        ``qkv_proj`` (q, k, v: ``num_attention_heads x head_dim``, then
                             ``num_key_value_heads x head_dim`` twice), ``c_attn`` (GPT-2: three
                             equal parts), ``gate_up_proj`` (two equal parts)
-fused, per head             ``query_key_value`` of GPT-NeoX (``[q|k|v]`` per head: a contiguous
-                            split is whole heads, ``"sections": None``)
+fused, per head             ``query_key_value`` of GPT-NeoX and Falcon (``[q|k|v]`` per head, or
+                            ``[q.. | k | v]`` per key/value group: a contiguous split is whole heads,
+                            ``"sections": None``; Falcon's multi-query layout is refused)
 ==========================  =================================================================
 
 An attention module (one with a q/k/v projection) gets local head counts: its integer attributes
@@ -77,6 +78,13 @@ def _fused_spec(name: str, child: nn.Module, attn: nn.Module, config) -> dict:
         return {"style": "colwise", "sections": [n_out // 3] * 3}
     if leaf == "query_key_value":
         if getattr(config, "model_type", None) in PER_HEAD_QKV:
+            return {"style": "colwise", "sections": None}
+        if getattr(config, "model_type", None) == "falcon":
+            if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+                raise PlanError(f"infer_tp_plan: {name!r} is Falcon's multi-query [q of every head | k | v]: one "
+                                f"key/value head shared by all, which tensor parallelism would have to replicate "
+                                f"(it does not); train it with tp=1, or pass tp_plan= without its attention")
+            # [q|k|v] per head, or [q.. | k | v] per key/value group: a contiguous split is whole heads/groups
             return {"style": "colwise", "sections": None}
         raise PlanError(f"infer_tp_plan: {name!r} is a fused query_key_value of a {getattr(config, 'model_type', '?')}"
                         f" model whose layout is not known here (per head, as GPT-NeoX's, or [q | k | v]); pass "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .infer_recipe import infer_hf_decoder
 from .recipe import Recipe, causal_mask, first_output, positions
 
 
@@ -31,7 +32,18 @@ LLAMA = Recipe(
     block=lambda block, h, ctx: first_output(block(h, **ctx)),
     tp_plan=llama_plan)
 
-# the model classes this file serves (the registry reads it)
-RECIPES = {"LlamaForCausalLM": LLAMA, "Qwen2ForCausalLM": LLAMA}
 
-__all__ = ["LLAMA", "llama_plan", "RECIPES"]
+
+def qwen2_recipe(model: nn.Module) -> Recipe:
+    """Llama's recipe, unless some layers attend through a sliding window (``use_sliding_window``: its
+    ``layer_types`` mix kinds): the inferred recipe builds one mask per kind and gives each block its own
+    (Llama's one causal mask trained those layers on a different forward)."""
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+        return infer_hf_decoder(model)
+    return LLAMA
+
+
+# the model classes this file serves (the registry reads it)
+RECIPES = {"LlamaForCausalLM": LLAMA, "Qwen2ForCausalLM": qwen2_recipe}
+
+__all__ = ["LLAMA", "llama_plan", "qwen2_recipe", "RECIPES"]

@@ -81,6 +81,13 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 # flagged buffer replaces the copy the unchecked version makes anyway (clone / contiguous), except for
 # the all-gather, whose result is copied once more to drop the flags.
 
+def _leading(buf: torch.Tensor, shape: Tuple[int, ...], offset: int = 0) -> torch.Tensor:
+    """``buf``'s elements ``[offset, offset + prod(shape))`` as a tensor of ``shape`` that shares its storage
+    but is not a view: the output of an autograd Function that is a view of a buffer made inside it cannot
+    be changed in place, and models do (Falcon adds its attention output into the MLP's in place)."""
+    return buf.new_empty(0).set_(buf.untyped_storage(), buf.storage_offset() + offset, shape)
+
+
 def _flagged_all_reduce(x: torch.Tensor, agreed: Tuple[int, ...], matches: bool, group):
     n = math.prod(agreed)
     if matches:
@@ -89,7 +96,7 @@ def _flagged_all_reduce(x: torch.Tensor, agreed: Tuple[int, ...], matches: bool,
         buf = x.new_zeros(n + 1)
         buf[n] = 1
     C.all_reduce(buf, group)
-    return buf[:n].view(agreed), buf[n].item()
+    return _leading(buf, agreed), buf[n].item()
 
 
 def _flagged_gather(x: torch.Tensor, dim: int, agreed: Tuple[int, ...], matches: bool, group):
