@@ -288,3 +288,22 @@ def body_gpt_cp(rank, world, dims, zero, method, sp, schedule):
          "cp2-tp2-sp-zero1-ring"])
 def test_reference_gpt_with_context_parallel_matches_single_process(dist_pools, dims, zero, method, sp, schedule):
     _check(dist_pools(4).run(body_gpt_cp, dims, zero, method, sp, schedule))
+
+
+def body_cp_softcap(rank, world):
+    from hf_families import family_model
+
+    from parallel_layers.composition.parallel3d import Parallel3D
+
+    model = Parallel3D(family_model("gemma2"), cached_mesh(cp=2), loss_fn=_reference_loss_fn, num_microbatches=1)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError) as err:
+        model.train_step(ids, ids)
+    return str(err.value)
+
+
+def test_soft_capped_attention_is_refused_under_context_parallelism(dist_pools):
+    """Gemma 2's attention soft-caps its scores: the context-parallel attention took the softcap= argument
+    and dropped it (a different forward, silently); now it refuses by name."""
+    for msg in dist_pools(2).run(body_cp_softcap):
+        assert "softcap" in msg and "use cp=1" in msg

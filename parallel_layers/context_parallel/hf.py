@@ -45,6 +45,11 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:
         raise ValueError(f"{name}: attention dropout {dropout} is not supported under context parallelism; set the "
                          f"config's attention dropout to 0")
+    for option in ("softcap", "s_aux"):
+        if kwargs.get(option) is not None:
+            raise ValueError(f"{name}: attention with {option} (Gemma 2's soft-capped scores, gpt-oss's sinks) is "
+                             f"not computed by context-parallel attention, which would silently drop it; use cp=1 "
+                             f"for this model")
     window = kwargs.get("sliding_window")
     if window is not None and cp_context.segments.shape[1] > window:
         raise ValueError(f"{name}: sliding-window attention (window {window}) over sequences of "

@@ -16,6 +16,7 @@ stage (an exact linear partition, not a greedy cut).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -60,16 +61,28 @@ class ModelStage(nn.Module):
         self.saved_inputs = saved_inputs     # how a checkpointed block keeps its input (models.partitioned_checkpoint)
         ids = dense_names or {}
         self._dense = {n: ids[id(p)] for n, p in self.named_parameters(remove_duplicate=False) if id(p) in ids}
+        self._side_ok: set = set()          # side-input names already checked against the recipe
+
+    def _check_side(self, model, x, side) -> None:
+        """The side inputs must be ones the recipe's embed/context take (checked against their signatures,
+        once per set of names: a TypeError raised inside them is theirs, not a wrong side input)."""
+        names = frozenset(side)
+        if names in self._side_ok:
+            return
+        for fn in ((self.recipe.embed,) if self.is_first else ()) + (self.recipe.context,):
+            try:
+                inspect.signature(fn).bind(model, x, **side)
+            except TypeError as exc:
+                raise TypeError(f"ModelStage: the recipe of {type(model).__name__} does not take the side inputs "
+                                f"{sorted(side)} ({exc}); pass only what its embed/context functions accept, or "
+                                f"write a Recipe whose context carries them to the blocks") from exc
+        self._side_ok.add(names)
 
     def forward(self, x, targets=None, **side):
         model = self._model[0]
-        try:
-            h = self.recipe.embed(model, x, **side) if self.is_first else x
-            ctx = self.recipe.context(model, h, **side)
-        except TypeError as exc:
-            raise TypeError(f"ModelStage: the recipe of {type(model).__name__} does not take the side inputs "
-                            f"{sorted(side)} ({exc}); pass only what its embed/context functions accept, or "
-                            f"write a Recipe whose context carries them to the blocks") from exc
+        self._check_side(model, x, side)
+        h = self.recipe.embed(model, x, **side) if self.is_first else x
+        ctx = self.recipe.context(model, h, **side)
         fns = [lambda t, block=block: self.recipe.block(block, t, ctx) for block in self.blocks]
         h = run_blocks(fns, h, self.checkpointing if self.training else 0, None, self.saved_inputs)
         if not self.is_last:
