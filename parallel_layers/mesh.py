@@ -132,6 +132,11 @@ class ParallelMesh:
         self.pp_rank = self.rank // (tp * cp * dp)
         assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from (pp, dp, cp, tp)"
 
+    def dim_groups(self) -> list:
+        """This rank's group of every dimension (pp, dp, cp where cp > 1, tp): together they cover the mesh, so
+        a value agreed over each in turn is agreed over all of it."""
+        return [self.pp_group, self.dp_group] + ([self.cp_group] if self.cp > 1 else []) + [self.tp_group]
+
     def tied_stage_group(self):
         """The group of the first and last stage of this rank's pipeline (where a tied embedding's two copies
         live), or None on a middle stage or with ``pp=1``. Made on first use, a collective over the world

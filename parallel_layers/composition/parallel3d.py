@@ -357,8 +357,7 @@ class Parallel3D:
         step = self.steps_taken + 1
         checked = self.replica_check is not None and self.replica_check.due(step)
         if checked and self.replica_check.batch:
-            check_same_batch(dict(side, inputs=inputs, targets=targets), self._mesh_groups(), step,
-                             self._flag_device())
+            check_same_batch(inputs, targets, side, self.mesh.dim_groups(), step, self._flag_device())
         x, y, side = self._this_ranks_batch(inputs, targets, side)
         counted, denominator = self._loss_denominator(targets)
         mode.begin_step()
@@ -392,9 +391,6 @@ class Parallel3D:
         return out
 
     # ------------------------------------------------------------------ the replica invariant
-    def _mesh_groups(self) -> list:
-        m = self.mesh
-        return [m.pp_group, m.dp_group, getattr(m, "cp_group", None), m.tp_group]
 
     def replica_groups(self) -> list:
         """``(what, group, [(name, tensor)])``: the tensors this rank holds that must be bit-identical on
@@ -429,14 +425,14 @@ class Parallel3D:
         """Raise :class:`~parallel_layers.composition.replica_check.ReplicaDivergence` on every rank when a
         replicated tensor (:meth:`replica_groups`) differs between the ranks that hold it. A collective over
         the whole mesh; :meth:`train_step` calls it on the steps ``replica_check`` names."""
-        check_tensors(self.replica_groups(), self._mesh_groups(), self.steps_taken, self._flag_device())
+        check_tensors(self.replica_groups(), self.mesh.dim_groups(), self.steps_taken, self._flag_device())
 
-    def _check_batch_shapes(self, inputs: torch.Tensor, targets: torch.Tensor, side: dict) -> None:
+    def _check_batch_shapes(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+                            side: dict) -> None:
         """Targets and side inputs that do not line up with the inputs, refused before the step (the last
         stage's loss would otherwise meet them mid-schedule)."""
         if not torch.is_tensor(inputs) or not torch.is_tensor(targets):
-            raise TypeError(f"Parallel3D.train_step: inputs and targets must be tensors, got "
-                            f"{type(inputs).__name__} and {type(targets).__name__}")
+            return              # a rank whose stages read no token ids may pass None (freeze training does)
         n = 2 if inputs.dim() >= 2 and targets.dim() >= 2 else 1      # rows, and tokens where both have them
         if tuple(targets.shape[:n]) != tuple(inputs.shape[:n]):
             raise ValueError(f"Parallel3D.train_step: targets of shape {tuple(targets.shape)} do not match the "

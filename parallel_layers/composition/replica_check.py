@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,6 +35,7 @@ from ..distributed import collectives as C
 ENV = "PARALLEL_LAYERS_REPLICA_CHECK"
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 24          # elements folded at once: bounds the int64 temporaries to 128 MiB
+_ABSENT = torch.iinfo(torch.int64).max     # a row a rank does not hold: neutral in the MIN all-reduce
 
 
 class ReplicaDivergence(RuntimeError):
@@ -160,23 +162,32 @@ class _Pending:
     def __init__(self):
         self.failures: List[str] = []
 
-    def compare(self, what: str, group, names: Sequence[str], sums: torch.Tensor, step: int) -> None:
-        """Compare ``sums`` ``[len(names), 2]`` over ``group``; a mismatch is recorded, naming the ranks."""
+    def compare(self, what: str, group, names: Sequence[str], sums: torch.Tensor, step: int,
+                present: Optional[torch.Tensor] = None) -> None:
+        """Compare ``sums`` ``[len(names), 2]`` over ``group``; a mismatch is recorded, naming the ranks.
+        ``present`` (a bool per row): rows this rank does not hold are compared among the ranks that do."""
         if group is None or C.world_size(group) == 1 or not names:
             return
         both = torch.cat([sums, -sums], dim=1)
+        if present is not None:
+            both[~present] = _ABSENT                                  # neutral in the minimum
         C.all_reduce(both, group, op=dist.ReduceOp.MIN)
-        differ = (both[:, :2] != -both[:, 2:]).any(dim=1)
+        nobody = (both == _ABSENT).all(dim=1)
+        differ = (both[:, :2] != -both[:, 2:]).any(dim=1) & ~nobody
         if not bool(differ.any()):
             return
-        table = C.all_gather_dim0(sums.unsqueeze(0), group)          # [ranks, names, 2]; the whole group is here
+        mine = sums.clone()
+        if present is not None:
+            mine[~present] = _ABSENT
+        table = C.all_gather_dim0(mine.unsqueeze(0), group)          # [ranks, names, 2]; the whole group is here
         ranks = _ranks(group)
         lines = []
         for i in torch.nonzero(differ).flatten().tolist():
             kinds: Dict[Tuple[int, int], List[int]] = {}
             for r, row in enumerate(table[:, i].tolist()):
                 kinds.setdefault(tuple(row), []).append(ranks[r])
-            split = " / ".join(f"ranks {v}" for v in sorted(kinds.values()))
+            split = " / ".join(("not passed on " if k[0] == _ABSENT else "") + f"ranks {v}"
+                               for k, v in sorted(kinds.items(), key=lambda kv: kv[1]))
             lines.append(f"{names[i]} (copies differ: {split})")
         shown = "; ".join(lines[:8]) + (f"; and {len(lines) - 8} more" if len(lines) > 8 else "")
         self.failures.append(f"{what} over the group of ranks {ranks} at step {step}: {shown}")
@@ -237,16 +248,28 @@ def check_tensors(groups: Sequence[Tuple[str, object, Sequence[Tuple[str, object
     _raise(pending, mesh_groups, device, fix)
 
 
-def check_same_batch(tensors: Dict[str, Optional[torch.Tensor]], mesh_groups: Sequence, step: int,
-                     device: torch.device) -> None:
-    """Raise on every rank when the ranks of the mesh were handed different global batches (``tensors``:
-    the inputs, targets and side inputs by name). Compared over each mesh dimension's group, which
+def check_same_batch(inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor], side: Dict[str, object],
+                     mesh_groups: Sequence, step: int, device: torch.device) -> None:
+    """Raise on every rank when the ranks of the mesh were handed different global batches: the inputs, the
+    targets and the side inputs (their names, shapes and bits), each compared among the ranks that pass it
+    (a pipeline rank that reads no token ids may pass None), over each mesh dimension's group, which
     together cover the mesh."""
-    named = [(k, t) for k, t in tensors.items() if torch.is_tensor(t)]
-    shapes = [(k, torch.tensor(list(t.shape) or [0], dtype=torch.int64)) for k, t in named]
-    groups = [("the global batch", g, [(f"{k} (shape)", s) for k, s in shapes] + named)
-              for g in mesh_groups if g is not None]
-    check_tensors(groups, mesh_groups, step, device, fix=BATCH_FIX)
+    def shaped(t):
+        return checksum(t).to(device) + checksum(torch.tensor(list(t.shape) + [t.dim()], dtype=torch.int64)).to(device)
+
+    rows = torch.zeros(3, 2, dtype=torch.int64, device=device)
+    present = torch.zeros(3, dtype=torch.bool, device=device)
+    for i, t in enumerate((inputs, targets)):
+        if torch.is_tensor(t):
+            rows[i], present[i] = shaped(t), True
+    for name in sorted(k for k, v in side.items() if torch.is_tensor(v)):
+        rows[2] += shaped(side[name]) * (zlib.crc32(name.encode()) | 1)
+        present[2] = True
+    pending = _Pending()
+    for g in mesh_groups:
+        if g is not None:
+            pending.compare("the global batch", g, ["inputs", "targets", "side inputs"], rows, step, present)
+    _raise(pending, mesh_groups, device, BATCH_FIX)
 
 
 __all__ = ["ReplicaCheck", "ReplicaDivergence", "Summed", "checksum", "checksums", "sharded_checksum",

@@ -26,7 +26,6 @@ import torch.nn as nn
 
 from ..data_parallel.ddp import DataParallel
 from ..distributed import collectives as C
-from ..pipeline.stage import sum_tied_grads
 from ..tensor_parallel.partial_grads import partial_grad_params, sum_partial_grads
 from ..zero.optimizer import ZeroOptimizer
 from ..zero.stage3 import ZeroStage3
@@ -73,6 +72,26 @@ class ReplicaMode:
         """Sum the tp-partial gradients of replicated parameters over tp (before anything reads them)."""
         if self.partial:
             sum_partial_grads([self._grad_of(p) for p in self.partial], self.tp_group)
+
+    def sum_tied_grads(self) -> None:
+        """Sum the tied weights' gradients over the first and last stage, so that the reduction over dp then
+        gives both copies the same bits. With more than two dp ranks the buckets' reduction would add a
+        tied weight's gradients in an order set by where it lies in this stage's buckets, which differs
+        between the two stages (a rounding apart after one step, Gemma at dp 4): there it is reduced over
+        dp on its own first (the same layout on both stages), and the buckets add exact zeros to it."""
+        grads = [self._tied_grad(p) for p in self.tied]
+        alone = self.tied and C.world_size(self.dp_group) > 2
+        if alone:
+            for g in grads:
+                C.all_reduce(g, self.dp_group)
+        for g in grads:
+            C.all_reduce(g, self.tied_group)
+        if alone and C.rank(self.dp_group) != 0:
+            for g in grads:
+                g.zero_()
+
+    def _tied_grad(self, p: nn.Parameter) -> torch.Tensor:
+        return self._grad_of(p)
 
     def held_tensors(self) -> List[tuple]:
         """``(param, tensor, offset)``: what this rank holds of each parameter between steps (the whole
@@ -131,8 +150,7 @@ class _Bucketed(ReplicaMode):
 
     def reduce(self) -> None:
         self.sum_partial_grads()
-        for p in self.tied:
-            C.all_reduce(p.main_grad, self.tied_group)
+        self.sum_tied_grads()
         self.dp.sync_gradients()
 
 
@@ -221,9 +239,14 @@ class ShardedParams(ReplicaMode):
     def abandon_step(self) -> None:
         self.z.release_gathered()                  # no collective: the other ranks may never get there
 
+    def _tied_grad(self, p):
+        if p.grad is None:                         # one end may not have used the weight this step
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
     def reduce(self) -> None:
         self.sum_partial_grads()                   # on the full gradients
-        sum_tied_grads(self.tied, self.tied_group)
+        self.sum_tied_grads()
         self.z.reduce_scatter_and_free()           # once per step, over dp; reshard
 
     def norm_pieces(self) -> List[torch.Tensor]:

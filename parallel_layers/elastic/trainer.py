@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from ..composition.config import split_keywords
 from ..composition.parallel3d import Parallel3D
+from ..composition.replica_check import ReplicaCheck, check_same_batch
 from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
 from .auto_freeze import FreezePolicy, parse_freeze
@@ -95,6 +96,10 @@ class FreezeTrainer:
             warnings.warn(warning, DeprecationWarning, stacklevel=2)
         # Parallel3D's keywords, the settings in their groups (the flat ones are not passed on: one warning)
         self.build_model, self.loss_fn, self.options = build_model, loss_fn, {**plain, **settings.as_keywords()}
+        # the batch is checked here, on the global batch: the active part's Parallel3D is handed the prefix's
+        # output, whose rows outside a replica's slice are not filled
+        check = self.options.pop("replica_check", "default")
+        self.replica_check = ReplicaCheck.default() if check == "default" else check
         self.layouts, self.tolerance = layouts, layout_tolerance
         self.mesh_factory = mesh_factory or (lambda d, p: ParallelMesh(dp=d, tp=1, pp=p, timeout=timeout))
         self.device = torch.device(options["device"]) if options.get("device") is not None else torch.device("cpu")
@@ -130,7 +135,8 @@ class FreezeTrainer:
         if prefix is not None:                       # the dtype and device Parallel3D gives the active part
             prefix.model.to(device=self.options.get("device"), dtype=self.options["precision"].dtype)
         pipeline = dataclasses.replace(self.options["pipeline"], boundaries=layout.boundaries)
-        self.model = Parallel3D(active, mesh, loss_fn=self.loss_fn, recipe=recipe,
+        check = None if self.replica_check is None else dataclasses.replace(self.replica_check, batch=False)
+        self.model = Parallel3D(active, mesh, loss_fn=self.loss_fn, recipe=recipe, replica_check=check,
                                 **{**self.options, "pipeline": pipeline})
         self.mesh, self.prefix, self.layout = mesh, prefix, layout
         params, modules = {}, {}
@@ -251,6 +257,9 @@ class FreezeTrainer:
         target = self.policy.frozen_blocks(self.step, self.layout.frozen)
         if target > self.layout.frozen:
             event = self.relayout(target, inputs.shape[0], cached=sample_ids is not None and self.cache.max_bytes > 0)
+        check = self.replica_check
+        if check is not None and check.batch and check.due(self.step + 1):
+            check_same_batch(inputs, targets, side, self.mesh.dim_groups(), self.step + 1, self.model.grad_device)
         x = inputs if self.layout.frozen == 0 else self._prefix_input(inputs, sample_ids, side)
         out = self.model.train_step(x, targets, **side)
         self.timer.count(inputs.shape[0] // self.mesh.dp)
