@@ -57,6 +57,7 @@ def test_checksums_of_many_tensors_equal_each_ones_checksum(monkeypatch):
     from parallel_layers.composition import replica_check as R
 
     monkeypatch.setattr(R, "_CHUNK", 64)             # small chunks: tensors folded in several batches, some alone
+    monkeypatch.setattr(R, "_CHUNK_CPU", 64)
     torch.manual_seed(0)
     ts = [torch.randn(n).to(dt) for n, dt in [(5, torch.float32), (0, torch.float32), (1, torch.bfloat16),
                                               (17, torch.float32), (40, torch.float16), (300, torch.float32),
