@@ -199,7 +199,9 @@ class Parallel3D:
     that fits with the layout planner (:mod:`parallel_layers.planner`; rank 0 plans in a child process,
     every rank gets its choice), or a ``planner.Layout``; it sets the mesh when ``mesh`` is None, and
     ``zero``, ``schedule``, ``num_microbatches``, ``num_chunks`` and ``checkpoint`` (``self.layout``),
-    over those given.
+    over those given. ``replica_check``: when every replicated parameter and the global batch are checked
+    bit-identical over the ranks that hold them (:class:`~parallel_layers.composition.replica_check.ReplicaCheck`;
+    ``"default"``: the first 3 steps and every 100th, or ``PARALLEL_LAYERS_REPLICA_CHECK``; None: never).
     """
 
     def __init__(self, model: Union[GPTConfig, nn.Module], mesh: ParallelMesh, *,
