@@ -194,10 +194,16 @@ def body_fp16_inf(rank, world):
     # Inject inf into rank 1's LOCAL gradient, at an element that rank 0 owns after the reduce-scatter: only
     # rank 0's shard sees it, so only the agreement over the dp group can make rank 1 skip too.
     _, loss = dp(*mine)
-    b = dp.buffer.buckets[0]
-    if rank == 1:
-        b.grad_data[b.param_offsets[0]] = float("inf")
+    first = dp.buffer.buckets[0].params[0]      # ZeRO-2: its bucket's memory exists only once gradients land
+
+    def inf_at_first_element(grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+    hook = first.register_hook(inf_at_first_element) if rank == 1 else None
     scaler.scale_loss(loss).backward()
+    if hook is not None:
+        hook.remove()
     shard_finite = bool(torch.isfinite(dp.grad_shard).all())
     found_inf, _ = scaler.unscale_and_check([dp.grad_shard], groups=[dp.dp_group], unscale=False)
     opt.step(grad_scale=scaler.scale.clone(), found_inf=found_inf)

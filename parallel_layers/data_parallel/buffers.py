@@ -12,6 +12,8 @@ Layout rules:
 - A parameter never straddles buckets. A bucket is padded to a multiple of ``lcm(dp_size, pad_to_multiple)``
   elements, so it splits into ``dp_size`` equal shards; rank r owns shard r of EVERY bucket.
 - Padding is zero in both buffers and stays zero (nobody writes it; reduce of zeros is zero).
+- Gradients live in one flat ``grad_buffer`` (bucket views of it), or, after :meth:`split_grad_storage`
+  (ZeRO-2), in one tensor per bucket, so each bucket's memory can be freed as soon as it is reduced.
 """
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ class ParamAndGradBuffer:
         self.param_dtype = param_dtype or params[0].dtype
         self.grad_dtype = grad_dtype
         self.align = math.lcm(self.dp_size, max(1, int(pad_to_multiple)))
+        self.separate_grads = False      # one grad tensor per bucket (split_grad_storage) instead of one flat one
         # reverse: last layers' grads arrive first in backward
         self._layout(list(reversed(params)), copy_from=None)
 
@@ -114,7 +117,13 @@ class ParamAndGradBuffer:
         total = sum(sizes)
         with torch.no_grad():
             self.param_buffer = torch.zeros(total, dtype=self.param_dtype, device=self.device)
-            self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype, device=self.device)
+            if self.separate_grads:
+                self.grad_buffer = None
+                grads = [torch.zeros(n, dtype=self.grad_dtype, device=self.device) for n in sizes]
+            else:
+                self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype, device=self.device)
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                grads = [self.grad_buffer[a:a + n] for a, n in zip(starts, sizes)]
             self.buckets: List[Bucket] = []
             self._where: Dict[int, Tuple[int, int]] = {}   # id(param) -> (bucket index, offset in bucket)
             self.params: List[torch.nn.Parameter] = []
@@ -125,7 +134,7 @@ class ParamAndGradBuffer:
                     offs.append(pos)
                     k = p.numel()
                     pv = self.param_buffer[start + pos:start + pos + k]
-                    gv = self.grad_buffer[start + pos:start + pos + k]
+                    gv = grads[bi][pos:pos + k]
                     if copy_from is None:
                         pv.copy_(p.data.reshape(-1))
                     else:
@@ -138,7 +147,7 @@ class ParamAndGradBuffer:
                     self.params.append(p)
                     pos += k
                 self.buckets.append(Bucket(bi, list(g), offs, n, self.dp_size, self.param_buffer[start:start + n],
-                                           self.grad_buffer[start:start + n], start))
+                                           grads[bi], start))
                 start += n
 
     def rebuild(self, order: List[torch.nn.Parameter]) -> None:
@@ -152,9 +161,32 @@ class ParamAndGradBuffer:
         if len(seen) != len(order) or not seen <= set(self._where):
             raise ValueError("ParamAndGradBuffer.rebuild: order must list buffer parameters, each once")
         full = list(order) + [p for p in self.params if id(p) not in seen]
-        old = {id(p): (p.data.reshape(-1).clone(), p.main_grad.reshape(-1).clone()) for p in self.params}
+        old = {id(p): (p.data.reshape(-1).clone(), self._grad_values(p)) for p in self.params}
         self._layout(full, copy_from=old)
 
+    def _grad_values(self, p) -> torch.Tensor:
+        """A copy of ``p``'s gradient slice (zeros where its bucket's memory is freed)."""
+        if p.main_grad.untyped_storage().nbytes() == 0:
+            return torch.zeros(p.numel(), dtype=self.grad_dtype, device=self.device)
+        return p.main_grad.reshape(-1).clone()
+
+    def split_grad_storage(self) -> None:
+        """Give every bucket its own gradient tensor (values kept), so that one bucket's memory can be freed
+        and brought back alone (ZeRO-2 frees each as soon as its reduction is done). ``grad_buffer`` is then
+        None; :meth:`grad_tensors` lists the gradient memory either way."""
+        if self.separate_grads:
+            return
+        self.separate_grads = True
+        with torch.no_grad():
+            for b in self.buckets:
+                b.grad_data = b.grad_data.clone()
+                for p, o in zip(b.params, b.param_offsets):
+                    p.main_grad = b.grad_data[o:o + p.numel()].view(p.shape)
+        self.grad_buffer = None          # freed once the last view of it (a p.grad) is dropped
+
+    def grad_tensors(self) -> List[torch.Tensor]:
+        """The tensors holding the gradient memory: the flat buffer, or one per bucket."""
+        return [self.grad_buffer] if self.grad_buffer is not None else [b.grad_data for b in self.buckets]
     # ------------------------------------------------------------------ queries
     def bucket_of(self, param) -> Tuple[Bucket, int]:
         try:
@@ -165,7 +197,9 @@ class ParamAndGradBuffer:
         return self.buckets[bi], off
 
     def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
+        for t in self.grad_tensors():
+            if t.untyped_storage().nbytes():
+                t.zero_()
 
     def __repr__(self) -> str:
         return (f"ParamAndGradBuffer(params={len(self.params)}, numel={self.grad_buffer.numel()}, "

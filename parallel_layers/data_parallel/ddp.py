@@ -22,6 +22,15 @@ touched again only after its work was waited on; the bucket order is rebuilt onc
 actually arrived on rank 0 (broadcast so all ranks agree), skipped with ``find_unused_parameters``
 as in PyTorch; parameters without a gradient are reported by name instead of a hang.
 
+ZeRO-2 (:meth:`DataParallel.shard_gradients_in_backward`, called by ``ZeroOptimizer(stage=2)``): every
+bucket gets its own gradient memory, allocated (zeroed) when its first gradient of a backward lands and
+freed as soon as its reduce-scatter is done and the averaged shard is in :attr:`grad_shard`; a launch
+first finishes the oldest reduction while more than ``max_buckets_in_flight`` are in flight. So a synced
+backward holds the gradient shard plus the buckets being filled or reduced, not the full buffer
+(DeepSpeed's ZeRO-2). Under ``no_sync`` the buckets are kept until the synced backward (one reduction per
+step, the same bits as a kept buffer); several synced backwards without ``zero_grad`` add their averaged
+shards (DeepSpeed's accumulation into the partition).
+
 Rebuild timing: with ``all_reduce`` the first backward reduces in the initial layout and the averaged
 gradients move into the new layout afterwards (every rank holds all of them). With ``reduce_scatter`` that
 would be wrong (each rank holds only its old shard averaged), so the first synced backward launches nothing
@@ -118,6 +127,13 @@ class DataParallel(nn.Module):
                 frozen = [p for p in module.parameters() if not p.requires_grad]
                 _broadcast_coalesced(frozen + list(module.buffers()), dp_group)
         self._sync = True
+        self._release = False            # ZeRO-2: free each bucket's gradient memory once it is reduced
+        self.max_buckets_in_flight = 0
+        self._shard_filled: set = set()  # buckets whose shard holds an earlier synced backward's gradient
+        self._consumed: set = set()      # reduce_scatter: buckets reduced since their last gradient (their
+        #                                  values mix the reduced shard and local ones): zeroed at the next
+        self._grad_live = self._grad_peak = 0
+        self.last_backward_grad_bytes = 0   # ZeRO-2: the most bucket-gradient bytes alive in the last backward
         # Parameters whose buffer slice holds a stale value that counts as zero (cleared by zero_grad with
         # set_to_none=True): their next gradient is written over the slice instead of added to it.
         self._stale: set = set()
@@ -127,6 +143,12 @@ class DataParallel(nn.Module):
         self._prescale = self.comm_dtype == self.grad_dtype and self.dp_size > 1
         on_grad = weak_hook(self, type(self)._on_grad_ready)      # a strong one would leak the whole model
         self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.buffer.params]
+        if reduce_op == "reduce_scatter":
+            # before autograd accumulates into a .grad that views a reduced bucket (its values are no longer
+            # this rank's local sum) or a freed one (ZeRO-2), the bucket is zeroed (brought back)
+            for p in self.buffer.params:
+                pid = id(p)
+                p.register_hook(weak_hook(self, lambda dp, grad, pid=pid: dp._live_id(pid)))
         self._index_params()
         self._reset_iteration()
         self.last_sync_timeline: Optional[dict] = None
@@ -142,6 +164,7 @@ class DataParallel(nn.Module):
     def _index_params(self) -> None:
         """Per-param bucket index, per-bucket counts and communication buffers (after every (re)layout)."""
         buf = self.buffer
+        self._grad_live = sum(t.untyped_storage().nbytes() for t in buf.grad_tensors())
         self._bucket_idx = {id(p): buf.bucket_of(p)[0].index for p in buf.params}
         self._bucket_size = [len(b.params) for b in buf.buckets]
         self._direct = buf.param_dtype == self.grad_dtype   # autograd accumulates straight into the buffer
@@ -181,6 +204,8 @@ class DataParallel(nn.Module):
         self._callback_queued = False
         self._launch_log: List[tuple] = []
         self._prescaled: set = set()            # params whose slice already holds grad * 1/world
+        self._in_flight: List[int] = []         # ZeRO-2: launched buckets not finished yet, in launch order
+        self._finished: set = set()             # launched buckets whose result is in place
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
@@ -197,12 +222,78 @@ class DataParallel(nn.Module):
         finally:
             self._sync = old
 
+    def shard_gradients_in_backward(self, max_buckets_in_flight: int = 2) -> None:
+        """ZeRO-2: from now on each bucket's full gradient memory exists only from its first gradient of a
+        backward until its reduce-scatter is done (see the module docstring); at most
+        ``max_buckets_in_flight`` reductions are in flight (a launch first finishes the oldest). So a
+        backward holds at most ``max_buckets_in_flight + 2`` buckets: those in flight, the one being filled,
+        and one whose parameter's gradient arrives in two parts (a tied embedding: its LM-head share is
+        written early, its lookup's at the end); :attr:`last_backward_grad_bytes` is what the last one
+        held. Between steps this rank holds :attr:`grad_shard` alone. Needs ``reduce_op="reduce_scatter"``.
+        The first synced backward re-lays the buckets out in arrival order and holds all of them once."""
+        if self.reduce_op != "reduce_scatter":
+            raise ValueError(f"DataParallel.shard_gradients_in_backward: reduce_op={self.reduce_op!r}; the "
+                             f"gradients can only be freed after a reduce-scatter (each rank keeps its shard)")
+        if int(max_buckets_in_flight) < 1:
+            raise ValueError(f"DataParallel.shard_gradients_in_backward: max_buckets_in_flight="
+                             f"{max_buckets_in_flight}; pass 1 or more")
+        self.max_buckets_in_flight = int(max_buckets_in_flight)
+        if self._release:
+            return
+        self.buffer.split_grad_storage()
+        self._release = True
+        self._index_params()
+        self.release_grads()
+
+    @property
+    def releases_grads(self) -> bool:
+        """Whether each bucket's gradient memory is freed once it is reduced (ZeRO-2)."""
+        return self._release
+
+    def release_grads(self) -> None:
+        """ZeRO-2: free every bucket's full gradient memory now (the step consumed the gradients); the
+        next gradient of each parameter starts from zero."""
+        for b in self.buffer.buckets:
+            self._free_bucket(b)
+
+    def _free_bucket(self, b: Bucket) -> None:
+        st = b.grad_data.untyped_storage()
+        if st.nbytes():
+            self._grad_live -= st.nbytes()
+            st.resize_(0)
+        for p in b.params:
+            self._stale.add(id(p))     # .grad may still view the freed memory: see _before_accumulate
+
+    def _live(self, p) -> None:
+        """ZeRO-2: bring ``p``'s bucket's gradient memory back (zeroed) before anything writes into it."""
+        self._live_id(id(p))
+
+    def _live_id(self, pid: int) -> None:
+        if self._consumed:
+            b = self.buffer.buckets[self._bucket_idx[pid]]
+            if b.index in self._consumed:
+                self._consumed.discard(b.index)
+                with torch.no_grad():
+                    b.grad_data.zero_()
+        if self._release:
+            b = self.buffer.buckets[self._bucket_idx[pid]]
+            st = b.grad_data.untyped_storage()
+            if st.nbytes() == 0:
+                st.resize_(b.numel * b.grad_data.element_size())
+                b.grad_data.zero_()
+                self._grad_live += st.nbytes()
+                self._grad_peak = max(self._grad_peak, self._grad_live)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``set_to_none=True`` (torch's default): ``.grad`` becomes None and the buffer is not touched; each
         parameter's next gradient is written over its slice (see the module docstring). ``False``: the
-        buffer is zeroed (one memset) and ``.grad`` stays the buffer view."""
+        buffer is zeroed (one memset) and ``.grad`` stays the buffer view. ZeRO-2: the buckets are freed."""
         if self.grad_shard is not None:
             self.grad_shard.zero_()
+        self._shard_filled, self._consumed = set(), set()
+        if self._release:
+            self.release_grads()
+            return
         if set_to_none:
             self._stale = {id(p) for p in self.buffer.params}
             for p in self.buffer.params:
@@ -260,6 +351,7 @@ class DataParallel(nn.Module):
                                    "arrival": [self._names[id(p)] for p in arrival]}
         if self._rebuild_pending:      # all_reduce: every rank holds the full averaged gradient; it moves along
             self._rebuild_from(arrival)
+        self.last_backward_grad_bytes, self._grad_peak = self._grad_peak, self._grad_live
         self._reset_iteration()
 
     # ------------------------------------------------------------------ backward machinery
@@ -268,9 +360,14 @@ class DataParallel(nn.Module):
             raise RuntimeError(f"DataParallel: parameter {self._names[id(p)]} got its gradient twice in one "
                                f"backward (reentrant checkpointing or a second backward through the graph?); "
                                f"its bucket was already being reduced")
+        self._live(p)
         with torch.no_grad():
             if self._claim_stale(p):        # first gradient since zero_grad(): write it over the stale slice
-                if id(p) in self._prescaled:
+                if p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr():
+                    # ZeRO-2: autograd added it into the bucket brought back zeroed (.grad may be a guard)
+                    if id(p) in self._prescaled:
+                        p.main_grad.mul_(self._scale)
+                elif id(p) in self._prescaled:
                     torch.mul(p.grad, self._scale, out=p.main_grad)   # the average's 1/world, fused in
                 else:
                     p.main_grad.copy_(p.grad)
@@ -320,6 +417,7 @@ class DataParallel(nn.Module):
         """A fused layer's contribution to ``p``'s gradient (see :mod:`.fused_grads`): ``write(out, beta,
         alpha)`` sets ``out = beta * out + alpha * G``. Over a stale slice beta is 0; while syncing, a first
         write lands averaged (alpha 1/world) and later writes in the same backward follow it."""
+        self._live(p)
         beta = 0.0 if self._claim_stale(p) else 1.0
         with torch.no_grad():
             write(p.main_grad, beta, self._scale_value if id(p) in self._prescaled else 1.0)
@@ -348,6 +446,7 @@ class DataParallel(nn.Module):
         if id(p) not in self._stale:
             return
         self._stale.discard(id(p))
+        self._live(p)
         with torch.no_grad():
             p.main_grad.zero_()
         if syncing:
@@ -381,12 +480,16 @@ class DataParallel(nn.Module):
         self._launch_log.append((b.index, time.perf_counter(), len(self._arrival)))
         if self.dp_size == 1:
             self._works[b.index] = None
+            self._bound_in_flight(b)
             return
         rs = self.reduce_op == "reduce_scatter"
         with torch.no_grad():
             if self.comm_dtype == self.grad_dtype:
                 self._scale_for_average(b)        # average = sum of (g / world); no divide pass later
                 src, out = b.grad_data, (self.bucket_grad_shard(b) if rs else None)
+                if b.index in self._shard_filled:     # ZeRO-2, another synced backward: added at the end
+                    out = torch.empty_like(out)
+                    self._staged[b.index] = (None, out)
             else:
                 src = torch.empty(b.numel, dtype=self.comm_dtype, device=b.grad_data.device)
                 pack_bucket([b.grad_data], src, scale=self._scale, offsets=[0])  # scale, then down-cast
@@ -397,33 +500,54 @@ class DataParallel(nn.Module):
             else:
                 work = C.all_reduce(src, self.dp_group, async_op=True)
         self._works[b.index] = work
+        self._bound_in_flight(b)
+
+    def _bound_in_flight(self, b: Bucket) -> None:
+        """ZeRO-2: finish the oldest reductions while more than ``max_buckets_in_flight`` are in flight."""
+        if self._release:
+            self._in_flight.append(b.index)
+            while len(self._in_flight) > self.max_buckets_in_flight:
+                self._finish(self._in_flight.pop(0))
 
     def _wait_all(self) -> None:
-        """Wait on every launched work (in launch order), then bring results into the fp32 grad memory.
+        """Finish every launched bucket still in flight, in launch order."""
+        for bi in list(self._works):
+            self._finish(bi)
+        self._works, self._staged, self._in_flight, self._finished = {}, {}, [], set()
+
+    def _finish(self, bi: int) -> None:
+        """Wait on bucket ``bi``'s work, then bring its result into the fp32 grad memory.
 
         reduce_scatter: the averaged shard lands in :attr:`grad_shard` (written by the collective itself, or
-        unpacked from the comm dtype) and is mirrored into ``bucket.grad_data[shard_range]``, whose full buffer
-        exists during backward anyway (ZeRO-2 frees it between steps)."""
-        for bi, work in list(self._works.items()):
-            if work is not None:
-                work.wait()
-            b = self.buffer.buckets[bi]
-            src, out = self._staged.pop(bi, (None, None))
-            with torch.no_grad():
-                if self.reduce_op == "all_reduce":
-                    if src is not None:
-                        unpack_bucket(src, [b.grad_data], scale=self._one, offsets=[0], accumulate=False)
-                    continue
-                shard = self.bucket_grad_shard(b)
-                s0, s1 = b.shard_range(self.dp_rank)
-                if self.dp_size == 1:
-                    shard.copy_(b.grad_data)
-                    continue
-                if out is not None:
-                    unpack_bucket(out, [shard], scale=self._one, offsets=[0], accumulate=False)
+        unpacked from the comm dtype, or added to what an earlier synced backward left there) and is mirrored
+        into ``bucket.grad_data[shard_range]``; ZeRO-2 frees the bucket's full gradient memory instead."""
+        if bi in self._finished:
+            return
+        self._finished.add(bi)
+        work = self._works[bi]
+        if work is not None:
+            work.wait()
+        b = self.buffer.buckets[bi]
+        src, out = self._staged.pop(bi, (None, None))
+        with torch.no_grad():
+            if self.reduce_op == "all_reduce":
+                if src is not None:
+                    unpack_bucket(src, [b.grad_data], scale=self._one, offsets=[0], accumulate=False)
+                return
+            shard = self.bucket_grad_shard(b)
+            s0, s1 = b.shard_range(self.dp_rank)
+            add = bi in self._shard_filled
+            if self.dp_size == 1:
+                shard.add_(b.grad_data) if add else shard.copy_(b.grad_data)
+            elif out is not None:
+                unpack_bucket(out, [shard], scale=self._one, offsets=[0], accumulate=add)
+            self._shard_filled.add(bi)
+            if not self._release:
                 b.grad_data[s0:s1].copy_(shard)
-        self._works = {}
-        self._staged = {}
+                self._consumed.add(bi)
+                self._stale.update(id(p) for p in b.params)
+                return
+            self._free_bucket(b)
 
     def _drop_globally_unused(self, missing) -> None:
         """Params no rank used get ``.grad = None`` (as in single-process training: the optimizer skips them)."""
@@ -440,7 +564,7 @@ class DataParallel(nn.Module):
         """Before forward: a ``.grad`` set to None (optimizer.zero_grad) means "start from zero" for that param:
         its slice becomes stale (written over by the next gradient). A ``.grad`` assigned by the user becomes
         the accumulation start."""
-        if not self._direct:
+        if not self._direct or self._release:     # ZeRO-2: .grad holds guards; nothing to start from
             return
         with torch.no_grad():
             for p in self.buffer.params:

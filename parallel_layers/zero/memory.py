@@ -26,11 +26,16 @@ Our layout differs from the paper's idealisation in ways the report makes visibl
   (``DataParallel.grad_shard``) that the optimizer steps on: stage 2 holds exactly ONE persistent copy of
   the rank's gradient shard (4 bytes / N_d with fp32 main grads); stage 1 holds it beside the full buffer;
   low-precision communication buffers exist only while a bucket is in flight (``comm_bytes`` is 0 between steps);
-* stage 2 frees the full gradient buffer between steps only; it is re-allocated for forward/backward
-  (autograd accumulates into it), so peak memory *during* backward is stage 1's (``transient_grad_bytes``).
+* stage 2 gives every bucket its own gradient memory, allocated when its first gradient of a backward
+  lands and freed as soon as its reduce-scatter is done (DeepSpeed's ZeRO-2). During a synced backward a
+  rank holds the shard plus at most ``max_buckets_in_flight + 2`` buckets (in flight, being filled, and a
+  tied embedding's, whose LM-head share lands first): ``transient_grad_bytes`` is that bound, and
+  ``backward_grad_bytes`` what the last backward held. Micro-batches under ``no_sync`` keep their buckets
+  until the synced backward (one reduction per step): that peak is stage 1's.
 
 So, with bf16 parameters and fp32 main grads, a stage-2 rank holds ``2 + (4 + 12 + 2) / N_d`` bytes per
-parameter (params, grad shard, optimizer state, bf16 staging shard) against the paper's ``2 + (2 + 12) / N_d``.
+parameter (params, grad shard, optimizer state, bf16 staging shard) between steps against the paper's
+``2 + (2 + 12) / N_d``, and at the peak of a synced backward that plus the buckets above.
 
 The report *measures* the tensors (distinct storages, so views are not double counted); the formulas
 here are the independent expectation the tests compare it with.

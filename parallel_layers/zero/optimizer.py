@@ -11,7 +11,10 @@ A step, all on the device (no host sync, so an AMP ``found_inf`` costs nothing):
 1. gradients: ``DataParallel(reduce_op="reduce_scatter")`` reduce-scattered every bucket during backward
    straight into its flat ``grad_shard`` (this rank's averaged shards, bucket after bucket: exactly the
    layout of the optimizer state), which the optimizer steps on as it is: no copy, no second shard.
-   Stage 1 keeps the full grad buffer as well; stage 2 frees it between steps (see ``_release_grads``).
+   Stage 1 keeps the full grad buffer as well; stage 2 frees each bucket's full gradients as soon as its
+   reduce-scatter is done (``DataParallel.shard_gradients_in_backward``): during backward a rank holds its
+   shard plus the buckets being filled or in flight (at most ``max_buckets_in_flight`` + 1 after the
+   first backward, whose re-layout holds every bucket once), between steps the shard alone.
    (Stage 1 over ``reduce_op="all_reduce"`` slices the shard out of the full buffer instead.)
 2. the fused ``adamw_step`` updates the local shard (master, moments, and for bf16/fp16 models the
    low-precision copy in the same pass): one call per *run*, a stretch of the shard whose parameters share
@@ -77,21 +80,12 @@ from .sharded_grad import (  # noqa: F401
 from .state_storage import HostState, ResidentState, ShardState
 
 
-def _give_back_grad_buffer(hook, buffer, nbytes: int) -> None:
-    """A collected stage-2 optimizer leaves its DataParallel wrapper as it found it: no hook, the full
-    gradient buffer allocated (zeroed)."""
-    hook.remove()
-    st = buffer.grad_buffer.untyped_storage()
-    if st.nbytes() == 0 and nbytes:
-        st.resize_(nbytes)
-        buffer.grad_buffer.zero_()
-
-
 class ZeroOptimizer(ShardedAdamW):
     """Sharded AdamW over a ``DataParallel(module, dp_group, reduce_op="reduce_scatter")`` wrapper; a
     ``torch.optim.Optimizer`` that takes ``torch.optim.AdamW``'s param groups.
 
-    ``stage=1``: optimizer state sharded. ``stage=2``: gradients sharded too (see :meth:`_release_grads`).
+    ``stage=1``: optimizer state sharded. ``stage=2``: gradients sharded too, each bucket's full gradients
+    freed as soon as it is reduced (``max_buckets_in_flight`` reductions in flight at most).
 
     Typical use (biases and norms without weight decay, a scheduler, clipping, accumulation)::
 
@@ -139,7 +133,7 @@ class ZeroOptimizer(ShardedAdamW):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  no_decay: NoDecay = None, backend: Optional[str] = None, offload: Optional[str] = None,
                  offload_dir: Optional[str] = None, offload_buffer_mb: float = DEFAULT_BUFFER_MB,
-                 offload_io: str = "auto", offload_delayed_update: bool = False):
+                 offload_io: str = "auto", offload_delayed_update: bool = False, max_buckets_in_flight: int = 2):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer: stage={stage!r} must be 1 (sharded optimizer state) or 2 (also "
                              f"sharded gradients); stage 3 shards parameters and needs its own wrapper")
@@ -151,6 +145,8 @@ class ZeroOptimizer(ShardedAdamW):
                              f"{stage} needs reduce_op='reduce_scatter' (each rank reduces only the shard it steps)"
                              + ("" if stage == 2 else " or 'all_reduce' (stage 1 then slices its shard)"))
         self.dp, self.stage, self.backend = dp_module, stage, backend
+        if stage == 2:
+            dp_module.shard_gradients_in_backward(max_buckets_in_flight)
         self.group = dp_module.dp_group
         self.dp_size, self.dp_rank = C.world_size(self.group), C.rank(self.group)
         self._module = getattr(dp_module, "module", dp_module)
@@ -167,7 +163,6 @@ class ZeroOptimizer(ShardedAdamW):
         self._direct = dp_module.buffer.param_dtype == dp_module.grad_dtype
         self._init_groups(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay)
         self._use_broadcast = self.dp_size > 1 and dist.get_backend(self.group) == "gloo"
-        self._grad_nbytes = 0      # stage 2: size of the grad buffer while it is materialised
         self._started = False      # has the state left its initial value (step taken or state loaded)?
         self._layout_key = None
         self._seen: set = set()    # ids of the parameters a backward reached since the last step/zero_grad
@@ -176,21 +171,6 @@ class ZeroOptimizer(ShardedAdamW):
         self._placeholders: Dict[int, torch.Tensor] = {}
         self._storage = self._build(buckets)
         self._register_grad_hooks()
-        if stage == 2:
-            # The grad buffer only needs to exist from forward to the step; see _release_grads. The hook
-            # reaches the optimizer weakly (a bound method would keep it alive as long as the module); once
-            # the optimizer is collected the hook goes and the buffer is back (zeroed), as it found it.
-            materialize_grads = weakref.WeakMethod(self._materialize_grads)
-
-            def materialize(module, args):
-                method = materialize_grads()
-                if method is not None:
-                    method()
-            self._hook = dp_module.register_forward_pre_hook(materialize)
-            give_back = weakref.finalize(self, _give_back_grad_buffer, self._hook, dp_module.buffer,
-                                         self._grad_storage().nbytes())
-            give_back.atexit = False     # at exit nobody trains on: no full gradient buffer to allocate
-            self._release_grads()
 
     def _module_named_params(self):
         return list(self._module.named_parameters())
@@ -211,12 +191,12 @@ class ZeroOptimizer(ShardedAdamW):
         def drop_placeholder(grad, pref):
             # before autograd accumulates into .grad: a placeholder holds nothing to add to
             p, opt = pref(), ref()
-            if p is not None and opt is not None and isinstance(p.grad, ShardedGrad):
+            if p is not None and opt is not None and p.grad is not None and p.grad is opt._placeholders.get(id(p)):
                 p.grad = None
 
         for p in self.dp.buffer.params:
             p.register_post_accumulate_grad_hook(on_grad)
-            if not self._direct:
+            if not self._direct or self.stage == 2:
                 pref = weakref.ref(p)
                 p.register_hook(lambda grad, pref=pref: drop_placeholder(grad, pref))
 
@@ -237,7 +217,7 @@ class ZeroOptimizer(ShardedAdamW):
         self._storage.after_backward()
         for p in self.dp.buffer.params:
             g = p.grad
-            if self._direct:
+            if self._direct and (self.stage == 1 or g is not None):
                 if not self._scattered():
                     continue
                 if g is not None and not isinstance(g, ShardedGrad) and g.data_ptr() == p.main_grad.data_ptr():
@@ -268,48 +248,18 @@ class ZeroOptimizer(ShardedAdamW):
 
     def _zero_grads(self, set_to_none: bool) -> None:
         self._h_fresh = False
-        if self.stage == 2 and self._grad_storage().nbytes() == 0:
-            # released by the step: the next forward re-allocates the buffer zeroed, so what backward adds
-            # starts from zero; only the placeholders of low-precision parameters go
-            if not self._direct:
-                for p in self.dp.buffer.params:
-                    p.grad = None
-            return
         self.dp.zero_grad()
+        if self.stage == 2:
+            for p in self.dp.buffer.params:
+                p.grad = None         # the guards go; the buckets were freed
 
     # ------------------------------------------------------------------ stage 2: gradient memory
-    def _grad_storage(self):
-        return self.dp.buffer.grad_buffer.untyped_storage()
-
     def _release_grads(self) -> None:
-        """Stage 2: free the full grad buffer; only this rank's gradient shard persists.
-
-        What remains between steps: ONE copy of the gradient shard, DataParallel's flat fp32 ``grad_shard``
-        (``S`` elements), which the reduce-scatter wrote and the optimizer stepped on (zeroed here: the step
-        consumed it). The full buffer (autograd accumulates into it, so it is also the buckets' send
-        memory) is re-allocated, zeroed, at the next forward of the wrapper and lives through backward:
-        peak memory during backward is that of stage 1; the saving is on everything that happens between
-        steps (optimizer step, evaluation, a forward's activations). The storage is resized in place, so
-        ``p.grad``/``p.main_grad`` views stay valid. Consequence: each step consumes the gradients (as if
-        ``zero_grad`` followed every step).
-        """
-        st = self._grad_storage()
-        if st.nbytes():
-            self._grad_nbytes = st.nbytes()
-            st.resize_(0)
-        self.dp.grad_shard.zero_()
-
-    def materialize_grads(self) -> None:
-        """ZeRO-2 frees DataParallel's full gradient buffer between steps and brings it back (zeroed) in the
-        wrapper's forward pre-hook; a caller that runs the module's pieces itself (a pipeline stage) calls
-        this before the step's first backward."""
-        self._materialize_grads()
-
-    def _materialize_grads(self, *_unused) -> None:
-        st = self._grad_storage()
-        if st.nbytes() == 0 and self._grad_nbytes:
-            st.resize_(self._grad_nbytes)
-            self.dp.buffer.grad_buffer.zero_()
+        """Stage 2, after a step: the step consumed the gradients. Every bucket's full gradient memory is
+        freed (the synced backward freed each as it was reduced; this frees what ``no_sync`` backwards left)
+        and the shard is zeroed, so the next backward starts from zero (as if ``zero_grad`` followed every
+        step)."""
+        self.dp.zero_grad()
 
     # ------------------------------------------------------------------ layout
     def _buckets(self) -> list:
@@ -675,6 +625,13 @@ class ZeroOptimizer(ShardedAdamW):
         self._started = True
 
     # ------------------------------------------------------------------ memory
+    def _backward_grad_bound(self) -> int:
+        """Stage 2: the most full-gradient bytes a synced backward holds (after the first): the largest
+        ``max_buckets_in_flight`` + 2 buckets (see ``DataParallel.shard_gradients_in_backward``)."""
+        esize = self.dp.grad_shard.element_size()
+        sizes = sorted((b.numel for b in self._bucket_list), reverse=True)
+        return esize * sum(sizes[:self.dp.max_buckets_in_flight + 2])
+
     def memory_report(self) -> dict:
         """Bytes this rank holds now (measured on the tensors' storages, padding included), per real
         parameter, beside the ZeRO paper's bytes per parameter for this stage.
@@ -686,7 +643,9 @@ class ZeroOptimizer(ShardedAdamW):
         steps). ``optimizer_bytes``: fp32 master, exp_avg, exp_avg_sq shards. ``staging_bytes``: the
         low-precision param-copy shard (bf16/fp16 models) and, stage 1 over all_reduce with several
         buckets, the flat grad shard gathered from the buffer.
-        ``transient_grad_bytes``: stage 2's full grad buffer, allocated from forward to the step only.
+        ``transient_grad_bytes``: stage 2's bound on the full-gradient bytes alive during a synced backward
+        (the largest ``max_buckets_in_flight`` + 2 buckets; each is freed once it is reduced);
+        ``backward_grad_bytes``: what the last backward held at most, measured on the buckets.
         Offloaded (``offload="disk"``): ``optimizer_bytes`` is the host buffers the state streams through,
         ``offload_bytes`` the state file (0 in memory); ``offload="cpu"``: ``optimizer_bytes`` 0 (none on the
         device), ``offload_bytes`` the pinned host memory.
@@ -694,7 +653,7 @@ class ZeroOptimizer(ShardedAdamW):
         self._check_layout()
         buckets = self._bucket_list
         num_params = sum(p.numel() for b in buckets for p in b.params)
-        grad_mem = [self.dp.buffer.grad_buffer, getattr(self.dp, "grad_shard", None)]   # released: 0 bytes
+        grad_mem = self.dp.buffer.grad_tensors() + [getattr(self.dp, "grad_shard", None)]   # freed: 0 bytes
         staged = [t for pair in getattr(self.dp, "_staged", {}).values() for t in pair]
         state = self._state_bytes()
         rep = {"stage": self.stage, "dp_size": self.dp_size, "dp_rank": self.dp_rank, "num_params": num_params,
@@ -704,7 +663,8 @@ class ZeroOptimizer(ShardedAdamW):
                "comm_bytes": M.storage_bytes(staged),
                "optimizer_bytes": state["optimizer"], "offload_bytes": state["offload"],
                "staging_bytes": M.storage_bytes([self.low, self._grad_flat]),
-               "transient_grad_bytes": self._grad_nbytes if self.stage == 2 else 0}
+               "transient_grad_bytes": self._backward_grad_bound() if self.stage == 2 else 0,
+               "backward_grad_bytes": self.dp.last_backward_grad_bytes if self.stage == 2 else 0}
         rep["total_bytes"] = sum(rep[k] for k in ("param_bytes", "grad_bytes", "comm_bytes", "optimizer_bytes",
                                                   "staging_bytes"))
         per = {"params": "param", "grads": "grad", "comm": "comm", "optimizer": "optimizer",
