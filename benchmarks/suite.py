@@ -30,7 +30,7 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("kernels", ("kernels", "matmul")),
     ("tp", ("tp", "cross_entropy")),
     ("dp", ("dp", "parameter_server", "sync_batchnorm", "single_process_dp")),
-    ("zero", ("zero", "zero3", "zero_offload", "cpu_adam")),
+    ("zero", ("zero", "zero3", "zero_memory", "zero_offload", "cpu_adam")),
     ("pipeline", ("pipeline", "checkpoint_policy")),
     ("demo", ("demo_layouts", "generic_3d", "torch_native_3d", "freeze_training", "replica_check")),
     ("scaling", ("scaling",)),

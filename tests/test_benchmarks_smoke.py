@@ -136,3 +136,25 @@ def test_latest_rows_newest_run_per_case():
     # skipped keeps its figures; quick rows never replace full ones
     assert sorted((r["case"], r["sizes"], r["run_id"]) for r in got) == [
         ("pack", "n=1", "1"), ("step", "new model p2", "2"), ("step", "new model p4", "2")]
+
+
+def test_zero_memory_smoke_prints_a_row_per_method():
+    """``python -m benchmarks.zero_memory --smoke`` (2 gloo ranks, a tiny GPT) prints the peak-memory table:
+    a row per method with a positive peak and step time, or the reason a method cannot run here."""
+    from benchmarks.zero_memory import METHODS, skip_reason
+
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), PARALLEL_LAYERS_NO_JIT="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.zero_memory", "--smoke", "--no-csv"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = proc.stdout.splitlines()
+    for name, (label, *_rest) in METHODS.items():
+        row = next((line[len(label):].split() for line in lines if line.startswith(label + " ")), None)
+        assert row is not None, f"no row for {name}:\n{proc.stdout}"
+        if skip_reason(name):
+            assert row[1] == "skipped:", row
+            continue
+        # ranks, start MiB, peak MiB, B/param, alloc MiB, grads MiB, paper, DeepSpeed, step ms, 3 ratios
+        assert row[0] == "2" and float(row[2]) > 0 and float(row[3]) > 0 and float(row[8]) > 0, (name, row)
+        assert re.fullmatch(r"[0-9.]+x", row[-1]), (name, row)
