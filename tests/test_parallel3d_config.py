@@ -88,14 +88,16 @@ def test_configs_accept_every_documented_form():
 
 def test_checks_across_groups_name_both_settings():
     fp32, bf16 = PrecisionConfig(dtype=torch.float32), PrecisionConfig(dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="zero=3 supports fp32 models only"):
-        check_together(OptimizerConfig(), DataParallelConfig(zero=3), bf16)
-    with pytest.raises(ValueError, match="needs fp32 master weights; use zero=1 or 2"):
+    with pytest.raises(ValueError, match=r"zero=3 supports fp32, bf16 and fp16 models \(dtype=torch.float64\)"):
+        check_together(OptimizerConfig(), DataParallelConfig(zero=3), PrecisionConfig(dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs fp32 master weights; use zero=1, 2 or 3"):
         check_together(OptimizerConfig(), DataParallelConfig(zero=0), bf16)
     with pytest.raises(ValueError, match=r"OptimizerConfig\(offload='disk', offload_dir='/d'\) applies to the ZeRO"):
         check_together(OptimizerConfig(offload="disk", offload_dir="/d"), DataParallelConfig(zero=0), fp32)
     check_together(OptimizerConfig(offload="disk", offload_dir="/d"), DataParallelConfig(zero=3), fp32)
     check_together(OptimizerConfig(), DataParallelConfig(zero=1), bf16)
+    for low in (bf16, PrecisionConfig(dtype=torch.float16)):    # ZeRO-3 keeps fp32 master weights too
+        check_together(OptimizerConfig(), DataParallelConfig(zero=3), low)
 
 
 def test_defaults_are_the_flat_keywords_defaults():

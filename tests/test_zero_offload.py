@@ -500,7 +500,7 @@ def body_bf16_grads(rank, world, root, backwards):
     out = {}
     for name, grad_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         model = _gpt(torch.bfloat16)
-        z = ZeroStage3(model, group, grad_dtype=grad_dtype)
+        z = ZeroStage3(model, group, grad_dtype=grad_dtype, reduce_dtype=torch.bfloat16)
         opt = ZeroStage3Optimizer(z, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, no_decay=lambda n, p: p.ndim < 2,
                                   offload="disk", offload_dir=os.path.join(root, name), offload_buffer_mb=TINY_MB)
         start = None
@@ -573,7 +573,8 @@ def body_grad_memory(rank, world, root):
     out = {}
     for name, grad_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         torch.manual_seed(0)
-        z = ZeroStage3(_Stack(1024, 8, torch.bfloat16), group, grad_dtype=grad_dtype)   # 8.4M parameters
+        z = ZeroStage3(_Stack(1024, 8, torch.bfloat16), group, grad_dtype=grad_dtype,
+                       reduce_dtype=torch.bfloat16)   # 8.4M parameters
         opt = ZeroStage3Optimizer(z, lr=1e-3, offload="disk", offload_dir=os.path.join(root, name),
                                   offload_buffer_mb=4)
         x = torch.randn(4, 1024, dtype=torch.bfloat16)

@@ -188,7 +188,8 @@ class PipelineConfig:
 class DataParallelConfig:
     """How the replicas keep in step. ``zero``: 0 (plain data parallel: gradients all-reduced, torch AdamW on
     every rank), 1 or 2 (ZeRO over reduce-scatter: sharded optimizer state, and gradients with 2), 3
-    (parameters sharded too, gathered once per step; fp32 only). ``bucket_cap_mb``: the gradient buckets'
+    (parameters sharded too, gathered once per step; a bf16/fp16 model's gradients accumulated and reduced in
+    fp32). ``bucket_cap_mb``: the gradient buckets'
     size (zero 0-2; the first bucket is at most 1 MiB so communication starts early)."""
     zero: int = 0
     bucket_cap_mb: float = 25.0
@@ -202,7 +203,7 @@ class DataParallelConfig:
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """The numbers the model trains in. ``dtype``: the model's (None: fp32 for a ``GPTConfig``, an
-    ``nn.Module``'s own); bf16 and fp16 need ZeRO 1 or 2 (fp32 master weights). ``autocast=torch.bfloat16``:
+    ``nn.Module``'s own); bf16 and fp16 need ZeRO 1, 2 or 3 (fp32 master weights). ``autocast=torch.bfloat16``:
     an fp32 model's forward under ``torch.autocast``. ``loss_scaler``: for fp16 (None there:
     ``DynamicLossScaler()``, initial scale 2^16). ``skip_nonfinite``: fp32/bf16 steps whose global gradient
     norm is inf or NaN are skipped on every rank (fp16's loss scaler does that already)."""
@@ -219,7 +220,7 @@ class PrecisionConfig:
         if self.autocast is not None and self.autocast != torch.bfloat16:
             raise ValueError(f"Parallel3D: autocast={self.autocast} is not supported; autocast=torch.bfloat16 runs an "
                              f"fp32 model's forward in bf16 (fp16 needs loss scaling: train an fp16 model instead, "
-                             f"dtype=torch.float16 with zero=1 or 2)")
+                             f"dtype=torch.float16 with zero=1, 2 or 3)")
         if self.loss_scaler is not None and not isinstance(self.loss_scaler, DynamicLossScaler):
             raise ValueError(f"Parallel3D: {me}(loss_scaler={type(self.loss_scaler).__name__}) must be a "
                              f"DynamicLossScaler or None")
@@ -251,12 +252,14 @@ def check_together(optimizer: OptimizerConfig, data_parallel: DataParallelConfig
     and against the ZeRO-only optimizer options. ``chosen_by``: where ``zero`` came from, for the message."""
     zero, dtype = data_parallel.zero, precision.dtype
     origin = f" ({chosen_by})" if chosen_by else ""
-    if zero == 3 and dtype != torch.float32:
-        raise ValueError(f"Parallel3D: zero=3{origin} supports fp32 models only (dtype={dtype}); use zero=1 or 2 for "
-                         f"bf16/fp16 (fp32 master weights, loss scaling)")
+    # ZeRO-3 of a bf16/fp16 model: the parameters gathered in their dtype, the gradients accumulated and
+    # reduce-scattered in fp32, fp32 master weights in ZeroStage3Optimizer (fp16 through the loss scaler)
+    if zero == 3 and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"Parallel3D: zero=3{origin} supports fp32, bf16 and fp16 models (dtype={dtype}); use "
+                         f"dtype=torch.float32, or zero=0 for a {dtype} model")
     if zero == 0 and dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"Parallel3D: a {dtype} model needs fp32 master weights; use zero=1 or 2 "
-                         f"(ZeroOptimizer keeps them) or dtype=torch.float32")
+        raise ValueError(f"Parallel3D: a {dtype} model needs fp32 master weights; use zero=1, 2 or 3 "
+                         f"(the ZeRO optimizers keep them) or dtype=torch.float32")
     unused = optimizer.zero_options_set()
     if zero == 0 and unused:
         raise ValueError(f"Parallel3D: OptimizerConfig({', '.join(f'{n}={getattr(optimizer, n)!r}' for n in unused)}) "

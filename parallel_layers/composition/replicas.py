@@ -183,23 +183,33 @@ class Replicated(_Bucketed):
 
 class ShardedGrads(_Bucketed):
     """ZeRO 1 and 2: gradients reduce-scattered over dp into this rank's shard, which it steps (fp32
-    master weights and moments for its shard only; stage 2 frees the full gradients between steps)."""
+    master weights and moments for its shard only; stage 2 frees each bucket's full gradients once it is
+    reduced). ``stream_grads`` (stage 2 on one pipeline stage, nothing tied, no tp-partial gradients):
+    every micro-batch's backward reduces its buckets as they fill, so a backward holds the shard plus a
+    few buckets (DeepSpeed's ZeRO-2; the shard sums the micro-batches' averages). Otherwise the
+    micro-batches accumulate in the full buffer and it is reduced once, after the tied and tp-partial
+    gradients are summed (a pipeline stage's backwards are separate calls that meet those sums only at
+    the end)."""
     shards_grads = True
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: DataParallelConfig, tp_group=None):
+                 data_parallel: DataParallelConfig, tp_group=None, stream_grads: bool = False):
         super().__init__(model, dp_group, tied, duplicates, tied_group, "reduce_scatter", data_parallel.bucket_cap_mb,
                          tp_group)
         self.zero = data_parallel.zero
         self.optimizer = ZeroOptimizer(self.dp, stage=self.zero, **optimizer_config.adamw_options(),
                                        **optimizer_config.zero_options())
+        self.streams = stream_grads and self.zero == 2 and not self.tied and not self.partial
 
     def begin_step(self) -> None:
-        if self.zero == 2:
-            # ZeRO-2 frees the full grad buffer between steps; the pipeline calls the stages directly,
-            # not through the DataParallel forward whose pre-hook would bring it back
-            self.optimizer.materialize_grads()
         self.optimizer.zero_grad()
+
+    def accumulating(self):
+        return contextlib.nullcontext() if self.streams else self.dp.no_sync()
+
+    def reduce(self) -> None:
+        if not self.streams:
+            super().reduce()
 
     def norm_pieces(self) -> List[torch.Tensor]:
         items = []
@@ -217,8 +227,10 @@ class ShardedGrads(_Bucketed):
 class ShardedParams(ReplicaMode):
     """ZeRO 3: this rank holds 1/dp of its stages' parameters, gradients and AdamW state between steps.
     A step gathers every parameter once and keeps them for all microbatches (gathering per microbatch
-    would repeat the all-gathers m times), autograd accumulates full gradients, the tied ones are summed,
-    then one reduce-scatter over dp averages them into the fp32 gradient shard and frees the full ones."""
+    would repeat the all-gathers m times), the full gradients accumulate in fp32 (a bf16/fp16 model's too:
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), the tp-partial and tied ones are
+    summed there, then one reduce-scatter over dp averages them into the fp32 gradient shard and frees the
+    full ones; fp32 master weights live in the optimizer."""
     zero = 3
     shards_grads = True
     replicated_over_dp = False
@@ -227,7 +239,8 @@ class ShardedParams(ReplicaMode):
                  data_parallel: Optional[DataParallelConfig] = None, tp_group=None):
         super().__init__(model, dp_group, tied, duplicates, tied_group, tp_group)
         # one wrapper over all of this rank's stages: units = every block, root = the rest (no gradient
-        # buckets: data_parallel's bucket_cap_mb does not apply)
+        # buckets: data_parallel's bucket_cap_mb does not apply); gradients reduced in its default reduce_dtype,
+        # fp32 for every model dtype Parallel3D allows with ZeRO-3
         self.z = ZeroStage3(model, dp_group, prefetch=False)
         self.optimizer = ZeroStage3Optimizer(self.z, **optimizer_config.adamw_options(),
                                              **optimizer_config.zero_options())
@@ -239,10 +252,11 @@ class ShardedParams(ReplicaMode):
     def abandon_step(self) -> None:
         self.z.release_gathered()                  # no collective: the other ranks may never get there
 
+    def _grad_of(self, p):
+        return self.z.accumulated_grad(p)          # fp32 for a bf16 model, not autograd's bf16 .grad
+
     def _tied_grad(self, p):
-        if p.grad is None:                         # one end may not have used the weight this step
-            p.grad = torch.zeros_like(p)
-        return p.grad
+        return self.z.accumulated_grad(p, create=True)   # zeros where one end did not use the weight this step
 
     def reduce(self) -> None:
         self.sum_partial_grads()                   # on the full gradients
@@ -279,11 +293,13 @@ class ShardedParams(ReplicaMode):
 
 
 def replica_mode(model: nn.Module, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: DataParallelConfig, tp_group=None) -> ReplicaMode:
-    """The mode for ``data_parallel.zero`` (0: plain data parallelism)."""
+                 data_parallel: DataParallelConfig, tp_group=None, stream_grads: bool = False) -> ReplicaMode:
+    """The mode for ``data_parallel.zero`` (0: plain data parallelism). ``stream_grads``: the step's
+    backwards are whole (one pipeline stage), so ZeRO-2 may reduce each as it runs (:class:`ShardedGrads`)."""
     mode = {0: Replicated, 1: ShardedGrads, 2: ShardedGrads, 3: ShardedParams}[data_parallel.zero]
+    extra = {"stream_grads": stream_grads} if mode is ShardedGrads else {}
     return mode(model, dp_group, tied, duplicates, tied_group, optimizer_config=optimizer_config,
-                data_parallel=data_parallel, tp_group=tp_group)
+                data_parallel=data_parallel, tp_group=tp_group, **extra)
 
 
 __all__ = ["ReplicaMode", "Replicated", "ShardedGrads", "ShardedParams", "replica_mode"]

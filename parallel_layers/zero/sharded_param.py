@@ -5,8 +5,11 @@ is resized to zero, and a plain ``nn.Parameter`` read then would read freed memo
 Each one is turned into a :class:`_ShardedParameter` instead: shape, dtype, device, ``requires_grad``,
 hooks and ``p.grad is None`` always work; its elements can only be read while its unit is gathered (the
 unit's forward or backward, or inside ``ZeroStage3.gathered_parameters()``); any other read raises a
-``RuntimeError`` naming the parameter and that context manager. After a backward ``p.grad`` is a guard too
-(the gradient lives, sharded, in the wrapper's ``grad_buffer``): ``torch.nn.utils.clip_grad_norm_`` on the
+``RuntimeError`` naming the parameter and that context manager. Between ``gather_all()`` and
+``reduce_scatter_and_free()`` (held mode) ``p.grad`` is the gradient accumulated so far, in the wrapper's
+``reduce_dtype`` (fp32 for bf16 parameters by default: a view of the unit's gradient buffer, not a tensor of
+``p``'s dtype). After a backward ``p.grad`` is a guard (the gradient lives, sharded, in the wrapper's
+``grad_buffer``): ``torch.nn.utils.clip_grad_norm_`` on the
 parameters raises and names ``ZeroStage3Optimizer.clip_grad_norm_``. Setting ``p.grad = None``
 (``module.zero_grad()``) drops the parameter from the next step, as in torch.
 """
@@ -41,7 +44,8 @@ class ParamInfo:
 
     ``wrapper`` is held weakly (the parameters outlive nothing of it) and must offer ``grad_reached(p)`` and
     ``forget_grads_reached(p)`` (did a backward reach ``p`` since the last step; a dropped gradient did
-    not); ``unit`` must offer ``name``, ``lo``, ``hi``, ``full`` (the gathered flat buffer) and
+    not), ``gathered_all`` and ``accumulated_grad(p)`` (held mode: where ``p``'s gradient accumulates);
+    ``unit`` must offer ``name``, ``lo``, ``hi``, ``full`` (the gathered flat buffer) and
     ``gather_work`` (its all-gather in flight, or None)."""
 
     def __init__(self, wrapper, unit, name: str, offset: int, numel: int, shape):
@@ -73,6 +77,12 @@ class ParamInfo:
         w = self.wrapper_ref()
         if w is not None:
             w.forget_grads_reached(p)
+
+    def held_grad(self, p) -> Optional[torch.Tensor]:
+        """In the wrapper's held mode, the gradient ``p`` accumulated in its unit's buffer (reduce_dtype wider
+        than the parameters: autograd's ``.grad`` was moved there), else None."""
+        w = self.wrapper_ref()
+        return w.accumulated_grad(p) if w is not None and w.gathered_all else None
 
     def grad_guard(self, p) -> torch.Tensor:
         if self.placeholder is None:
@@ -137,8 +147,14 @@ class _ShardedParameter(nn.Parameter):
     def _read_grad(p):
         g = raw_grad(p)
         info = getattr(p, "_zero3_info", None)
-        if g is None and info is not None and info.grad_pending(p):
-            return info.grad_guard(p)
+        if g is None and info is not None:
+            # held mode (a pipeline's step): the gradient accumulated so far, which code summing gradients
+            # before the reduction (tied weights, sequence-parallel norms) reads and edits in place as .grad
+            held = info.held_grad(p)
+            if held is not None:
+                return held
+            if info.grad_pending(p):
+                return info.grad_guard(p)
         return g
 
 

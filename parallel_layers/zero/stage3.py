@@ -8,6 +8,12 @@ tensor, ``shard_buffer``: that is the only persistent parameter storage. The gra
 the parameter dtype with ``grad_dtype=``) live in ``grad_buffer``, same layout, so an optimizer steps every
 unit with one fused kernel call.
 
+Mixed precision (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, what torchtitan trains
+Llama 3 with): the shard, and so every all-gather, is in the parameter dtype; a unit's full gradient buffer is
+in ``reduce_dtype`` (default: fp32 for bf16/fp16 parameters), so the gradients autograd makes in bf16 are added
+into fp32, summed over micro-batches and reduce-scattered in fp32, and averaged into the fp32 gradient shard.
+``reduce_dtype=`` the parameter dtype reduces in it (half the traffic and buffer; each sum rounded to bf16).
+
 Per unit and step (``timeline`` records each event with a timestamp, so tests can prove the overlap):
 
 * forward pre-hook (of the unit's first module to run): wait for (or issue) the unit's all-gather into
@@ -19,7 +25,8 @@ Per unit and step (``timeline`` records each event with a timestamp, so tests ca
   the parameter views keep their shapes, autograd's saved references stay valid and see the data again
   once it is re-gathered).
 * pre-backward: gather again (prefetched by the unit after it) and prefetch the unit before it. Each
-  gradient autograd makes is added into the unit's flat gradient buffer and dropped at once.
+  gradient autograd makes is added into the unit's flat gradient buffer (in ``reduce_dtype``) and dropped at
+  once.
 * post-backward (post-accumulate-grad hooks: once every parameter of the unit has its gradient): free
   the parameters, reduce the full gradient buffer and add this rank's averaged slice into its fp32
   shard (``grad_buffer``: allocated at the first reduction, freed by ``zero_grad()``). At most one
@@ -53,17 +60,22 @@ all-reduced instead: measured with ``python -m benchmarks.zero3``, 2 ranks, the 
 Held mode (:meth:`gather_all` / :meth:`reduce_scatter_and_free`), for ZeRO-3 inside a pipeline: the
 per-unit schedule above would gather and free every unit once per microbatch (torch issues #164756,
 #165467). Instead ``gather_all()`` gathers every unit once and turns the hooks off: forwards and backwards
-of all microbatches run on the full parameters and autograd accumulates full-size ``.grad`` across them
-(a pipeline stage may sum tied gradients into them, e.g. ``GPTStage.finish_grads``). Then
+of all microbatches run on the full parameters and their gradients accumulate in full across them: in
+autograd's ``.grad`` when ``reduce_dtype`` is the parameter dtype; else (bf16 parameters, fp32 reduction) each
+micro-batch's ``.grad`` is added into the unit's ``reduce_dtype`` gradient buffer and dropped (a
+post-accumulate-grad hook), and ``p.grad`` reads that accumulation. Either way :meth:`accumulated_grad` says
+where it is, and code summing gradients before the reduction edits it there in place (a pipeline's tied
+weights, tp-partial and sequence-parallel gradients, e.g. ``GPTStage.finish_grads``). Then
 ``reduce_scatter_and_free()`` reduces each unit's gradients once (averaged over dp into ``grad_buffer``,
 through the same reduction path as above), drops them, frees every full buffer and turns the hooks back
 on (:meth:`release_gathered` leaves without collectives, after an error). Peak memory is then a whole
-stage's full parameters and gradients, for the length of one step.
+stage's full parameters and gradients (the gradients in ``reduce_dtype``: 4 bytes per parameter with bf16
+parameters reduced in fp32, against 2 for the parameters), for the length of one step.
 
 Gradient accumulation (:meth:`no_sync`, as DDP's): inside it a unit's backward adds into its full gradient
 buffer and keeps it, with no reduce-scatter; the first backward outside it adds its own gradients and
 reduces the sum once. Memory: every unit's full gradient buffer lives across the micro-batches (FSDP's
-no_sync costs the same); the gradients accumulate in the parameter dtype.
+no_sync costs the same); the gradients accumulate in ``reduce_dtype``.
 
 Parameters between steps (and whenever their unit is not gathered) hold no elements: each is a
 ``_ShardedParameter`` (:mod:`.sharded_param`), whose metadata is always there but whose elements can only
@@ -99,6 +111,7 @@ from .stage3_units import (
     Unit,
     Wrap,
     assign_params,
+    check_reduce_dtype,
     choose_modules,
     merge_small,
 )
@@ -113,7 +126,12 @@ class ZeroStage3(nn.Module):
     holds as many (fewer collectives and less padding for many small modules; :mod:`.stage3_units`); 0 keeps
     every wrapped module a unit of its own.
     ``param_dtype``: cast the parameters (e.g. ``torch.bfloat16``); fp32 master weights live in the
-    optimizer. ``prefetch``: overlap the next unit's all-gather with this unit's compute.
+    optimizer. ``reduce_dtype``: the dtype gradients are accumulated (in each unit's full gradient buffer,
+    over micro-batches under :meth:`no_sync` or :meth:`gather_all`) and reduce-scattered in: None (default)
+    is fp32 for bf16/fp16 parameters (FSDP2's ``reduce_dtype=torch.float32``) and the parameters' dtype
+    otherwise; the parameters' dtype itself (e.g. ``torch.bfloat16``) halves the gradient buffer and the
+    reduction's traffic, every sum rounded to it. Anything else is a ``ValueError``.
+    ``prefetch``: overlap the next unit's all-gather with this unit's compute.
     ``free_root_early``: free the root's gathered parameters in backward once every autograd-saved tensor
     viewing them has been used (counted by saved-tensor hooks around the forward). Pass False when the
     root's parameters are used inside an activation-checkpointed region (the checkpoint's own hooks hide
@@ -124,10 +142,11 @@ class ZeroStage3(nn.Module):
     backwards until :meth:`zero_grad`), in ``grad_dtype``: float32 by default, or the parameters' dtype
     (``torch.bfloat16``), which halves the gradient shard (2 bytes per parameter instead of 4: with the
     optimizer state on disk, bf16 parameters and gradients are then all a rank holds, about 4 bytes per
-    parameter). What it changes: the unit's gradients are reduced in the parameter dtype either way, and
-    for a power-of-two dp size the averaged shard is the same value in both dtypes, so one backward per
-    step gives the same step; a sum over several backwards without ``no_sync()`` is rounded to the
-    parameter dtype at every backward (``no_sync()`` accumulates in the parameter dtype in both cases).
+    parameter). What it changes: each reduction's average (in ``reduce_dtype``) is rounded to the
+    parameter dtype (with ``reduce_dtype`` the parameter dtype and a power-of-two dp size the averaged
+    shard is the same value in both, so one backward per step gives the same step); a sum over several
+    backwards without ``no_sync()`` is rounded to the parameter dtype at every backward (``no_sync()``
+    accumulates in ``reduce_dtype`` in both cases).
 
     Use with :class:`ZeroStage3Optimizer` (param groups, schedulers, ``clip_grad_norm_``: see its
     docstring)::
@@ -151,7 +170,7 @@ class ZeroStage3(nn.Module):
                  wrap: Wrap = None, min_unit_numel: int = MIN_UNIT_NUMEL,
                  param_dtype: Optional[torch.dtype] = None, prefetch: bool = True, broadcast_from_rank0: bool = True,
                  free_root_early: bool = True, find_unused_parameters: bool = False,
-                 grad_dtype: Optional[torch.dtype] = None):
+                 grad_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.module, self.dp_group, self.prefetch = module, dp_group, bool(prefetch)
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -178,7 +197,13 @@ class ZeroStage3(nn.Module):
                             f"param_dtype= to cast them to one")
         self.param_dtype = param_dtype or params[0].dtype
         self.device = params[0].device
-        self.units: List[Unit] = [Unit(i, name, mods, named, self.dp_size, self.dp_rank, self.param_dtype, self.device)
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype, self.param_dtype, sum(p.numel() for p in params))
+        # held mode accumulates the micro-batches' gradients in the units' gradient buffers (reduce_dtype), not
+        # in autograd's .grad (the parameter dtype), when the two differ
+        self._widen = self.reduce_dtype != self.param_dtype
+        self._held_seen: set = set()   # held mode, _widen: ids of the parameters with a gradient in grad_full
+        self.units: List[Unit] = [Unit(i, name, mods, named, self.dp_size, self.dp_rank, self.param_dtype, self.device,
+                                       grad_dtype=self.reduce_dtype)
                                   for i, (name, mods, named) in enumerate(plan)]
         self.shard_numel = sum(u.shard_numel for u in self.units)
         self.shard_buffer = torch.zeros(self.shard_numel, dtype=self.param_dtype, device=self.device)
@@ -431,9 +456,25 @@ class ZeroStage3(nn.Module):
     def _on_grad(self, u: Unit, p: torch.nn.Parameter) -> None:
         self._grad_seen.add(id(p))
         if self._held:
+            if self._widen:
+                with torch.no_grad():
+                    self._accumulate_held(u, p)
             return
         with torch.no_grad():
             self._take_grad(u, p)
+
+    def _accumulate_held(self, u: Unit, p: torch.nn.Parameter) -> None:
+        # Held mode with reduce_dtype wider than the parameters: each micro-batch's gradient (made by autograd
+        # in the parameter dtype) is added into the unit's reduce_dtype buffer and dropped, so the micro-batches
+        # sum in reduce_dtype instead of being rounded to bf16 at every one (FSDP2 accumulates its unsharded
+        # gradients in reduce_dtype too). The buffer is allocated at the unit's first gradient of the step.
+        if self._alloc(u.grad_full, u.grad_nbytes):
+            u.grad_full.zero_()
+        g = raw_grad(p)
+        if g is not None:
+            u.grad_view_of[id(p)].add_(g)
+            set_raw_grad(p, None)
+        self._held_seen.add(id(p))
 
     def _take_grad(self, u: Unit, p: torch.nn.Parameter) -> None:
         # Copy the gradient autograd just made into the unit's flat buffer and drop it at once: at most one
@@ -445,7 +486,7 @@ class ZeroStage3(nn.Module):
                 # parameter buffers (this unit's and the prefetched one). The reduction still overlaps the
                 # start of this unit's backward (up to its first parameter gradient).
                 self._finish_reduce()
-                self._alloc(u.grad_full, u.nbytes)
+                self._alloc(u.grad_full, u.grad_nbytes)
                 u.grad_full.zero_()
             u.grad_view_of[id(p)].add_(raw_grad(p))
             set_raw_grad(p, None)
@@ -459,7 +500,7 @@ class ZeroStage3(nn.Module):
     def _reduce(self, u: Unit) -> None:
         """Launch the reduction of ``u``'s full gradient buffer (async); free its parameters. Inside
         :meth:`no_sync` the buffer is kept instead (the next backward adds to it)."""
-        if self._alloc(u.grad_full, u.nbytes):       # no pre-backward ran: gradients were made by autograd
+        if self._alloc(u.grad_full, u.grad_nbytes):  # no pre-backward ran: gradients were made by autograd
             u.grad_full.zero_()
         for p, o, n in zip(u.params, u.offsets, u.numels):
             view = u.grad_full[o:o + n]
@@ -497,7 +538,16 @@ class ZeroStage3(nn.Module):
             self.grad_buffer.untyped_storage().resize_(self.grad_nbytes)
             for v in self.units:
                 v.grad_valid = False
-        if u.grad_valid:
+        if u.grad_shard.element_size() < mine.element_size():
+            # a bf16 shard of an fp32 reduction: average in place in the reduction's output (ours) and round once
+            # into the shard with a casting copy (a mul or add writing bf16 from fp32 would allocate an fp32
+            # temporary of the shard's size)
+            mine.mul_(1.0 / self.dp_size)
+            if u.grad_valid:
+                mine.add_(u.grad_shard)
+            u.grad_shard.copy_(mine)
+            u.grad_valid = True
+        elif u.grad_valid:
             u.grad_shard.add_(mine, alpha=1.0 / self.dp_size)   # average; accumulates across backwards
         else:
             torch.mul(mine, 1.0 / self.dp_size, out=u.grad_shard)
@@ -591,6 +641,7 @@ class ZeroStage3(nn.Module):
             for p in u.params:
                 set_raw_grad(p, None)
         self._seen_before_held = set(self._grad_seen)   # what release_gathered() goes back to
+        self._held_seen = set()
         self._held = True
 
     @torch.no_grad()
@@ -622,7 +673,36 @@ class ZeroStage3(nn.Module):
             self._reshard(u)
             u.phase, u.rs_work, u.rs_out, u.accumulated = "idle", None, None, False
         self._rs_pending = None
+        self._held_seen = set()
         self._held = False
+
+    def accumulated_grad(self, p: torch.nn.Parameter, create: bool = False) -> Optional[torch.Tensor]:
+        """Between :meth:`gather_all` and :meth:`reduce_scatter_and_free`: where ``p``'s gradient of this step
+        accumulates, before the reduction over dp; edit it in place to change what is reduced (a pipeline's
+        tied weights and tp-partial gradients are summed there). A view of its unit's ``reduce_dtype``
+        gradient buffer when ``reduce_dtype`` is wider than the parameters (``p.grad`` reads the same view
+        then), else autograd's ``p.grad``. None when no backward reached ``p`` in this step; ``create=True``
+        gives zeros instead, and ``p`` then counts as reached."""
+        info = sharded_info(p)
+        if info is None or info.wrapper_ref() is not self:
+            raise ValueError(f"ZeroStage3.accumulated_grad: {type(p).__name__} of shape {tuple(p.shape)} is not a "
+                             f"parameter of this ZeroStage3")
+        if not self._held:
+            raise RuntimeError(f"ZeroStage3.accumulated_grad({info.name!r}): the gradients are accumulated in full "
+                               f"only between gather_all() and reduce_scatter_and_free(); after a backward they are "
+                               f"reduced into grad_buffer")
+        u = info.unit
+        with torch.no_grad():
+            if not self._widen:
+                if raw_grad(p) is None and create:
+                    set_raw_grad(p, torch.zeros(p.shape, dtype=p.dtype, device=p.device))
+                    self._grad_seen.add(id(p))
+                return raw_grad(p)
+            if id(p) not in self._held_seen and raw_grad(p) is None and not create:
+                return None
+            self._grad_seen.add(id(p))
+            self._accumulate_held(u, p)     # (a gradient assigned to p.grad by hand is folded in)
+        return u.grad_view_of[id(p)]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -656,11 +736,18 @@ class ZeroStage3(nn.Module):
         return id(p) in self._grad_seen
 
     def forget_grads_reached(self, p: Optional[torch.nn.Parameter] = None) -> None:
-        """A step consumed the gradients (of ``p`` only, when given): no parameter counts as reached."""
+        """A step consumed the gradients (of ``p`` only, when given: ``p.grad = None``, which in held mode also
+        drops what ``p`` accumulated): no parameter counts as reached."""
         if p is None:
             self._grad_seen.clear()
-        else:
-            self._grad_seen.discard(id(p))
+            return
+        self._grad_seen.discard(id(p))
+        if self._held and id(p) in self._held_seen:
+            self._held_seen.discard(id(p))
+            u = sharded_info(p).unit
+            if u.gathered_grad():
+                with torch.no_grad():
+                    u.grad_view_of[id(p)].zero_()
 
     def unreduced_units(self) -> List[str]:
         """Units holding gradients accumulated under :meth:`no_sync` and not reduced yet."""

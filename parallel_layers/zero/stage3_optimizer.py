@@ -239,7 +239,9 @@ class ZeroStage3Optimizer(ShardedAdamW):
         ``optimizer_bytes``: exp_avg, exp_avg_sq and, for low-precision models, the
         fp32 master (an fp32 model's master *is* ``param_bytes``). ``gathered_bytes``: full parameter and
         gradient buffers alive now (0 between steps); ``peak_gathered_bytes``: the most alive at once during
-        the last step; ``unit_full_bytes``: what one unit's gather allocates (its gradient buffer is as big).
+        the last step; ``unit_full_bytes``: what one unit's gather allocates; ``unit_grad_bytes``: its full
+        gradient buffer, in ``ZeroStage3(reduce_dtype=)`` (twice ``unit_full_bytes`` for bf16 parameters
+        reduced in fp32, the default).
         """
         z = self.z
         num_params = sum(u.numel for u in z.units)
@@ -255,7 +257,8 @@ class ZeroStage3Optimizer(ShardedAdamW):
                "gathered_bytes": sum(M.storage_bytes([u.full]) + M.storage_bytes([u.grad_full])
                                      for u in z.units),
                "peak_gathered_bytes": z.peak_gathered_bytes,
-               "unit_full_bytes": [u.nbytes for u in z.units]}
+               "unit_full_bytes": [u.nbytes for u in z.units],
+               "unit_grad_bytes": [u.grad_nbytes for u in z.units]}
         rep["total_bytes"] = rep["param_bytes"] + rep["grad_bytes"] + rep["optimizer_bytes"]
         rep["bytes_per_param"] = {k: rep[f"{k}_bytes"] / num_params
                                   for k in ("param", "grad", "optimizer", "total")}

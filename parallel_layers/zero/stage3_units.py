@@ -1,5 +1,6 @@
 """The unit layout of :class:`~parallel_layers.zero.stage3.ZeroStage3`: which modules' parameters share one
-flat buffer (gathered, freed and reduced together), and where each parameter sits in it.
+flat buffer (gathered, freed and reduced together), where each parameter sits in it, and the dtype its
+gradients are reduced in (:func:`check_reduce_dtype`).
 
 Units. ``wrap`` chooses modules (default: every element of every ``nn.ModuleList``); the root unit keeps
 every parameter no chosen module claims. Then consecutive chosen modules smaller than ``min_unit_numel``
@@ -22,7 +23,7 @@ starts 64-byte aligned in fp32 (never a divisibility error). Rank r keeps shard 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -39,7 +40,7 @@ class Unit:
     gradient buffer) transient. ``modules`` run their hooks; the unit is gathered while any of them runs."""
 
     def __init__(self, index: int, name: str, modules: List[nn.Module], named: Named, dp: int, rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, grad_dtype: Optional[torch.dtype] = None):
         self.index, self.name, self.modules = index, name, modules
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -55,12 +56,15 @@ class Unit:
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         # Both full buffers start without storage (the wrapper allocates them while a unit is gathered or
         # reduced): allocated here for every unit at once they would hold twice the model while it is built.
+        # The gradient buffer is in the reduction's dtype (``grad_dtype``: fp32 for bf16 parameters by
+        # default), which may be wider than the parameters': each gradient autograd makes is added into it.
         self.full = torch.empty(self.padded, dtype=dtype, device=device)
-        self.grad_full = torch.empty(self.padded, dtype=dtype, device=device)
+        self.grad_full = torch.empty(self.padded, dtype=grad_dtype or dtype, device=device)
         # each parameter's gradient slice, shaped like it (views stay valid while the storage is freed)
         self.grad_view_of = {id(p): self.grad_full[o:o + n].view(p.shape)
                              for p, o, n in zip(self.params, self.offsets, self.numels)}
         self.nbytes = self.full.untyped_storage().nbytes()
+        self.grad_nbytes = self.grad_full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
         self.grad_full.untyped_storage().resize_(0)
         self.n_grad = sum(p.requires_grad for p in self.params)
@@ -92,6 +96,28 @@ class Unit:
     def __repr__(self) -> str:
         return (f"Unit({self.index}, {self.name or '<root>'}, modules={len(self.modules)}, "
                 f"params={len(self.params)}, padded={self.padded})")
+
+
+def check_reduce_dtype(reduce_dtype, param_dtype: torch.dtype, numel: int) -> torch.dtype:
+    """``ZeroStage3(reduce_dtype=)``, checked: None -> fp32 for bf16/fp16 parameters (FSDP2's
+    ``reduce_dtype=torch.float32``, as torchtitan trains), else the parameters' dtype; given: the parameters'
+    dtype, or fp32 for bf16/fp16 parameters. ``numel``: the parameters' elements, for the message."""
+    low = param_dtype in (torch.bfloat16, torch.float16)
+    if reduce_dtype is None:
+        return torch.float32 if low else param_dtype
+    allowed = [param_dtype] + ([torch.float32] if low else [])
+    if not isinstance(reduce_dtype, torch.dtype):
+        raise TypeError(f"ZeroStage3: reduce_dtype={reduce_dtype!r} is not a torch.dtype; pass one of "
+                        f"{', '.join(map(str, allowed))}, or None")
+    if reduce_dtype not in allowed:
+        choices = [f"{d} ({d.itemsize * numel:,} bytes per reduction of the {numel:,} elements"
+                   + (": half the traffic, every sum rounded to it)" if d != torch.float32 and low else ")")
+                   for d in sorted(allowed, key=lambda d: -d.itemsize)]
+        raise ValueError(f"ZeroStage3: reduce_dtype={reduce_dtype} for {param_dtype} parameters; the gradients are "
+                         f"accumulated and reduce-scattered in " + " or in ".join(choices)
+                         + f"; pass {'one of those' if low else 'that'}, or reduce_dtype=None ("
+                         f"{torch.float32 if low else param_dtype} here)")
+    return reduce_dtype
 
 
 def _default_units(module: nn.Module) -> List[nn.Module]:
@@ -187,4 +213,5 @@ def merge_small(module: nn.Module, plan: List[Tuple[nn.Module, Named]], min_unit
     return out
 
 
-__all__ = ["MIN_UNIT_NUMEL", "SHARD_ALIGN", "Unit", "assign_params", "choose_modules", "merge_small"]
+__all__ = ["MIN_UNIT_NUMEL", "SHARD_ALIGN", "Unit", "assign_params", "check_reduce_dtype", "choose_modules",
+           "merge_small"]
