@@ -98,6 +98,7 @@ from ..pipeline.any_model import split_model
 from ..pipeline.schedules import layout_of
 from ..pipeline.timeline import draw
 from ..pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
+from ..tensor_parallel.partial_grads import mark_partial_param
 from .config import (
     DataParallelConfig,
     OptimizerConfig,
@@ -119,7 +120,14 @@ def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, 
     chunks = build_gpt_stages(config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=tp_group,
                               require_divisible=schedule in ("interleaved", "zbv"), checkpoint=checkpoint,
                               dtype=dtype, device=device, cp_group=getattr(mesh, "cp_group", None),
-                              cp_method=cp_method, layout=layout_of(schedule), saved_inputs=saved_inputs)
+                              cp_method=cp_method, layout=layout_of(schedule), saved_inputs=saved_inputs,
+                              sums_sequence_parallel_grads=False)
+    # the sequence-parallel norms' and biases' gradients are sums over this rank's tokens: the replica mode
+    # sums them over tp where the step's gradients are (fp32 main grads, ZeRO-3's fp32 accumulation)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if getattr(p, "sequence_parallel", False):
+                mark_partial_param(p)
     tied, duplicates = [], set()
     for chunk in chunks:                  # the copies: first stage (counted in the norm), last stage (duplicate)
         if tied_group is not None and hasattr(chunk, "wte"):

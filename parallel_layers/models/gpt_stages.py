@@ -45,13 +45,14 @@ class GPTStage(nn.Module):
 
     def __init__(self, config: GPTConfig, stage_index: int, num_stages: int, layer_range: Tuple[int, int],
                  tp: ParallelContext, modules: dict, *, checkpoint: Union[bool, int] = False, tied_group=None,
-                 saved_inputs=None):
+                 saved_inputs=None, sums_sequence_parallel_grads: bool = True):
         super().__init__()
         self.config, self.stage_index, self.num_stages = config, stage_index, num_stages
         self.layer_range = tuple(layer_range)
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self._tp, self.tp_group, self.tp_size, self.tp_rank = tp, tp.group, tp.size, tp.rank
         self.tied_group = tied_group
+        self.sums_sequence_parallel_grads = sums_sequence_parallel_grads
         if self.is_first or (self.is_last and config.tie_embeddings):
             self.wte = modules["wte"]
         if self.is_first:
@@ -99,7 +100,7 @@ class GPTStage(nn.Module):
     def finish_grads(self) -> None:
         """After backward: sequence-parallel partial grads over TP, tied embedding grads over the
         first/last stage group."""
-        if self._tp.sp:
+        if self._tp.sp and self.sums_sequence_parallel_grads:
             from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
             allreduce_sequence_parallel_grads(self, self.tp_group)
         if self.tied_group is not None and hasattr(self, "wte") and self.config.tie_embeddings:
@@ -110,7 +111,7 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
                      boundaries: Optional[Sequence[int]] = None, require_divisible: bool = False,
                      tp_group=None, tied_group=None, checkpoint: Union[bool, int] = False, dtype=None,
                      device=None, cp_group=None, cp_method: str = "ring", layout: str = "loop",
-                     saved_inputs=None) -> List[GPTStage]:
+                     saved_inputs=None, sums_sequence_parallel_grads: bool = True) -> List[GPTStage]:
     """The stages (one per chunk) that pipeline rank ``pp_rank`` of ``pp_size`` owns, with the weights
     of ``GPT(config)`` built from the same seed (see the module docstring). ``boundaries``: explicit
     layer split points across all ``pp_size * num_chunks`` stages; ``tied_group``: from
@@ -122,7 +123,9 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     ``"v"`` for the ZBV schedule (see :func:`stage_ids`; the first and last stage are then both on rank 0,
     which shares one embedding between them: no ``tied_group``); ``saved_inputs``: how a checkpointed block
     keeps its input until backward (a :class:`~parallel_layers.models.partitioned_checkpoint.SavedInputs`:
-    a 1/tp slice, in host memory; None: whole)."""
+    a 1/tp slice, in host memory; None: whole); ``sums_sequence_parallel_grads=False``: the caller sums the
+    sequence-parallel parameters' gradients over tp itself (``Parallel3D`` does, on its fp32 gradient
+    buffers: a bf16 model's ``p.grad`` is not where they are)."""
     checkpoint_placement(checkpoint, 0, "build_gpt_stages")   # a bad value fails before anything is built
     S = pp_size * num_chunks
     if not 0 <= pp_rank < pp_size:
@@ -182,7 +185,8 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     if tied_group is not None and config.tie_embeddings:
         start_tied_equal([wte.weight], tied_group)
     return [GPTStage(config, s, S, ranges[s], tp, modules, checkpoint=checkpoint,
-                     tied_group=tied_group if (s in (0, S - 1)) else None, saved_inputs=saved_inputs) for s in mine]
+                     tied_group=tied_group if (s in (0, S - 1)) else None, saved_inputs=saved_inputs,
+                     sums_sequence_parallel_grads=sums_sequence_parallel_grads) for s in mine]
 
 
 __all__ = ["GPTStage", "build_gpt_stages"]

@@ -26,7 +26,12 @@ from ..distributed import collectives as C
 def mark_partial(module: nn.Module) -> None:
     """Mark ``module``'s own parameters (recursively) as replicated with tp-partial gradients."""
     for p in module.parameters():
-        p.tp_partial_grad = True
+        mark_partial_param(p)
+
+
+def mark_partial_param(p: nn.Parameter) -> None:
+    """Mark one parameter as replicated with a tp-partial gradient (a sequence-parallel norm's weight)."""
+    p.tp_partial_grad = True
 
 
 def partial_grad_params(model: nn.Module) -> List[nn.Parameter]:
@@ -52,4 +57,4 @@ def sum_partial_grads(grads: Sequence[Optional[torch.Tensor]], tp_group) -> None
         pos += n
 
 
-__all__ = ["mark_partial", "partial_grad_params", "sum_partial_grads"]
+__all__ = ["mark_partial", "mark_partial_param", "partial_grad_params", "sum_partial_grads"]
