@@ -244,3 +244,37 @@ def test_parallel3d_zero2_streams_on_one_stage(dist_pools, micro):
         assert out["errs"][2] < 1e-5 and out["errs"][1] < 1e-5, out["errs"]
         if micro == 1:                       # one backward: the same sums as ZeRO-1's, bit for bit
             assert out["same"], rank
+
+
+def body_parallel3d_zero3(rank, world, dtype_name):
+    """Parallel3D at dp 2, ZeRO-3 on one pipeline stage: FSDP's schedule, a block gathered at a time."""
+    import copy
+
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.models import GPT, GPTConfig
+
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    dense = GPT(GPTConfig(**CFG))
+    runs = {z: Parallel3D(copy.deepcopy(dense), cached_mesh(dp=world), zero=z, num_microbatches=2, lr=1e-3,
+                          weight_decay=0.1, dtype=dtype, seed=0) for z in (1, 3)}
+    losses = [tuple(runs[z].train_step(*_batch(2000 + step, n=4))["loss"] for z in (1, 3)) for step in range(3)]
+    z = runs[3].z
+    whole = sum(u.nbytes + u.grad_nbytes for u in z.units)
+    w1, w3 = runs[1].dense_state_dict(), runs[3].dense_state_dict()
+    err = max(((w3[n].double() - w1[n].double()).norm() / w1[n].double().norm()).item() for n in w1)
+    return {"per_unit": runs[3].mode.per_unit, "peak": z.peak_gathered_bytes, "whole": whole, "losses": losses,
+            "units": len(z.units), "err": err}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_parallel3d_zero3_gathers_unit_by_unit_on_one_stage(dist_pools, dtype):
+    """Held mode (the pipeline's) keeps the whole stage's parameters and fp32 gradients for the step; on one
+    stage the blocks are gathered and reduced one at a time, and the step agrees with ZeRO-1's."""
+    tol = {"float32": (1e-5, 1e-5), "bfloat16": (5e-4, 5e-3)}[dtype]
+    for rank, out in enumerate(dist_pools(2).run(body_parallel3d_zero3, dtype)):
+        assert out["per_unit"] and out["units"] == CFG["n_layer"] + 1, out
+        assert 0 < out["peak"] < 0.6 * out["whole"], (rank, out["peak"], out["whole"])
+        for z1, z3 in out["losses"]:
+            assert abs(z3 - z1) <= tol[0] * abs(z1), out["losses"]
+        assert out["err"] <= tol[1], (rank, out["err"])

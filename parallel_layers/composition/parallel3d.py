@@ -310,7 +310,8 @@ class Parallel3D:
         self.duplicate_ids = frozenset(duplicates)
         self.mode = replica_mode(self.model, self.replica_group, tied, duplicates, self.tied_group,
                                  optimizer_config=optimizer, data_parallel=data_parallel, tp_group=self.tp_group,
-                                 stream_grads=mesh.pp == 1 and schedule in ("1f1b", "gpipe"))
+                                 stream_grads=mesh.pp == 1 and len(self.chunks) == 1
+                                 and (schedule == "1f1b" or pipeline.num_microbatches == 1))
         self.replica_check = ReplicaCheck.default() if replica_check == "default" else replica_check
         self.steps_taken = 0
         self.optimizer = self.mode.optimizer

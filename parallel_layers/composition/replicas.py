@@ -128,6 +128,10 @@ class ReplicaMode:
     def model_state_dict(self) -> dict:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def optimizer_names(self) -> dict:
+        """``{id(param): name}``: the names the optimizer's ``full_state_dict`` keys its parameters by."""
+        return {id(p): n for n, p in self.model.named_parameters()}
+
     def load_model_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state)
 
@@ -230,24 +234,33 @@ class ShardedParams(ReplicaMode):
     would repeat the all-gathers m times), the full gradients accumulate in fp32 (a bf16/fp16 model's too:
     FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), the tp-partial and tied ones are
     summed there, then one reduce-scatter over dp averages them into the fp32 gradient shard and frees the
-    full ones; fp32 master weights live in the optimizer."""
+    full ones; fp32 master weights live in the optimizer.
+
+    ``per_unit`` (one stage per rank whose backwards are whole, nothing tied across stages): FSDP's schedule
+    instead, so a rank never holds the whole stage: each block is gathered for its forward and again for its
+    backward, and its gradients reduce-scattered as soon as its backward is done (every micro-batch's: the
+    shard sums their averages); the tp-partial gradients are then summed over tp on the shard, which the tp
+    ranks lay out alike (the sum over tp commutes with the average over dp)."""
     zero = 3
     shards_grads = True
     replicated_over_dp = False
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: Optional[DataParallelConfig] = None, tp_group=None):
+                 data_parallel: Optional[DataParallelConfig] = None, tp_group=None, per_unit: bool = False):
         super().__init__(model, dp_group, tied, duplicates, tied_group, tp_group)
+        self.per_unit = bool(per_unit) and not self.tied and len(model) == 1
         # one wrapper over all of this rank's stages: units = every block, root = the rest (no gradient
         # buckets: data_parallel's bucket_cap_mb does not apply); gradients reduced in its default reduce_dtype,
-        # fp32 for every model dtype Parallel3D allows with ZeRO-3
-        self.z = ZeroStage3(model, dp_group, prefetch=False)
+        # fp32 for every model dtype Parallel3D allows with ZeRO-3. Per unit it wraps the stage itself, whose
+        # forward (the pipeline engine calls it) gathers the root.
+        self.z = ZeroStage3(model[0] if self.per_unit else model, dp_group, prefetch=self.per_unit)
         self.optimizer = ZeroStage3Optimizer(self.z, **optimizer_config.adamw_options(),
                                              **optimizer_config.zero_options())
 
     def begin_step(self) -> None:
         self.optimizer.zero_grad()                 # frees the gradient shard
-        self.z.gather_all()                        # once per step, kept for every microbatch
+        if not self.per_unit:
+            self.z.gather_all()                    # once per step, kept for every microbatch
 
     def abandon_step(self) -> None:
         self.z.release_gathered()                  # no collective: the other ranks may never get there
@@ -259,6 +272,12 @@ class ShardedParams(ReplicaMode):
         return self.z.accumulated_grad(p, create=True)   # zeros where one end did not use the weight this step
 
     def reduce(self) -> None:
+        if self.per_unit:                          # reduced unit by unit in backward
+            if self.partial:
+                ids = {id(p) for p in self.partial}
+                sum_partial_grads([self.z.grad_buffer[start:start + n] for p, _, start, n
+                                   in self.optimizer.shard_pieces() if id(p) in ids], self.tp_group)
+            return
         self.sum_partial_grads()                   # on the full gradients
         self.sum_tied_grads()
         self.z.reduce_scatter_and_free()           # once per step, over dp; reshard
@@ -281,6 +300,9 @@ class ShardedParams(ReplicaMode):
     def full_parameters(self):
         return self.z.summon_full_params()
 
+    def optimizer_names(self) -> dict:
+        return {id(p): n for n, p in self.z.module.named_parameters()}
+
     def held_tensors(self) -> List[tuple]:
         return [(p, self.z.shard_buffer[start:start + n], offset)
                 for p, offset, start, n in self.optimizer.shard_pieces()]
@@ -295,9 +317,11 @@ class ShardedParams(ReplicaMode):
 def replica_mode(model: nn.Module, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
                  data_parallel: DataParallelConfig, tp_group=None, stream_grads: bool = False) -> ReplicaMode:
     """The mode for ``data_parallel.zero`` (0: plain data parallelism). ``stream_grads``: the step's
-    backwards are whole (one pipeline stage), so ZeRO-2 may reduce each as it runs (:class:`ShardedGrads`)."""
+    backwards are whole and each follows its own forward (one pipeline stage, 1F1B), so ZeRO-2 may reduce
+    each as it runs (:class:`ShardedGrads`) and ZeRO-3 gather and reduce unit by unit (:class:`ShardedParams`)."""
     mode = {0: Replicated, 1: ShardedGrads, 2: ShardedGrads, 3: ShardedParams}[data_parallel.zero]
-    extra = {"stream_grads": stream_grads} if mode is ShardedGrads else {}
+    extra = ({"stream_grads": stream_grads} if mode is ShardedGrads else
+             {"per_unit": stream_grads} if mode is ShardedParams else {})
     return mode(model, dp_group, tied, duplicates, tied_group, optimizer_config=optimizer_config,
                 data_parallel=data_parallel, tp_group=tp_group, **extra)
 

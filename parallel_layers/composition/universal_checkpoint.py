@@ -168,7 +168,7 @@ def _local_states(model) -> Tuple[Dict[int, Dict[str, torch.Tensor]], int]:
                 step = int(st["step"])
         return out, step
     full = opt.full_state_dict()["state"]            # gathered over dp, by the ModuleList's parameter names
-    name_of = {id(p): n for n, p in model.model.named_parameters()}
+    name_of = model.mode.optimizer_names()
     return ({key: {k: full[name_of[key]][z] for k, z in zip(STATES, STATE_KEYS)} for key in params},
             opt.steps_taken)
 
@@ -609,7 +609,7 @@ def load_universal(model, directory: str) -> dict:
             p.copy_(st["param"].to(p.dtype))
             opt.state[p] = _adamw_state(p, step, st["exp_avg"], st["exp_avg_sq"])
     else:                                            # this rank's ZeRO shard, parameters included
-        name_of = {id(p): n for n, p in model.model.named_parameters()}
+        name_of = model.mode.optimizer_names()
         state = {name_of[id(p)]: {z: st[k] for k, z in zip(STATES, STATE_KEYS)} for p, st in local.values()}
         opt.load_full_state_dict({"step": step, "state": state})
     if model.scaler is not None and meta.get("scaler") is not None:
