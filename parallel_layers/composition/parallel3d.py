@@ -39,11 +39,11 @@ One training step (:meth:`train_step`):
    replicated parameters counted once, stages summed over pp, ZeRO shards summed over dp, the last
    stage's tied copy left out;
 5. the optimizer step with the clip coefficient: ``torch.optim.AdamW`` (``zero=0``),
-   :class:`~parallel_layers.zero.ZeroOptimizer` (1, 2: fp32 master weights for bf16/fp16 models) or
-   :class:`~parallel_layers.zero.ZeroStage3Optimizer` (3). Each mode is one class of
+   :class:`~parallel_layers.zero.ZeroOptimizer` (1, 2) or :class:`~parallel_layers.zero.ZeroStage3Optimizer`
+   (3), both with fp32 master weights for bf16/fp16 models. Each mode is one class of
    :mod:`parallel_layers.composition.replicas` behind one interface.
 
-fp16 (``dtype=torch.float16``, ZeRO 1 or 2) adds a :class:`DynamicLossScaler`: on the last stage every
+fp16 (``dtype=torch.float16``, ZeRO 1, 2 or 3) adds a :class:`DynamicLossScaler`: on the last stage every
 microbatch's loss is computed in fp32 from the fp16 logits and its *gradient* multiplied by the scale
 (:class:`_ScaledLossStage`), so the loss reported stays unscaled; step 4 measures the unscaled norm and
 agrees on ``found_inf`` over every group in the same all-reduces; an overflowing step leaves
