@@ -107,11 +107,14 @@ def _ranks(rank: int, world: int, todo: list, steps: int):
         before = live_tensor_bytes()       # what earlier layouts left in this process is not this one's
         mesh = ParallelMesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp)
         torch.manual_seed(0)
+        # no replica check: it runs at the first steps (the measured one among them) and the planner does not
+        # count its checksums
+        kw = dict(layout.parallel3d_kwargs(), replica_check=None)
         if name == "gpt":
-            p3d = Parallel3D(_gpt(), mesh, **layout.parallel3d_kwargs())
+            p3d = Parallel3D(_gpt(), mesh, **kw)
         else:
             from transformers import LlamaForCausalLM
-            p3d = Parallel3D(LlamaForCausalLM(_llama()), mesh, **layout.parallel3d_kwargs())
+            p3d = Parallel3D(LlamaForCausalLM(_llama()), mesh, **kw)
         out.append(measure_layout(p3d, (x, y), steps, baseline=before))
         del p3d
         gc.collect()

@@ -85,7 +85,7 @@ def body_tp_dp(rank, world, steps):
 
 def test_tp2_x_dp2_zero2_matches_single_process(dist_pools):
     for rank, (loss_errs, param_errs, n_buckets, version) in enumerate(dist_pools(4).run(body_tp_dp, 8)):
-        assert n_buckets > 1 and version == 1, (rank, n_buckets, version)
+        assert n_buckets > 1 and version == 0, (rank, n_buckets, version)     # ZeRO-2 keeps its first layout
         assert worst(loss_errs) <= 1e-5, (rank, loss_errs)
         err, name = worst(param_errs)
         assert err <= 1e-5, f"rank {rank}: {name} differs by {err:.2e} (relative norm)"

@@ -87,7 +87,8 @@ def body_parity(rank, world, stage, bucket_cap_mb, mask_decay, rebuild, reduce_o
 
 # rebuild None/True: DataParallel re-lays out its buckets at the end of the first backward, BEFORE its
 # reduce-scatter, so the shards are reduced in the layout the optimizer then derives (no repair pass).
-# rebuild=False keeps the construction layout. reduce_op="all_reduce": stage 1 slicing all-reduced gradients.
+# rebuild=False keeps the construction layout, as ZeRO-2 always does (a re-layout would hold every bucket
+# once). reduce_op="all_reduce": stage 1 slicing all-reduced gradients.
 @pytest.mark.parametrize("world,stage,cap,mask,rebuild,op", [
     (2, 1, 25.0, False, None, "reduce_scatter"), (2, 2, 0.02, True, True, "reduce_scatter"),
     (4, 1, 0.02, True, True, "reduce_scatter"), (4, 2, 25.0, False, False, "reduce_scatter"),
@@ -96,7 +97,7 @@ def test_parity_with_single_process_adamw(dist_pools, world, stage, cap, mask, r
     out = dist_pools(world).run(body_parity, stage, cap, mask, rebuild, op)
     for rank, (loss_err, param_err, n_buckets, params, rebuilt) in enumerate(out):
         assert (n_buckets > 1) == (cap < 1), n_buckets
-        assert rebuilt == (rebuild is not False)
+        assert rebuilt == (rebuild is not False and stage == 1)   # ZeRO-2 keeps its first layout
         assert loss_err < 1e-5, (rank, loss_err)
         assert param_err < 1e-5, (rank, param_err)
         for a, b in zip(params, out[0][3]):   # every rank holds the same full model
@@ -221,7 +222,7 @@ def body_checkpoint(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_checkpoint_round_trip(dist_pools, stage):
     for same, states, layouts_differ in dist_pools(2).run(body_checkpoint, stage):
-        assert layouts_differ   # the remap path really ran
+        assert layouts_differ == (stage == 1)   # the remap path really ran (ZeRO-2 keeps its first layout)
         assert same and states
 
 

@@ -108,7 +108,7 @@ class ParamAndGradBuffer:
         return groups
 
     def _layout(self, order: List[torch.nn.Parameter],
-                copy_from: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]]):
+                copy_from: Optional[Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]]], grads_freed: bool = False):
         groups = self._plan(order)
         sizes = []
         for g in groups:
@@ -119,7 +119,7 @@ class ParamAndGradBuffer:
             self.param_buffer = torch.zeros(total, dtype=self.param_dtype, device=self.device)
             if self.separate_grads:
                 self.grad_buffer = None
-                grads = [torch.zeros(n, dtype=self.grad_dtype, device=self.device) for n in sizes]
+                grads = [None] * len(sizes)      # one bucket at a time: freed ones are never all allocated
             else:
                 self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype, device=self.device)
                 starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -129,6 +129,9 @@ class ParamAndGradBuffer:
             self.params: List[torch.nn.Parameter] = []
             start = 0
             for bi, (g, n) in enumerate(zip(groups, sizes)):
+                if grads[bi] is None:
+                    grads[bi] = torch.empty(n, dtype=self.grad_dtype, device=self.device) if grads_freed else \
+                        torch.zeros(n, dtype=self.grad_dtype, device=self.device)
                 offs, pos = [], 0
                 for p in g:
                     offs.append(pos)
@@ -140,7 +143,8 @@ class ParamAndGradBuffer:
                     else:
                         old_p, old_g = copy_from[id(p)]
                         pv.copy_(old_p)
-                        gv.copy_(old_g)
+                        if old_g is not None:
+                            gv.copy_(old_g)
                     p.data = pv.view(p.shape)
                     p.main_grad = gv.view(p.shape)
                     self._where[id(p)] = (bi, pos)
@@ -148,6 +152,8 @@ class ParamAndGradBuffer:
                     pos += k
                 self.buckets.append(Bucket(bi, list(g), offs, n, self.dp_size, self.param_buffer[start:start + n],
                                            grads[bi], start))
+                if grads_freed:                  # its views exist; its memory comes with its first gradient
+                    grads[bi].untyped_storage().resize_(0)
                 start += n
 
     def rebuild(self, order: List[torch.nn.Parameter]) -> None:
@@ -161,8 +167,10 @@ class ParamAndGradBuffer:
         if len(seen) != len(order) or not seen <= set(self._where):
             raise ValueError("ParamAndGradBuffer.rebuild: order must list buffer parameters, each once")
         full = list(order) + [p for p in self.params if id(p) not in seen]
-        old = {id(p): (p.data.reshape(-1).clone(), self._grad_values(p)) for p in self.params}
-        self._layout(full, copy_from=old)
+        # separate bucket tensors that are all freed (ZeRO-2 between steps) stay freed: nothing to move
+        freed = self.separate_grads and not any(t.untyped_storage().nbytes() for t in self.grad_tensors())
+        old = {id(p): (p.data.reshape(-1).clone(), None if freed else self._grad_values(p)) for p in self.params}
+        self._layout(full, copy_from=old, grads_freed=freed)
 
     def _grad_values(self, p) -> torch.Tensor:
         """A copy of ``p``'s gradient slice (zeros where its bucket's memory is freed)."""

@@ -230,7 +230,9 @@ class DataParallel(nn.Module):
         and one whose parameter's gradient arrives in two parts (a tied embedding: its LM-head share is
         written early, its lookup's at the end); :attr:`last_backward_grad_bytes` is what the last one
         held. Between steps this rank holds :attr:`grad_shard` alone. Needs ``reduce_op="reduce_scatter"``.
-        The first synced backward re-lays the buckets out in arrival order and holds all of them once."""
+        The buckets keep their first layout (parameters in reverse order, which is close to the order their
+        gradients arrive in): re-laying them out in arrival order, as DataParallel otherwise does at its first
+        synced backward, would hold every bucket in that backward, or, done later, move the optimizer's state."""
         if self.reduce_op != "reduce_scatter":
             raise ValueError(f"DataParallel.shard_gradients_in_backward: reduce_op={self.reduce_op!r}; the "
                              f"gradients can only be freed after a reduce-scatter (each rank keeps its shard)")
@@ -240,6 +242,7 @@ class DataParallel(nn.Module):
         self.max_buckets_in_flight = int(max_buckets_in_flight)
         if self._release:
             return
+        self._rebuild_pending = False
         self.buffer.split_grad_storage()
         self._release = True
         self._index_params()
@@ -251,10 +254,13 @@ class DataParallel(nn.Module):
         return self._release
 
     def release_grads(self) -> None:
-        """ZeRO-2: free every bucket's full gradient memory now (the step consumed the gradients); the
-        next gradient of each parameter starts from zero."""
+        """ZeRO-2: free every bucket's full gradient memory and zero the shard now (the step consumed the
+        gradients); the next gradient of each parameter starts from zero."""
         for b in self.buffer.buckets:
             self._free_bucket(b)
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+        self._shard_filled, self._consumed = set(), set()
 
     def _free_bucket(self, b: Bucket) -> None:
         st = b.grad_data.untyped_storage()
@@ -419,6 +425,10 @@ class DataParallel(nn.Module):
         write lands averaged (alpha 1/world) and later writes in the same backward follow it."""
         self._live(p)
         beta = 0.0 if self._claim_stale(p) else 1.0
+        if beta == 0.0 and self._direct and p.grad is not None:
+            # .grad views the slice just written (a freed or reduced bucket brought back): a share autograd
+            # adds later must arrive as its own tensor, to be folded in at the slice's scale
+            p.grad = None
         with torch.no_grad():
             write(p.main_grad, beta, self._scale_value if id(p) in self._prescaled else 1.0)
 

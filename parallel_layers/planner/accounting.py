@@ -6,7 +6,8 @@ from the package's own objects and operations rather than from a formula.
   ``untyped_storage().resize_(0)`` counts 0, views of one buffer count once. Works on meta tensors
   (the planner's) as on real ones (the benchmark's measurement of the same terms).
 * :class:`OpTally`: a ``TorchDispatchMode`` that runs code (on meta tensors, under a fake process
-  group) and keeps the live bytes of every tensor the ops create, their peak, the bytes non-matmul ops
+  group) and keeps the live bytes of every tensor the ops create (and, sampled at every op, what a caller
+  says is allocated outside them), their peak, the bytes non-matmul ops
   read and write (memory-bound time) and every collective with its bytes. A tensor counts until its
   last reference dies (torch keeps a tensor's Python object alive as long as autograd holds it), so the
   tensors saved for backward count until backward frees them.
@@ -92,10 +93,13 @@ def _nbytes(t: torch.Tensor) -> int:
 class OpTally(TorchDispatchMode):
     """Live bytes, their peak, memory traffic of non-matmul ops and collectives, while active."""
 
-    def __init__(self):
+    def __init__(self, extra=None):
         super().__init__()
         self.live = 0
         self.peak = 0
+        # bytes allocated outside any op (a storage resized in place: ZeRO-3's gathered units), sampled at
+        # every op, so the peak is the ops' tensors and those together
+        self.extra = extra
         self.traffic = 0                      # bytes read + written by non-matmul ops
         self.ops = 0                          # operator calls (each costs a launch / dispatch overhead)
         self.collectives: Dict[str, List[int]] = defaultdict(list)   # op name -> bytes per call
@@ -103,7 +107,7 @@ class OpTally(TorchDispatchMode):
         self._size: Dict[int, int] = {}
 
     def reset_peak(self) -> None:
-        self.peak = self.live
+        self.peak = self.live + (self.extra() if self.extra else 0)
 
     def _release(self, key: int) -> None:
         self._count[key] -= 1
@@ -144,6 +148,8 @@ class OpTally(TorchDispatchMode):
             self._track(o, before)
         if name not in _MATMUL_OPS and name not in _FREE_OPS:
             self.traffic += sum(_nbytes(a) for a in ins) + sum(_nbytes(o) for o in outs)
+        if self.extra is not None:
+            self.peak = max(self.peak, self.live + self.extra())
         return out
 
 

@@ -6,7 +6,8 @@
     python -m parallel_layers plan --calibrate profile.json [--world 2]  # measure this machine, save a profile
 
 Prints the feasible layouts fastest first (tokens/s, MFU, step time, bubble, the largest rank's memory
-by term), then the infeasible ones with the term that overflowed.
+by term), then the infeasible ones with the
+term that overflowed.
 """
 from __future__ import annotations
 

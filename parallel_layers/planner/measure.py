@@ -6,7 +6,9 @@ Memory, per rank, by the tensors' and the allocator's own accounting (not RSS):
   distinct storages of every tensor alive in the process (``gc.get_objects()``: model, gradients,
   optimizer state, buffers, the batch);
 * during the step: torch's profiler with ``profile_memory=True`` reports every allocation and free of
-  torch's CPU allocator; the running sum's maximum is the step's growth above its start.
+  torch's CPU allocator; the running sum's maximum is the step's growth above its start. The profiler
+  reports no free of a block allocated before it started, so it runs from the warm-up step on (a step that
+  frees what the previous one allocated, ZeRO-3's gradient shard or ZeRO-2's buckets, is then seen to).
 
 peak = the first + the second. Time: the slowest rank's wall time of a step, median of ``steps``.
 """
@@ -35,29 +37,45 @@ def live_tensor_bytes() -> int:
     return held_bytes(ts)
 
 
-def step_growth(fn) -> int:
-    """The most bytes torch's CPU allocator held above its level at the start while ``fn()`` ran."""
-    from torch.profiler import ProfilerActivity, profile
+def step_growth(fn, before=None) -> int:
+    """The most bytes torch's CPU allocator held above its level at the start while ``fn()`` ran.
+    ``before``: run first under the same profiler (a warm-up step), so that what ``fn`` frees of the blocks
+    ``before`` allocated counts too (the profiler reports no free of a block allocated before it started)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    level = top = 0
-    for _t, nbytes in events:
+        if before is not None:
+            before()
+        with record_function("step_growth: measured"):
+            fn()
+    events = list(prof.profiler.kineto_results.events())
+    marks = [e.start_ns() for e in events if e.name() == "step_growth: measured"]
+    start_ns = min(marks) if marks and before is not None else None
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    level = base = top = 0
+    for t, nbytes in memory:
+        if start_ns is not None and t < start_ns:
+            level += nbytes
+            base = top = level
+            continue
         level += nbytes
         top = max(top, level)
-    return top
+    return top - base
 
 
 def measure_layout(p3d, batch, steps: int = 3, baseline: int = 0) -> Dict[str, object]:
-    """On every rank of ``p3d``'s mesh (a collective): one warm-up step, one step under the memory
-    profiler, then ``steps`` timed steps. Returns this rank's figures; ``baseline``: the live tensor
-    bytes before the model was built (what the process held already), taken off the start."""
+    """On every rank of ``p3d``'s mesh (a collective): one warm-up step and one step under the memory
+    profiler (the second measured), then ``steps`` timed steps. Returns this rank's figures; ``baseline``:
+    the live tensor bytes before the model was built (what the process held already), taken off the start."""
     import torch.distributed as dist
     x, y = batch
-    p3d.train_step(x, y)                                   # warm-up: lazy optimizer state, bucket rebuilds
-    start = live_tensor_bytes() - baseline
-    growth = step_growth(lambda: p3d.train_step(x, y))
+    start = []
+
+    def warm_up():
+        p3d.train_step(x, y)                               # lazy optimizer state, bucket rebuilds
+        start.append(live_tensor_bytes() - baseline)
+
+    growth = step_growth(lambda: p3d.train_step(x, y), before=warm_up)
+    start = start[0]
     times: List[float] = []
     for _ in range(steps):
         dist.barrier()

@@ -6,17 +6,33 @@ Memory of pipeline rank ``r`` (every dp/cp/tp coordinate of it holds the same):
     parameters + gradients + optimizer              (static_terms: the rank's tensors, a step begun)
   + max over its chunks of one micro-batch's peak   (probe: forward or backward, whichever is higher)
   + (in_flight[r] - 1) x bytes a micro-batch keeps  (in_flight: ``simulate`` of the schedule's streams)
-  + what the other chunks keep for the whole step   (ZeRO-3's full gradients of an interleaved rank)
   + (its sends - 1) x one activation's bytes         (only where sends are held to the step's end: gloo)
 
 and ``fragmentation`` of the profile on top for the feasibility check (the allocator's gaps).
+
+The gradient term, as the code allocates it (bf16/fp16 models keep fp32 gradients, as fp32 ones do):
+
+* ZeRO 0 / 1: the whole stage's gradient buffer (1: and the rank's reduced shard, 4 bytes / dp a parameter);
+* ZeRO 2 at pp = 1 without tp-partial parameters (``probe.streams_gradients``): every micro-batch's backward
+  is reduce-scattered bucket by bucket and each bucket freed once reduced, so the shard plus the largest
+  run of ``max_buckets_in_flight`` + 1 consecutive buckets (``probe.buckets_in_flight_bytes``);
+* ZeRO 2 elsewhere (pp > 1): the whole buffer, kept over the micro-batches until the step's reduction,
+  and the shard;
+* ZeRO 3 per unit (one stage, nothing tied across stages: ``probe.gathers_per_unit``, FSDP's schedule): the
+  fp32 shard; each unit's full parameters and gradients come and go inside the micro-batch, in its peak;
+* ZeRO 3 held (``gather_all`` keeps the stage's parameters gathered for the step): the full gradients
+  of every chunk of the rank, accumulated over the micro-batches (fp32 for bf16/fp16 parameters: the
+  reduce dtype), and the fp32 shard where it outweighs the activations (``zero_grad`` frees it at the
+  step's start, the reduction allocates it after the last backward, when the activations are gone).
 
 Step time: every forward and backward of the schedule costs its FLOPs at the profile's matmul rate,
 its non-matmul bytes at the memory bandwidth, its operator calls at the per-op overhead (launch or
 host dispatch: what dominates small models) and its tensor/context-parallel collectives at their
 alpha-beta cost (ranks beyond ``compute_slots`` share the compute); ``simulate_timing`` walks the
 schedule with those costs and the activation send's cost as latency (the bubble). The package reduces
-gradients once per step after the pipeline has drained (no overlap with backward in ``Parallel3D``), so
+gradients once per step after the pipeline has drained (no overlap with backward in ``Parallel3D``; a
+streaming ZeRO-2 and a per-unit ZeRO-3 reduce once per micro-batch, charged m times here, and the latter
+gathers every unit for each forward and backward, 2m times, with no credit for their overlap), so
 the data-parallel reduction, ZeRO-3's gather of every parameter, the tied embedding's all-reduce and the
 optimizer step (its bytes at memory bandwidth) add to it.
 """
@@ -27,7 +43,18 @@ from typing import Dict, List, Optional
 
 from ..pipeline import build_all, simulate, simulate_timing
 from .hardware import Profile
-from .probe import ChunkCost, build_rank, fake_world, global_rank, microbatch_probe, static_terms, sync_bytes
+from .probe import (
+    ChunkCost,
+    build_rank,
+    fake_world,
+    gathers_per_unit,
+    global_rank,
+    microbatch_probe,
+    reduction_shard_bytes,
+    static_terms,
+    streams_gradients,
+    sync_bytes,
+)
 from .spec import Layout, Request
 
 _COLL_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
@@ -42,6 +69,9 @@ class RankProbe:
     static: Dict[str, int]
     sync: Dict[str, int]
     chunks: List[ChunkCost]
+    streamed: bool = False     # ZeRO-2 reducing every micro-batch's backward bucket by bucket (probe.streams_gradients)
+    reduction_shard: int = 0   # ZeRO-3: gradient shard allocated at the step's reduction (probe.reduction_shard_bytes)
+    per_unit: bool = False     # ZeRO-3 gathering unit by unit (probe.gathers_per_unit)
 
 
 @dataclasses.dataclass
@@ -75,12 +105,15 @@ def _twin(req: Request, layout: Layout, r: int) -> Optional[int]:
 
 def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> List[RankProbe]:
     """The probes of every pipeline rank of ``layout``, in two cached parts: what the rank holds
-    (depends on the mesh, the ZeRO stage and the chunk count) and what a micro-batch costs (depends on
+    (depends on the mesh, the ZeRO stage and the chunk count; for a streaming ZeRO-2 rank, whose bucket
+    order comes from a backward, on checkpointing too) and what a micro-batch costs (depends on
     tp, pp, cp, chunks, checkpointing, the micro-batch size and whether ZeRO-3 keeps full gradients;
     probed on a mesh with dp 1, since data parallelism does not change a micro-batch)."""
     cache = {} if cache is None else cache
     b = req.global_batch // (layout.dp * layout.num_microbatches)
-    skey = ("static", layout.dp, layout.tp, layout.pp, layout.cp, layout.zero, layout.num_chunks)
+    # a streaming ZeRO-2 rank (pp 1) runs a backward for its bucket order: checkpointing is part of its key
+    skey = ("static", layout.dp, layout.tp, layout.pp, layout.cp, layout.zero, layout.num_chunks,
+            layout.checkpoint if layout.zero == 2 and layout.pp == 1 else None)
     if skey not in cache:
         ranks = []
         for r in range(layout.pp):
@@ -89,7 +122,9 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
                 continue
             with fake_world(global_rank(layout, r), layout.world):
                 p3d = build_rank(req, layout, r)
-                ranks.append((static_terms(p3d), sync_bytes(p3d)))
+                static = static_terms(p3d, req.seq_len // layout.cp)
+                ranks.append((static, sync_bytes(p3d), streams_gradients(p3d), reduction_shard_bytes(p3d),
+                              gathers_per_unit(p3d)))
                 del p3d
         cache[skey] = ranks
     z3 = layout.zero == 3
@@ -110,7 +145,7 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
                 del p3d
             ranks.append(chunks)
         cache[akey] = ranks
-    return [RankProbe(st, sy, ch) for (st, sy), ch in zip(cache[skey], cache[akey])]
+    return [RankProbe(st, sy, ch, *rest) for (st, sy, *rest), ch in zip(cache[skey], cache[akey])]
 
 
 def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
@@ -145,11 +180,18 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     act_bytes = probes[0].chunks[0].out_bytes
     for r, pr in enumerate(probes):
         saved = max(c.saved for c in pr.chunks)
-        mb_peak = max(c.peak for c in pr.chunks)
-        # interleaved: a unit in flight is one chunk's micro-batch; ZeRO-3's gradients of the other chunks stay
-        others = sum(c.persist for c in pr.chunks) - max(c.persist for c in pr.chunks)
+        # ZeRO-3: every chunk's full gradients stay for the step (a chunk's peak counts its own: taken off)
+        full_grads = sum(c.persist for c in pr.chunks)
+        mb_peak = max(c.peak - c.persist for c in pr.chunks)
         terms = dict(pr.static)
-        terms["activations"] = mb_peak + max(in_flight[r] - 1, 0) * saved + others
+        terms["activations"] = mb_peak + max(in_flight[r] - 1, 0) * saved
+        if full_grads and m == 1:
+            # one micro-batch: no later one runs beside the full gradients. Its own peak holds those its
+            # backward made so far where the tally saw them made (autograd's), all in unit buffers otherwise
+            first = max(c.first_peak + c.persist_untallied for c in pr.chunks)
+            terms["activations"] = max(first - full_grads, 0)
+        if full_grads or pr.reduction_shard:
+            terms["gradients"] += full_grads + max(pr.reduction_shard - terms["activations"], 0)
         if prof.sends_held and p > 1:
             # every activation and gradient this rank sent stays until the step's end; the last one's
             # tensor is still the micro-batch's own at the peak
@@ -177,9 +219,16 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     inter = _spans_nodes(req, layout, "dp_cp")
     terms["dp_reduce"] = sum(prof.collective_s(k, n_rep, nb, inter) for k, nb in sync.items()
                              if k in ("all_reduce", "reduce_scatter"))
+    if any(pr.streamed or pr.per_unit for pr in probes):   # every micro-batch's gradients reduced
+        terms["dp_reduce"] *= m
     terms["zero3_gather"] = prof.collective_s("all_gather", n_rep, sync.get("all_gather", 0), inter)
+    if any(pr.per_unit for pr in probes):      # per unit: every unit gathered for each forward and backward
+        terms["zero3_gather"] *= 2 * m
     terms["tied"] = prof.collective_s("all_reduce", 2, sync.get("tied_all_reduce", 0), _spans_nodes(req, layout, "pp"))
-    opt_bytes = max(2 * (t["optimizer"] + t["gradients"] + t["parameters"]) for t in memory)
+    # the step reads and writes the rank's tensors once: optimizer state, gradients (the shard where sharded),
+    # parameters
+    opt_bytes = max(2 * (pr.static["optimizer"] + pr.static["gradients"] + pr.static["parameters"]
+                         + pr.reduction_shard) for pr in probes)
     terms["optimizer"] = opt_bytes / prof.mem_bw * slow
     step = sum(terms.values())
     tokens = req.global_batch * req.seq_len

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -82,12 +82,145 @@ def _keys(tensors) -> set:
     return {t.untyped_storage()._cdata for t in tensors}
 
 
-def static_terms(p3d) -> Dict[str, int]:
-    """Bytes this rank holds with a step begun (``mode.begin_step()`` run: ZeRO-2's full gradient buffer
-    back, ZeRO-3's parameters gathered), split into parameters (ZeRO-3: its shard too), gradients (what
-    the data-parallel wrapper holds besides the parameters: buffers, shards) and optimizer state (the
-    rest the optimizer holds). torch's AdamW (``zero=0``) makes its state at the first step: exp_avg and
-    exp_avg_sq like each parameter and a float32 step count, added here as that rule."""
+MAX_BUCKETS_IN_FLIGHT = 2      # DataParallel's default, where its object does not say
+
+
+def streams_gradients(p3d) -> bool:
+    """Whether this rank's ZeRO-2 reduces every micro-batch's backward bucket by bucket, freeing each bucket's
+    full gradient memory once its reduction completed (DeepSpeed's ZeRO-2: the shard accumulates over the
+    micro-batches): ``Parallel3D`` does so on one pipeline stage (pp = 1) with nothing tied and no tp-partial
+    parameters (per-head q/k norms at tp > 1, whose gradients are summed over tp before the reduction):
+    its mode says so (``ShardedGrads.streams``). Elsewhere ZeRO-2 keeps the whole stage's fp32 gradient
+    buffer through the step, as ZeRO-1 does."""
+    mode = p3d.mode
+    if hasattr(mode, "streams"):
+        return bool(mode.streams)
+    # a mode without the attribute: the same rule from what the rank holds
+    return (getattr(p3d, "zero", 0) == 2 and getattr(mode, "dp", None) is not None and p3d.mesh.pp == 1
+            and not getattr(mode, "partial", None) and not getattr(mode, "tied", None))
+
+
+def bucket_grad_bytes(dp) -> List[int]:
+    """The full gradient bytes of each of ``dp``'s buckets, in bucket (reduction) order (their padded size
+    in the gradient dtype, whether their memory is allocated now or not)."""
+    esize = torch.empty(0, dtype=dp.grad_dtype).element_size()
+    return [b.numel * esize for b in dp.buffer.buckets]
+
+
+def buckets_in_flight_bytes(dp, early: Optional[Dict[int, int]] = None) -> int:
+    """The most full-gradient bytes a streaming ZeRO-2 backward holds at once, by ``DataParallel``'s rule:
+    buckets fill in bucket order (after the first backward, arrival order), each allocated at its first
+    gradient, launched once full, and a launch first finishes the oldest reduction while more than
+    ``max_buckets_in_flight`` are in flight, freeing its bucket. So while a bucket fills, it and the
+    ``max_buckets_in_flight`` before it are alive: the largest run of that many + 1 consecutive buckets (a
+    bucket is at least one parameter, so a large embedding is one bucket of its own whatever
+    ``bucket_cap_mb`` says). ``early``: bucket index -> the bucket (by index) that was filling when a
+    fused layer first wrote into it, where that is before its own turn (a tied embedding whose LM head
+    writes its share first): it is alive from then on."""
+    sizes = bucket_grad_bytes(dp)
+    k = int(getattr(dp, "max_buckets_in_flight", MAX_BUCKETS_IN_FLIGHT) or MAX_BUCKETS_IN_FLIGHT)
+    early = early or {}
+    most = 0
+    for c in range(len(sizes)):              # bucket c filling
+        alive = set(range(max(c - k, 0), c + 1)) | {b for b, w in early.items() if w <= c < b}
+        most = max(most, sum(sizes[b] for b in alive))
+    return most
+
+
+def simulated_backward_bytes(sizes: List[int], counts: List[int], events: List[tuple], k: int) -> int:
+    """The most full-gradient bytes ``DataParallel``'s streaming backward holds for gradients landing as
+    ``events`` say (``("write" | "arrive", bucket index)`` in backward order), whatever the layout: a bucket
+    is allocated at its first write or arrival, launched in bucket order once all its ``counts`` parameters
+    arrived, and a launch finishes (frees) the oldest while more than ``k`` are in flight."""
+    live, got, inflight, nxt, most = set(), [0] * len(sizes), [], 0, 0
+    for kind, b in events:
+        live.add(b)
+        most = max(most, sum(sizes[i] for i in live))
+        if kind == "arrive":
+            got[b] += 1
+            while nxt < len(sizes) and got[nxt] == counts[nxt]:
+                inflight.append(nxt)
+                nxt += 1
+                while len(inflight) > k:
+                    live.discard(inflight.pop(0))
+    return most
+
+
+def arrival_order_bytes(p3d, seq_len: int, batch: int = 1) -> int:
+    """The most full-gradient bytes a streaming ZeRO-2 rank's backward holds: one backward on meta, under
+    ``no_sync``, records the order the gradients arrive in (each parameter's post-accumulate-grad hook, where
+    ``DataParallel`` takes it from) and where a fused layer writes a parameter's share before it arrives
+    (``DataParallel.write_grad``: the reference GPT's tied embedding, whose LM head writes first); the buckets'
+    life is then :func:`simulated_backward_bytes` in the wrapper's layout (ZeRO-2 keeps its first layout,
+    parameters in reverse order, close to the order they arrive in)."""
+    import torch.fx.experimental._config as fx_config
+    dp = p3d.mode.dp
+    chunk = p3d.chunks[0]
+    dev = next(p3d.model.parameters()).device
+    side = _cp_side(p3d, batch, seq_len, dev)
+    order: List[torch.nn.Parameter] = []
+    arrived_at: Dict[int, int] = {}
+    written_at: Dict[int, int] = {}          # id -> arrivals before a fused layer's first write into it
+
+    def arrived(q):
+        if id(q) not in arrived_at:
+            arrived_at[id(q)] = len(order)
+            order.append(q)
+
+    write = dp.write_grad
+
+    def write_grad(q, fn):
+        written_at.setdefault(id(q), len(order))
+        return write(q, fn)
+
+    hooks = [q.register_post_accumulate_grad_hook(arrived) for q in dp.buffer.params]
+    dp.write_grad = write_grad
+    try:
+        with OpTally(), fused_attention_on_meta(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), \
+                dp.no_sync():
+            x = torch.zeros(batch, seq_len, dtype=torch.long, device=dev)
+            torch.autograd.backward(_run_forward(chunk, x, x, True, side))
+    finally:
+        del dp.write_grad
+        for h in hooks:
+            h.remove()
+    gc.collect()
+    for q in dp.buffer.params:                # a parameter without a gradient goes last, as in the rebuild
+        if id(q) not in arrived_at and id(q) in written_at:
+            arrived(q)
+    for q in dp.buffer.params:                # a parameter without a gradient: written only, or never
+        if id(q) not in arrived_at and id(q) in written_at:
+            arrived(q)
+    bucket = {id(q): dp.buffer.bucket_of(q)[0].index for q in dp.buffer.params}
+    writes_at: Dict[int, List[int]] = {}
+    for pid, w in written_at.items():
+        writes_at.setdefault(w, []).append(bucket[pid])
+    events: List[tuple] = []
+    for i, q in enumerate(order):
+        events += [("write", b) for b in writes_at.get(i, [])] + [("arrive", bucket[id(q)])]
+    events += [("write", b) for b in writes_at.get(len(order), [])]
+    counts = [len(b.params) for b in dp.buffer.buckets]
+    for q in dp.buffer.params:                # never reached: counted ready at the end, as DataParallel does
+        if id(q) not in arrived_at:
+            events.append(("arrive", bucket[id(q)]))
+    k = int(getattr(dp, "max_buckets_in_flight", MAX_BUCKETS_IN_FLIGHT) or MAX_BUCKETS_IN_FLIGHT)
+    return simulated_backward_bytes(bucket_grad_bytes(dp), counts, events, k)
+
+
+def static_terms(p3d, seq_len: Optional[int] = None, buckets: Optional[dict] = None) -> Dict[str, int]:
+    """Bytes this rank holds with a step begun (``mode.begin_step()`` run: ZeRO-3's parameters gathered),
+    split into parameters (ZeRO-3: its shard too), gradients (what the data-parallel wrapper holds besides
+    the parameters: buffers, shards) and optimizer state (the rest the optimizer holds). torch's AdamW
+    (``zero=0``) makes its state at the first step: exp_avg and exp_avg_sq like each parameter and a float32
+    step count, added here as that rule.
+
+    Gradients where the rank streams them (:func:`streams_gradients`): the shard and the other tensors the
+    wrapper holds, plus, instead of the full buffer, the most bucket memory a synced backward holds: with
+    ``seq_len`` (this rank's tokens a sequence) :func:`arrival_order_bytes`, the buckets as a run lays them
+    out (this leaves the rank's wrapper unusable), else :func:`buckets_in_flight_bytes` as they are laid out.
+    ZeRO-3: per unit (:func:`gathers_per_unit`), the fp32 gradient shard, which ``begin_step`` frees and the
+    first unit's reduction brings back; held, not here (:func:`reduction_shard_bytes`). ``buckets``: a dict that
+    gets, for a streaming rank, ``in_flight`` (the bucket bytes counted) and ``all`` (every bucket's)."""
     p3d.mode.begin_step()
     params = [p for p in p3d.model.parameters()] + list(p3d.model.buffers())
     wrapper = getattr(p3d.mode, "dp", None) or getattr(p3d.mode, "z", None)
@@ -101,7 +234,41 @@ def static_terms(p3d) -> Dict[str, int]:
     if isinstance(p3d.optimizer, torch.optim.AdamW) and not p3d.optimizer.state:
         out["optimizer"] += sum(2 * p.numel() * p.element_size() + 4 for g in p3d.optimizer.param_groups
                                 for p in g["params"])
+    if gathers_per_unit(p3d) and not wrapper.grad_buffer.untyped_storage().nbytes():
+        # per unit, the gradient shard comes back at the first unit's reduction, early in the first backward
+        out["gradients"] += wrapper.grad_nbytes
+    if streams_gradients(p3d):
+        full = _keys([b.grad_data for b in wrapper.buffer.buckets])
+        in_flight = arrival_order_bytes(p3d, seq_len) if seq_len else buckets_in_flight_bytes(wrapper)
+        out["gradients"] = held_bytes([t for t in grads if t.untyped_storage()._cdata not in full]) + in_flight
+        if buckets is not None:
+            buckets.update(in_flight=in_flight, all=sum(bucket_grad_bytes(wrapper)))
     return out
+
+
+def gathers_per_unit(p3d) -> bool:
+    """Whether this rank's ZeRO-3 runs FSDP's schedule (``ShardedParams.per_unit``: one stage whose backwards
+    are whole, nothing tied across stages): each unit gathered for its forward and again for its backward,
+    its gradients reduce-scattered once its backward is done. Otherwise (held mode) a step gathers the whole
+    stage once and keeps it, with every unit's full gradients, until its one reduction."""
+    return bool(getattr(p3d.mode, "per_unit", False))
+
+
+def reduction_shard_bytes(p3d) -> int:
+    """ZeRO-3 in held mode: the bytes of the fp32 gradient shard that a step frees at its start
+    (``zero_grad``, in ``begin_step``) and allocates again at its reduction, after the last backward, while
+    the stage's full gradients still live but the activations are gone (0 where :func:`static_terms` holds
+    it already: per unit, or without ZeRO-3)."""
+    z = getattr(p3d.mode, "z", None)
+    if z is None or z.grad_buffer.untyped_storage().nbytes() or gathers_per_unit(p3d):
+        return 0
+    return z.grad_nbytes
+
+
+def unit_buffer_bytes(z) -> int:
+    """The bytes of a ZeRO-3 wrapper's full parameter and gradient buffers alive now (storages resized in
+    place as units are gathered and freed: no op makes them)."""
+    return sum(u.full.untyped_storage().nbytes() + u.grad_full.untyped_storage().nbytes() for u in z.units)
 
 
 @dataclasses.dataclass
@@ -120,6 +287,8 @@ class ChunkCost:
     coll_b: Dict[str, List[int]]
     out_shape: tuple
     out_bytes: int
+    first_peak: int = 0        # the first micro-batch's peak (what its backward made of those counted as it went)
+    persist_untallied: int = 0  # of ``persist``, what the tally did not see made (ZeRO-3's unit buffers, resized)
 
 
 def _run_forward(chunk, x, y, is_last, side):
@@ -143,24 +312,40 @@ def _cp_side(p3d, b: int, s: int, dev) -> dict:
 
 def sync_bytes(p3d) -> Dict[str, int]:
     """Bytes each data-parallel collective of a step moves on this rank: the gradient buffer reduced over
-    dp (``all_reduce`` for ZeRO 0, ``reduce_scatter`` for 1, 2: its padded size), ZeRO-3's gather of every
-    unit's parameters and reduce-scatter of their gradients (padded sizes), and the tied embedding's
-    all-reduce between the first and last stage."""
+    dp (``all_reduce`` for ZeRO 0, ``reduce_scatter`` for 1, 2: its padded size; streaming ZeRO-2 moves it
+    once per micro-batch), ZeRO-3's gather of every unit's parameters (their dtype) and reduce-scatter of
+    their gradients (the reduce dtype; padded sizes), and the tied embedding's all-reduce between the first
+    and last stage."""
     out: Dict[str, int] = {}
     dp = getattr(p3d.mode, "dp", None)
-    if dp is not None:
-        g = dp.buffer.grad_buffer
-        out["all_reduce" if p3d.zero == 0 else "reduce_scatter"] = g.numel() * g.element_size()
+    if dp is not None:     # the buckets' sizes: the buffer may be one flat tensor or one per bucket
+        out["all_reduce" if p3d.zero == 0 else "reduce_scatter"] = sum(bucket_grad_bytes(dp))
     z = getattr(p3d.mode, "z", None)
     if z is not None:
-        full = sum(u.padded for u in z.units) * z.shard_buffer.element_size()
-        out["all_gather"] = full
-        grad_size = torch.empty(0, dtype=z.grad_dtype).element_size()
-        out["reduce_scatter"] = full * grad_size // z.shard_buffer.element_size()
+        padded = sum(u.padded for u in z.units)
+        out["all_gather"] = padded * z.shard_buffer.element_size()
+        # the full gradients are reduced in the units' gradient dtype (reduce_dtype: fp32 for bf16/fp16)
+        out["reduce_scatter"] = padded * torch.empty(0, dtype=getattr(z, "reduce_dtype", z.grad_dtype)).element_size()
     tied = getattr(p3d.mode, "tied", [])
     if tied and p3d.tied_group is not None:
         out["tied_all_reduce"] = sum(p.numel() * 4 for p in tied)
     return out
+
+
+def zero3_full_grad_bytes(p3d, chunk, counted: set) -> Tuple[int, int]:
+    """ZeRO-3 in held mode (``gather_all``): the full gradients of ``chunk``'s parameters that stay until the
+    step's reduction, wherever the code keeps them: autograd's ``.grad`` and each unit's flat gradient
+    buffer (``grad_full``, in the reduce dtype: fp32 for bf16/fp16 parameters). A unit counts with the first
+    chunk that holds one of its parameters (``counted``: the ids of units counted already). Returns all of
+    them and the part in unit buffers (allocated by a storage resize: no op's output, unseen by a tally)."""
+    ids = {id(q) for q in chunk.parameters()}
+    grads = [q.grad for q in chunk.parameters() if q.grad is not None]
+    units = []
+    for u in getattr(p3d.mode.z, "units", []):
+        if id(u) not in counted and any(id(q) in ids for q in u.params):
+            counted.add(id(u))
+            units.append(u.grad_full)
+    return held_bytes(grads + units), held_bytes(units)
 
 
 def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List[ChunkCost]:
@@ -168,6 +353,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
     under cp) forward and backward each, on meta. ``hidden_shape``: (shape, dtype) of what stage 0 sends
     (None when this rank holds stage 0: it is found here)."""
     costs = []
+    counted: set = set()                 # ZeRO-3 units already counted with an earlier chunk (the root spans two)
     dev = next(p3d.model.parameters()).device       # meta when planning; a real device to check the probe itself
     side = _cp_side(p3d, b, s, dev)
     p3d.mode.begin_step()            # ZeRO-3 gathers its parameters here (outside the tally: held, not activations)
@@ -176,7 +362,10 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
     with p3d.mode.accumulating(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         for chunk in p3d.chunks:
             is_first, is_last = bool(getattr(chunk, "is_first", False)), bool(getattr(chunk, "is_last", False))
-            tally, flops = OpTally(), FlopTally(attention_flop_formulas())
+            # per unit, the gathered units and their gradient buffers come and go inside the micro-batch
+            z = p3d.mode.z if gathers_per_unit(p3d) else None
+            tally = OpTally(extra=(lambda z=z: unit_buffer_bytes(z)) if z is not None else None)
+            flops = FlopTally(attention_flop_formulas())
             phases = []
             with fused_attention_on_meta(), flops, tally:
                 for _mb in range(2):
@@ -211,16 +400,16 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
                                            traffic=tally.traffic - before_traffic, coll=coll,
                                            ops=tally.ops - before_ops))
             f1, b1, f2, b2 = phases
-            # what stays for the step: ZeRO-3's full gradients (autograd's .grad, held across micro-batches);
-            # other stages' gradients live in the data-parallel buffers, counted with the rank's tensors.
-            # (Read off the parameters themselves: the gradients are what stays, whatever else the tally saw.)
-            persist = (held_bytes([q.grad for q in chunk.parameters() if q.grad is not None])
-                       if p3d.zero == 3 else 0)
+            # what stays for the step: ZeRO-3's full gradients, held across micro-batches; other stages'
+            # gradients live in the data-parallel buffers, counted with the rank's tensors. (Read off the
+            # parameters and units themselves: the gradients are what stays, whatever else the tally saw.)
+            persist, untallied = zero3_full_grad_bytes(p3d, chunk, counted) if p3d.zero == 3 else (0, 0)
             if not is_last:
                 hidden_shape = shape
             costs.append(ChunkCost(
                 saved=f2["saved"], peak=max(f1["peak"], b1["peak"], f2["peak"] + persist, b2["peak"] + persist),
-                persist=persist, flops_f=f2["flops"], flops_b=b2["flops"], traffic_f=f2["traffic"],
+                persist=persist, first_peak=max(f1["peak"], b1["peak"]), persist_untallied=untallied,
+                flops_f=f2["flops"], flops_b=b2["flops"], traffic_f=f2["traffic"],
                 traffic_b=b2["traffic"], ops_f=f2["ops"], ops_b=b2["ops"], coll_f=f2["coll"], coll_b=b2["coll"],
                 out_shape=hidden_shape[0] if hidden_shape else (),
                 out_bytes=(torch.Size(hidden_shape[0]).numel() * torch.empty(0, dtype=hidden_shape[1]).element_size()
@@ -228,5 +417,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
     return costs, hidden_shape
 
 
-__all__ = ["fake_world", "build_rank", "static_terms", "sync_bytes", "microbatch_probe", "ChunkCost", "global_rank",
-           "META"]
+__all__ = ["fake_world", "build_rank", "static_terms", "sync_bytes", "streams_gradients", "bucket_grad_bytes",
+           "buckets_in_flight_bytes", "arrival_order_bytes", "MAX_BUCKETS_IN_FLIGHT", "zero3_full_grad_bytes",
+           "reduction_shard_bytes", "gathers_per_unit", "unit_buffer_bytes",
+           "microbatch_probe", "ChunkCost", "global_rank", "META"]

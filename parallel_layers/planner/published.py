@@ -21,8 +21,9 @@ What Table 1 does not give, and what is used here instead (said again in every r
 * the chunks per rank of the interleaved schedule: the smallest v >= 2 that splits the rank's layers
   evenly (2, or 3 for the 76B and 530B rows: 15 and 3 layers per rank); with pp = 1, no pipeline;
 * the optimizer: Megatron-LM of 2021 kept fp32 master weights and Adam state on every data-parallel
-  replica; this package's fp16 needs ZeRO 1 (the same bytes reduced, optimizer state sharded), so the
-  memory is less than theirs and the time the same but for the all-gather of the updated weights.
+  replica; this package's fp16 needs a ZeRO optimizer for those (stage 1, 2 or 3); stage 1 is used here
+  (the same bytes reduced, optimizer state sharded), so the memory is less than theirs and the time the
+  same but for the all-gather of the updated weights.
 
 Everything else is the planner unchanged: :func:`~.model.predict` on the A100 SXM 80GB data-sheet
 profile (:data:`~.hardware.BUILTIN` ``"a100"``, its assumed 50% matmul efficiency included), 8 ranks a
@@ -178,9 +179,9 @@ def candidates(run: PublishedRun, checkpoint=(True,), schedules=("interleaved",)
     """The layouts the planner weighs for a run's model, GPUs and batch: the paper's design space of mesh
     shapes, tp within a node (1, 2, 4, 8) and dividing the heads, pp splitting the layers evenly, the rest
     data parallel; with the run's micro-batch size, schedule (interleaved 1F1B), recomputation and ZeRO 1
-    (what fp16 takes here). Shapes whose fp16 weights alone (the paper's eq. 2, 2 bytes each) exceed a
-    GPU are dropped unprobed: a lower bound, so nothing that could fit is. ``(layout, reason)`` as
-    :func:`~.search.candidate_layouts`."""
+    (the closest to their optimizer that fp16 takes here). Shapes whose fp16 weights alone (the paper's
+    eq. 2, 2 bytes each) exceed a GPU are dropped unprobed: a lower bound, so nothing that could fit is.
+    ``(layout, reason)`` as :func:`~.search.candidate_layouts`."""
     req = request(run)
     node = SETUP["devices_per_node"]
     params = paper_params(run.layers, run.hidden, SETUP["vocab"], SETUP["seq_len"])

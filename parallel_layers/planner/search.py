@@ -24,14 +24,25 @@ def why_not(req: Request, tp: int, pp: int, cp: int, v: int) -> Optional[str]:
     return None
 
 
+def zero_allowed(req: Request, zero: int) -> Optional[str]:
+    """Why ``Parallel3D`` refuses ZeRO stage ``zero`` for the request's precision (None: it takes it): its
+    own check, so the planner offers what the package runs (bf16/fp16 need fp32 master weights: ZeRO 1-3)."""
+    from ..composition.config import DataParallelConfig, OptimizerConfig, PrecisionConfig, check_together
+    try:
+        check_together(OptimizerConfig(), DataParallelConfig(zero=zero), PrecisionConfig(dtype=req.dtype))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
                       schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"),
                       checkpoint: Sequence[bool] = (False, True), microbatch_factors: Sequence[int] = (1, 2, 4)):
     """``(layout, None)`` for every layout to predict and ``(layout, reason)`` for those that cannot run:
-    dp x tp x pp x cp = world; ZeRO stages the precision allows (fp32: 0-3; bf16/fp16: 1, 2, which keep
-    fp32 master weights); with pp > 1, every schedule at ``pp x microbatch_factors`` micro-batches; with
-    pp = 1 one micro-batch; checkpointing off and on."""
-    zeros = [z for z in zero if (z in (1, 2) or req.precision == "fp32")]
+    dp x tp x pp x cp = world; ZeRO stages the precision allows (:func:`zero_allowed`: fp32 0-3, bf16/fp16
+    1-3, which keep fp32 master weights); with pp > 1, every schedule at ``pp x microbatch_factors``
+    micro-batches; with pp = 1 one micro-batch; checkpointing off and on."""
+    zeros = [z for z in zero if zero_allowed(req, z) is None]
     for dp, tp, pp in itertools.product(divisors(req.world), repeat=3):
         if req.world % (dp * tp * pp):
             continue
@@ -135,4 +146,4 @@ def draw(ranked: List[Prediction], path: str, memory_bytes: float, top: int = 16
     return path
 
 
-__all__ = ["candidate_layouts", "plan", "probe_in_parallel", "to_json", "draw"]
+__all__ = ["candidate_layouts", "zero_allowed", "plan", "probe_in_parallel", "to_json", "draw"]

@@ -259,7 +259,7 @@ class ZeroOptimizer(ShardedAdamW):
         freed (the synced backward freed each as it was reduced; this frees what ``no_sync`` backwards left)
         and the shard is zeroed, so the next backward starts from zero (as if ``zero_grad`` followed every
         step)."""
-        self.dp.zero_grad()
+        self.dp.release_grads()
 
     # ------------------------------------------------------------------ layout
     def _buckets(self) -> list:
