@@ -85,7 +85,9 @@ def test_generic_3d_smoke_rows(monkeypatch, dist_pools):
     for r in rows:
         ratio, low, high = map(float, re.search(r"generic/specific ([\d.]+) \(95% CI ([\d.]+)-([\d.]+)",
                                                  r["baseline"]).groups())
-        assert low <= ratio <= high and r["met"] == ("yes" if ratio <= 1.03 else "no"), r
+        assert low <= ratio <= high, r
+        if abs(ratio - 1.03) > 0.001:        # the row prints the ratio rounded: at 1.03 either verdict is right
+            assert r["met"] == ("yes" if ratio <= 1.03 else "no"), r
         if "stage" not in r["case"]:
             generic, specific = r["baseline"].split("first loss ")[1].split(" vs ")
             assert generic == specific and r["speedup"] > 0, r
