@@ -108,7 +108,7 @@ class ParamAndGradBuffer:
         return groups
 
     def _layout(self, order: List[torch.nn.Parameter],
-                copy_from: Optional[Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]]], grads_freed: bool = False):
+                copy_from: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]]):
         groups = self._plan(order)
         sizes = []
         for g in groups:
@@ -117,43 +117,31 @@ class ParamAndGradBuffer:
         total = sum(sizes)
         with torch.no_grad():
             self.param_buffer = torch.zeros(total, dtype=self.param_dtype, device=self.device)
-            if self.separate_grads:
-                self.grad_buffer = None
-                grads = [None] * len(sizes)      # one bucket at a time: freed ones are never all allocated
-            else:
-                self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype, device=self.device)
-                starts = [sum(sizes[:i]) for i in range(len(sizes))]
-                grads = [self.grad_buffer[a:a + n] for a, n in zip(starts, sizes)]
+            self.grad_buffer = torch.zeros(total, dtype=self.grad_dtype, device=self.device)
             self.buckets: List[Bucket] = []
             self._where: Dict[int, Tuple[int, int]] = {}   # id(param) -> (bucket index, offset in bucket)
             self.params: List[torch.nn.Parameter] = []
             start = 0
             for bi, (g, n) in enumerate(zip(groups, sizes)):
-                if grads[bi] is None:
-                    grads[bi] = torch.empty(n, dtype=self.grad_dtype, device=self.device) if grads_freed else \
-                        torch.zeros(n, dtype=self.grad_dtype, device=self.device)
                 offs, pos = [], 0
                 for p in g:
                     offs.append(pos)
                     k = p.numel()
                     pv = self.param_buffer[start + pos:start + pos + k]
-                    gv = grads[bi][pos:pos + k]
+                    gv = self.grad_buffer[start + pos:start + pos + k]
                     if copy_from is None:
                         pv.copy_(p.data.reshape(-1))
                     else:
                         old_p, old_g = copy_from[id(p)]
                         pv.copy_(old_p)
-                        if old_g is not None:
-                            gv.copy_(old_g)
+                        gv.copy_(old_g)
                     p.data = pv.view(p.shape)
                     p.main_grad = gv.view(p.shape)
                     self._where[id(p)] = (bi, pos)
                     self.params.append(p)
                     pos += k
                 self.buckets.append(Bucket(bi, list(g), offs, n, self.dp_size, self.param_buffer[start:start + n],
-                                           grads[bi], start))
-                if grads_freed:                  # its views exist; its memory comes with its first gradient
-                    grads[bi].untyped_storage().resize_(0)
+                                           self.grad_buffer[start:start + n], start))
                 start += n
 
     def rebuild(self, order: List[torch.nn.Parameter]) -> None:
@@ -166,17 +154,12 @@ class ParamAndGradBuffer:
         seen = {id(p) for p in order}
         if len(seen) != len(order) or not seen <= set(self._where):
             raise ValueError("ParamAndGradBuffer.rebuild: order must list buffer parameters, each once")
+        if self.separate_grads:
+            raise RuntimeError("ParamAndGradBuffer.rebuild: the gradients live in one tensor per bucket "
+                               "(split_grad_storage, ZeRO-2), which keeps its first layout")
         full = list(order) + [p for p in self.params if id(p) not in seen]
-        # separate bucket tensors that are all freed (ZeRO-2 between steps) stay freed: nothing to move
-        freed = self.separate_grads and not any(t.untyped_storage().nbytes() for t in self.grad_tensors())
-        old = {id(p): (p.data.reshape(-1).clone(), None if freed else self._grad_values(p)) for p in self.params}
-        self._layout(full, copy_from=old, grads_freed=freed)
-
-    def _grad_values(self, p) -> torch.Tensor:
-        """A copy of ``p``'s gradient slice (zeros where its bucket's memory is freed)."""
-        if p.main_grad.untyped_storage().nbytes() == 0:
-            return torch.zeros(p.numel(), dtype=self.grad_dtype, device=self.device)
-        return p.main_grad.reshape(-1).clone()
+        old = {id(p): (p.data.reshape(-1).clone(), p.main_grad.reshape(-1).clone()) for p in self.params}
+        self._layout(full, copy_from=old)
 
     def split_grad_storage(self) -> None:
         """Give every bucket its own gradient tensor (values kept), so that one bucket's memory can be freed
@@ -195,6 +178,7 @@ class ParamAndGradBuffer:
     def grad_tensors(self) -> List[torch.Tensor]:
         """The tensors holding the gradient memory: the flat buffer, or one per bucket."""
         return [self.grad_buffer] if self.grad_buffer is not None else [b.grad_data for b in self.buckets]
+
     # ------------------------------------------------------------------ queries
     def bucket_of(self, param) -> Tuple[Bucket, int]:
         try:
@@ -210,5 +194,5 @@ class ParamAndGradBuffer:
                 t.zero_()
 
     def __repr__(self) -> str:
-        return (f"ParamAndGradBuffer(params={len(self.params)}, numel={self.grad_buffer.numel()}, "
+        return (f"ParamAndGradBuffer(params={len(self.params)}, numel={sum(b.numel for b in self.buckets)}, "
                 f"buckets={[b.numel for b in self.buckets]}, dp_size={self.dp_size})")

@@ -130,8 +130,9 @@ class DataParallel(nn.Module):
         self._release = False            # ZeRO-2: free each bucket's gradient memory once it is reduced
         self.max_buckets_in_flight = 0
         self._shard_filled: set = set()  # buckets whose shard holds an earlier synced backward's gradient
-        self._consumed: set = set()      # reduce_scatter: buckets reduced since their last gradient (their
-        #                                  values mix the reduced shard and local ones): zeroed at the next
+        # reduce_scatter: buckets reduced since their last gradient (their values mix the reduced shard and
+        # local ones): zeroed before their next gradient lands
+        self._consumed: set = set()
         self._grad_live = self._grad_peak = 0
         self.last_backward_grad_bytes = 0   # ZeRO-2: the most bucket-gradient bytes alive in the last backward
         # Parameters whose buffer slice holds a stale value that counts as zero (cleared by zero_grad with
@@ -268,7 +269,7 @@ class DataParallel(nn.Module):
             self._grad_live -= st.nbytes()
             st.resize_(0)
         for p in b.params:
-            self._stale.add(id(p))     # .grad may still view the freed memory: see _before_accumulate
+            self._stale.add(id(p))     # .grad may still view the freed memory: see _live_id
 
     def _live(self, p) -> None:
         """ZeRO-2: bring ``p``'s bucket's gradient memory back (zeroed) before anything writes into it."""
