@@ -198,23 +198,18 @@ def test_llama_gradients_bit_identical_through_split_model():
             assert plan.recomputed > 0
 
 
-_TIED = {}
-
-
 def body_pipeline_policies(rank, world):
     """One 1F1B step with dropout, 4 blocks per stage: plain, sqrt segments and a budget, gradients equal."""
-    from parallel_layers.pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
+    from parallel_layers.pipeline import PipelineEngine, build_gpt_stages
     from parallel_layers.testing import cached_mesh
     mesh = cached_mesh(pp=world)
-    if id(mesh) not in _TIED:            # a collective: every rank builds it here
-        _TIED[id(mesh)] = tied_embedding_group(mesh.pp_group)
     cfg = GPTConfig(vocab_size=48, n_layer=8, n_head=2, d_model=16, max_seq_len=8, dropout=0.2)
     g = torch.Generator().manual_seed(1)
     idx, tgt = torch.randint(0, 48, (8, 8), generator=g), torch.randint(0, 48, (8, 8), generator=g)
     out = []
     for ckpt in (False, "sqrt", MemoryBudget(fraction=0.5)):
         torch.manual_seed(0)
-        chunks = build_gpt_stages(cfg, mesh.pp_rank, world, tied_group=_TIED[id(mesh)],
+        chunks = build_gpt_stages(cfg, mesh.pp_rank, world, tied_group=mesh.tied_stage_group(),
                                   checkpoint=ckpt)
         engine = PipelineEngine(chunks, mesh.pp_group, schedule="1f1b", num_microbatches=2)
         torch.manual_seed(5)

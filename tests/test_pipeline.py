@@ -14,14 +14,9 @@ from parallel_layers.pipeline import PipelineEngine, build_gpt_stages, tied_embe
 from parallel_layers.testing import RankFailure, cached_mesh
 from parallel_layers.testing.compare import worst
 
-_TIED = {}
-
 
 def _tied(mesh):
-    key = id(mesh)
-    if key not in _TIED:                 # a collective: every rank builds it in the same test body
-        _TIED[key] = tied_embedding_group(mesh.pp_group)
-    return _TIED[key]
+    return mesh.tied_stage_group()      # made once per mesh (a collective: every rank builds it in the same body)
 
 
 def _config(n_layer, dropout=0.0, tie=True):

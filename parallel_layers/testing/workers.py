@@ -8,11 +8,13 @@ the pool is restarted (the other ranks may be stuck in a collective). If a call 
 its timeout, the pool is killed and the call fails: a bug makes a test fail, never hang CI.
 
 Each worker runs one thread (``torch.set_num_threads(1)``) so ranks do not fight over cores, and its
-default process group has a timeout, so a rank waiting on a dead peer errors out.
+default process group has a timeout, so a rank waiting on a dead peer errors out. The process groups a body
+makes are destroyed when it returns (a cached mesh's are kept: :func:`cached_mesh`).
 """
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import importlib.util
 import os
@@ -81,6 +83,56 @@ def _detached(obj):
     return obj
 
 
+def _torch_group_maps() -> list:
+    """The containers in which torch.distributed keeps its process groups. No public call lists the groups,
+    hence the read of ``distributed_c10d._world``'s properties (its maps: group -> name, ranks, tag, ...)."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    names = [n for n in dir(type(world)) if isinstance(getattr(type(world), n), property)]
+    maps = {id(m): m for m in (getattr(world, n) for n in names) if isinstance(m, (dict, list))}
+    return list(maps.values())
+
+
+def _process_groups() -> set:
+    import torch.distributed as dist
+
+    return set(dist.distributed_c10d._world.pg_map)
+
+
+def _references_in(maps: list, group) -> int:
+    """How many references to ``group`` torch's own maps hold (as a key or a value, two levels down)."""
+    count, todo = 0, [(m, 2) for m in maps]
+    while todo:
+        obj, depth = todo.pop()
+        if obj is group:
+            count += 1
+        elif depth and isinstance(obj, dict):
+            count += sum(k is group for k in obj)
+            todo.extend((v, depth - 1) for v in obj.values())
+        elif depth and isinstance(obj, (list, tuple)):
+            todo.extend((v, depth - 1) for v in obj)
+    return count
+
+
+def _release_groups_since(before: set) -> None:
+    """Destroy each process group made since ``before`` that nothing but torch holds any more. A gloo group
+    keeps a loop thread that wakes every 10 ms while it lives: kept across a test run's hundreds of bodies
+    (tens per worker, twelve workers), they spent much of the machine's time in the kernel. A group that a
+    cached mesh or any other live object holds stays."""
+    import torch.distributed as dist
+
+    gc.collect()                      # a model and its wrapper in a cycle still hold their groups
+    maps = _torch_group_maps()
+    made = _process_groups() - before
+    while made:
+        group = made.pop()
+        # getrefcount's own argument and the local name `group` are the two references besides torch's
+        if sys.getrefcount(group) - 2 == _references_in(maps, group):
+            dist.destroy_process_group(group)
+        del group
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float, env: dict,
             bind_cores: bool = False, backend: str = "gloo") -> None:
     os.environ.update(env)
@@ -104,6 +156,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
         if task is None:
             break
         call_id, module_name, module_file, qualname, args, kwargs = task
+        groups_before = _process_groups()
         try:
             fn = _resolve(module_name, module_file, qualname)
             out = fn(rank, world_size, *args, **kwargs)
@@ -113,6 +166,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
             results.put((call_id, rank, True, payload))
         except BaseException:  # noqa: BLE001 - report everything, including assertion failures
             results.put((call_id, rank, False, traceback.format_exc()))
+            continue            # the pool restarts after a failure; a peer may still be in a collective
+        _release_groups_since(groups_before)
     dist.destroy_process_group()
 
 
