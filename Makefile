@@ -50,7 +50,7 @@ bench-quick: setup
 demo: setup
 	$(PY) -m parallel_layers demo
 
-# On a one-GPU machine, with its own python3 (no venv, no network; README "GPU"): build in place, CUDA tests,
+# On a one-GPU machine, with its own python3 (no venv, no network; docs/gpu.md): build in place, CUDA tests,
 # training parity, NCCL probes, GPU benchmarks; logs, junit XML, CSV rows and summary.md in gpu_check_out/.
 GPU_PYTHON    ?= python3
 gpu-check:
@@ -83,7 +83,7 @@ device-env: $(DEVICE_EXT)
 # Under the device's versions: the first shot rehearsed (tests/test_device_env.py: gpu-check --dry-run from a
 # clean clone of the committed tree, offline, with the prebuilt module carried over), then the suite's fast
 # subset (every Triton kernel in triton 3.6's interpreter). Required before a commit that touches a kernel, a
-# collective or a version pin (README "GPU").
+# collective or a version pin (docs/gpu.md).
 # PYTHONPATH: the checkout is used in place, not installed (as gpu-check runs its steps on the GPU machine).
 device-test: device-env
 	PYTHONPATH=$(CURDIR) $(DEVICE_PY) -m pytest -q $(PYTEST_ARGS) tests/test_device_env.py

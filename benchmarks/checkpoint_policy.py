@@ -5,7 +5,7 @@ checkpointing, on the reference GPT and on HF Llama (through ``split_model`` at 
     python -m benchmarks.checkpoint_policy --quick    # 12 blocks, d 128, seq 128, batch 4
     python -m benchmarks.checkpoint_policy --smoke    # 4 tiny blocks, seconds; never writes CSV
 
-Policies (``parallel_layers.models.checkpoint_policy``): ``none``, ``every`` (every block on its own: the
+Policies (``parallel_layers.activations.checkpoint_policy``): ``none``, ``every`` (every block on its own: the
 baseline), ``first_half`` (the first n/2 blocks), ``sqrt`` (Chen et al.: ~sqrt(n) segments of ~sqrt(n)
 blocks) and ``budget50`` (``MemoryBudget(fraction=0.5)``: the least recomputation whose modelled
 activation peak fits half the blocks' bytes without checkpointing; the block sizes measured on the first
@@ -52,7 +52,7 @@ INPUT_MODES = ("keep", "partition", "offload", "partition+offload")
 
 
 def _checkpoint(policy: str, layers: int):
-    from parallel_layers.models.checkpoint_policy import MemoryBudget
+    from parallel_layers.activations.checkpoint_policy import MemoryBudget
     return {"none": False, "every": True, "first_half": layers // 2, "sqrt": "sqrt",
             "budget50": MemoryBudget(fraction=0.5)}[policy]
 
@@ -72,7 +72,8 @@ def _llama(prof: dict, checkpoint, device):
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from parallel_layers.pipeline.any_model import recipe_for, split_model
+    from parallel_layers.families import recipe_for
+    from parallel_layers.pipeline.any_model import split_model
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=prof["d"], intermediate_size=prof["d"] * 8 // 3, num_hidden_layers=prof["layers"],
@@ -91,7 +92,7 @@ def _llama(prof: dict, checkpoint, device):
 
 def measure(kind: str, prof: dict, device: torch.device) -> Dict[str, dict]:
     """Per policy: kept and peak bytes, the plan, the step-time samples (ms)."""
-    from parallel_layers.models.checkpoint_policy import LiveBytes, plan_memory, saved_bytes
+    from parallel_layers.activations.checkpoint_policy import LiveBytes, plan_memory, saved_bytes
     g = torch.Generator().manual_seed(3)
     idx = torch.randint(0, prof["vocab"], (prof["batch"], prof["seq"]), generator=g).to(device)
     tgt = torch.randint(0, prof["vocab"], (prof["batch"], prof["seq"]), generator=g).to(device)
@@ -129,7 +130,7 @@ def _saved_inputs_rank(rank: int, world: int, prof: dict):
     host) and the step times (slowest rank's)."""
     import torch.distributed as dist
 
-    from parallel_layers.models.checkpoint_policy import saved_bytes
+    from parallel_layers.activations.checkpoint_policy import saved_bytes
     from parallel_layers.models.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=prof["vocab"], n_layer=prof["layers"], n_head=prof["heads"], d_model=prof["d"],
                     max_seq_len=prof["seq"], dropout=0.1)

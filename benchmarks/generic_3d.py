@@ -86,7 +86,7 @@ def _stage_times(size, batch, reps):
 
     from parallel_layers.families import gpt_recipe
     from parallel_layers.models.gpt import GPT, GPTConfig
-    from parallel_layers.pipeline import build_gpt_stages
+    from parallel_layers.models.gpt_stages import build_gpt_stages
     from parallel_layers.pipeline.any_model import split_model
 
     cfg = GPTConfig(**size, dropout=0.0, bias=False, tie_embeddings=False)

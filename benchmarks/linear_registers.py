@@ -8,63 +8,23 @@ Each ``parallel_layers.triton_kernels.matmul.CONFIGS`` entry is compiled by Trit
 specialisation a real launch gets (contiguous operands: unit strides as constants, pointers and sizes
 divisible by 16), for each epilogue (plain, GeLU, pre-activation stored, both). The cubin's resource
 usage (Triton's bundled ``cuobjdump``) gives registers per thread and the stack frame: a non-zero
-stack on these kernels is register spilling (they call nothing). ``kept`` says whether
-``prune_configs`` lets the autotuner try that config for that epilogue at a large M: ``--check``
-fails when a kept config spills. Needs ``TRITON_INTERPRET`` unset (it compiles, it does not run).
+stack on these kernels is register spilling (they call nothing). The compile and its resource usage are
+``parallel_layers.cli.gpu_check.offline_compile``'s (``gpu-check``'s estimate times the same compiles).
+``kept`` says whether ``prune_configs`` lets the autotuner try that config for that epilogue at a large M:
+``--check`` fails when a kept config spills. Needs ``TRITON_INTERPRET`` unset (it compiles, it does not run).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import os
-import re
-import subprocess
 import sys
-import tempfile
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-EPILOGUES = {"plain": (0, False), "gelu": (1, False), "pre": (0, True), "gelu+pre": (1, True)}
+from parallel_layers.cli.gpu_check.offline_compile import EPILOGUES, compile_config
+
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
-UNIT_STRIDES = ("stride_xk", "stride_wk", "stride_yn", "stride_zn")
 CSV_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "linear_registers.csv")
-
-
-def _resource_usage(cubin: bytes) -> Dict[str, int]:
-    import triton
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
-    finally:
-        os.unlink(f.name)
-    usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out.stdout))
-    return {k.lower(): int(v) for k, v in usage.items()}
-
-
-def compile_config(cfg, dtype: str, epilogue: str, arch: int) -> Dict[str, int]:
-    """Registers per thread, stack bytes (spills) and shared memory of one config, compiled for ``arch``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from parallel_layers.triton_kernels import matmul
-
-    fn = matmul.linear_epilogue_kernel
-    activation, store_pre = EPILOGUES[epilogue]
-    consts = dict({s: 1 for s in UNIT_STRIDES}, HAS_BIAS=True, ACTIVATION=activation, STORE_PRE=store_pre,
-                  INPUT_PRECISION="tf32", EVEN_K=True, UPCAST_DOT=False, **cfg.kwargs)
-    signature = {}
-    for name in fn.arg_names:
-        signature[name] = "constexpr" if name in consts else (f"*{dtype}" if name.endswith("_ptr") else "i32")
-    index = {name: (i,) for i, name in enumerate(fn.arg_names)}
-    attrs = {index[n]: [["tt.divisibility", 16]] for n, kind in signature.items() if kind != "constexpr"}
-    src = ASTSource(fn=fn, signature=signature, constexprs={index[k]: v for k, v in consts.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    usage = _resource_usage(kernel.asm["cubin"])
-    return {"registers": usage.get("reg", -1), "spill_bytes": usage.get("stack", 0) + usage.get("local", 0),
-            "shared_bytes": kernel.metadata.shared}
 
 
 def _kept(cfg, dtype: str, epilogue: str) -> bool:

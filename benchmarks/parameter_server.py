@@ -72,9 +72,10 @@ def _config_rank(rank: int, workers: int, servers: int, model: str, reps: int, w
     """One rank of one configuration: a server serves; a worker times both variants and counts bytes."""
     import torch.distributed as dist
 
-    from parallel_layers.data_parallel import DataParallel, ParameterServerWorker, ps_layout, serve
+    from parallel_layers.data_parallel import DataParallel
     from parallel_layers.models import GPT, GPTConfig
     from parallel_layers.optim import FusedAdamW
+    from parallel_layers.parameter_server import ParameterServerWorker, ps_layout, serve
 
     ranks = list(range(workers + servers))
     layout = ps_layout(servers, ranks=ranks)               # collectives over the world: every rank calls them
@@ -143,7 +144,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
             **overrides) -> List[dict]:
     """The rows of ``mode`` (smoke | quick | full; ``overrides`` replace profile entries). Each row also
     carries the byte figures under ``ps_*``/``ring_*``/``lo_*`` keys (the CSV keeps them in ``sizes``)."""
-    from parallel_layers.data_parallel import predicted_bytes_per_step
+    from parallel_layers.parameter_server import predicted_bytes_per_step
 
     prof = dict(PROFILES[mode])
     prof.update({k: v for k, v in overrides.items() if v is not None})
@@ -253,7 +254,7 @@ def draw(rows: List[dict], path: str = PLOT_PATH) -> Optional[str]:
 
 def network_prediction(model_bytes: float, workers: int, servers: int, gbps: float) -> Dict[str, float]:
     """Seconds of communication per step on links of ``gbps`` Gb/s each way, bandwidth-bound (no latency)."""
-    from parallel_layers.data_parallel import predicted_bytes_per_step
+    from parallel_layers.parameter_server import predicted_bytes_per_step
 
     m = predicted_bytes_per_step(model_bytes, workers, servers)
     bytes_per_s = gbps * 1e9 / 8

@@ -64,8 +64,7 @@ from . import harness
 CSV_NAME = "pipeline.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 QUICK_BUDGET_S = 30
-SCHEDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-ZB = ("zb-h1", "zbv")                 # zero-bubble schedules (issue 36): B/W split
+SCHEDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")     # the schedules torch.distributed.pipelining has too
 ALLOC_SCHEDS = ("1f1b", "zb-h1", "zbv")    # activation memory from the allocator, ours and torch's
 # evaluation is forward-only whatever the schedule, and torch's zero-bubble schedules have no eval() (their
 # backward actions run anyway: "can't steal_bwd_input if this stage doesn't have backward", torch 2.13)
@@ -150,8 +149,9 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
 
     from parallel_layers.cpu_affinity import available_cores
     from parallel_layers.models.gpt import GPTConfig
-    from parallel_layers.pipeline import PipelineEngine, build_gpt_stages
-    from parallel_layers.pipeline.schedules import layout_of
+    from parallel_layers.models.gpt_stages import build_gpt_stages
+    from parallel_layers.pipeline import PipelineEngine
+    from parallel_layers.pipeline.schedules import schedule_spec
     from parallel_layers.planner.measure import step_growth
 
     # untied: torch.distributed.pipelining has no tied-weight support; same split for both
@@ -181,8 +181,8 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
         variants = {}
         ends = {}                 # variant -> (this rank holds the first stage, holds the last)
         for sched in SCHEDS:
-            v = 2 if sched in ("interleaved", "zbv") else 1
-            layout = layout_of(sched)
+            spec = schedule_spec(sched)
+            v, layout = spec.chunks, spec.layout
             torch.manual_seed(0)
             chunks = build_gpt_stages(cfg, rank, world, num_chunks=v, layout=layout)
             variants[f"ours_{sched}"] = (PipelineEngine(chunks, group, schedule=sched, num_microbatches=m,
@@ -193,7 +193,8 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
                       for c in tchunks]
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                    "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[sched]
-            schedule = cls(stages if (v > 1 or sched in ZB) else stages[0], n_microbatches=m, loss_fn=loss_fn)
+            schedule = cls(stages if (v > 1 or spec.splits_backward) else stages[0], n_microbatches=m,
+                           loss_fn=loss_fn)
             variants[f"torch_{sched}"] = (schedule, tchunks)
             here = {c.stage_index for c in chunks}
             ends[f"ours_{sched}"] = ends[f"torch_{sched}"] = (0 in here, world * v - 1 in here)
@@ -268,7 +269,7 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
             mem[n] = meter.peak
         for n in [f"{who}_{s}" for who in ("ours", "torch") for s in ALLOC_SCHEDS]:
             mem[f"alloc_{n}"] = step_growth(lambda: run(n))
-            if n.startswith("ours") and n.endswith(ZB):
+            if n.startswith("ours") and schedule_spec(n.split("_", 1)[1]).splits_backward:
                 mem[f"held_{n}"] = variants[n][0].peak_pending_w_bytes
         mems = [None] * world
         dist.all_gather_object(mems, mem)

@@ -55,7 +55,7 @@ def _llama():
 
 
 def _L(**kw):
-    from parallel_layers.planner import Layout
+    from parallel_layers.composition.layout import Layout
     return Layout(**kw)
 
 

@@ -47,7 +47,7 @@ def sheet_for(device: torch.device) -> str:
 
 
 def layouts():
-    from parallel_layers.planner import Layout
+    from parallel_layers.composition.layout import Layout
     # bf16 needs the fp32 master weights of ZeRO 1 or 2 (Parallel3D refuses bf16 at stage 0 and 3)
     return [Layout(zero=1, num_microbatches=1), Layout(zero=1, num_microbatches=2),
             Layout(zero=1, num_microbatches=1, checkpoint=True), Layout(zero=2, num_microbatches=1)]

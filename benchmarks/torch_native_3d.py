@@ -7,8 +7,8 @@
 The same ``LlamaForCausalLM`` (untied embeddings: torch's pipelining has no tied weights across stages),
 the same batch and schedule (1F1B, 4 microbatches), no clipping, AdamW, fp32, eight gloo ranks:
 
-* ours: ``Parallel3D(model, ParallelMesh(dp=2, tp=2, pp=2), loss_fn=..., zero=3)`` (its Llama recipe's
-  tensor-parallel plan, ZeRO-3 over dp);
+* ours: ``Parallel3D(model, ParallelMesh(dp=2, tp=2, pp=2), loss_fn=..., data_parallel=DataParallelConfig(zero=3))``
+  (its Llama recipe's tensor-parallel plan, ZeRO-3 over dp);
 * torch-native, as torchtitan composes it: a ``DeviceMesh`` (pp, dp, tp); this rank's pipeline stage cut
   from the model by hand (embedding on the first, norm and head on the last, the blocks between; every
   stage rebuilds its causal mask and rotary tables); DTensor ``parallelize_module`` (q/k/v, gate, up

@@ -231,23 +231,19 @@ def live_bytes() -> int:
     own storage is a placeholder whose ``nbytes()`` is the GLOBAL (unsharded) size (its data pointer
     raises), so counting it would charge FSDP2 every sharded parameter and Adam moment in full; the
     local shard it wraps is a tensor of its own and is counted. Otherwise the same distinct-storage sum."""
-    import warnings
-
     from parallel_layers.planner.accounting import held_bytes
+    from parallel_layers.planner.measure import live_tensors
 
-    gc.collect()
     ts = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")          # isinstance() on torch's deprecated module proxies warns
-        for obj in gc.get_objects():
-            try:
-                if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
-                    continue
-                with torch._C.DisableTorchFunctionSubclass():
-                    obj.untyped_storage().data_ptr()
-            except (ReferenceError, RuntimeError):
+    for obj in live_tensors():
+        try:
+            if obj.device.type != "cpu":
                 continue
-            ts.append(obj)
+            with torch._C.DisableTorchFunctionSubclass():
+                obj.untyped_storage().data_ptr()
+        except RuntimeError:
+            continue
+        ts.append(obj)
     return held_bytes(ts)
 
 
@@ -279,11 +275,13 @@ def _measure(name: str, size: dict, group, mesh, x, y, reps: int, bucket_mb: flo
     """One method on this rank (a collective): build under the profiler, a warm-up step, the measured
     step, then ``reps`` timed steps. This rank's figures (times: the slowest rank's)."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, record_function
+
+    from parallel_layers.planner.measure import quiet_profile
 
     gc.collect()
     base = live_bytes()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, opt, probe = _build(name, size, group, mesh, bucket_mb)
         losses: List[float] = []
 

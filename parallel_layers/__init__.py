@@ -2,36 +2,42 @@
 
 Importing never fails because a kernel could not be built: ops fall back to their torch reference
 with one warning that says why.
+
+The top level holds what a training script builds a run from: ``Parallel3D`` and its four config groups,
+the mesh, the reference GPT and a model family's ``Recipe``, the tensor-parallel layers and
+``parallelize``, data parallelism and ZeRO, the fused optimizers, mixed precision, the pipeline engine
+and checkpoint/resume. Everything else lives in its own module (``parallel_layers.cpu_allocator``,
+``parallel_layers.amp.clip``, ``parallel_layers.tensor_parallel.random``, ...).
 """
-from . import _checkout, ops, pipeline  # noqa: F401  (_checkout: parallel_layers.triton_kernels in place)
-from .amp import DynamicLossScaler, PrecisionPolicy, clip_grad_norm_
+from . import _checkout, ops  # noqa: F401  (_checkout: parallel_layers.triton_kernels in place)
+from .amp import DynamicLossScaler, PrecisionPolicy
 from .composition.config import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
 from .composition.parallel3d import Parallel3D
-from .cpu_affinity import bind_rank_to_cores
-from .cpu_allocator import retain_freed_memory
 from .data_parallel import DataParallel, SingleProcessDataParallel, SyncBatchNorm, convert_sync_batchnorm
+from .families import Recipe
 from .mesh import ParallelMesh
+from .models import GPT, GPTConfig
 from .optim import FusedAdamW, FusedSGD
-from .tensor_parallel import (
-                              ColumnParallelLinear,
-                              RNGStatesTracker,
-                              RowParallelLinear,
-                              VocabParallelEmbedding,
-                              allreduce_sequence_parallel_grads,
-                              parallelize,
-                              tensor_parallel_rng_tracker,
-                              vocab_parallel_cross_entropy,
-)
+from .pipeline import PipelineEngine
+from .resilience import AsyncCheckpointer, resume
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallelize
 from .zero import ZeroOptimizer, ZeroStage3, ZeroStage3Optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "pipeline", "ParallelMesh", "FusedAdamW", "FusedSGD", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "parallelize",
-           "allreduce_sequence_parallel_grads", "RNGStatesTracker", "tensor_parallel_rng_tracker", "DataParallel",
-           "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer", "PrecisionPolicy", "DynamicLossScaler",
-           "clip_grad_norm_",
-           "retain_freed_memory", "bind_rank_to_cores", "Parallel3D", "OptimizerConfig", "PipelineConfig",
-           "DataParallelConfig", "PrecisionConfig", "SyncBatchNorm", "convert_sync_batchnorm",
-           "SingleProcessDataParallel",
-           "__version__"]
+__all__ = [
+    # 3D parallelism and its settings
+    "Parallel3D", "OptimizerConfig", "PipelineConfig", "DataParallelConfig", "PrecisionConfig", "ParallelMesh",
+    # models
+    "GPT", "GPTConfig", "Recipe",
+    # tensor parallel
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallelize",
+    # data parallel and ZeRO
+    "DataParallel", "SingleProcessDataParallel", "SyncBatchNorm", "convert_sync_batchnorm",
+    "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer",
+    # optimizers and precision
+    "FusedAdamW", "FusedSGD", "DynamicLossScaler", "PrecisionPolicy",
+    # pipeline, checkpoints
+    "PipelineEngine", "AsyncCheckpointer", "resume",
+    "__version__",
+]

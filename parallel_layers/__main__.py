@@ -1,10 +1,14 @@
 """``python -m parallel_layers demo|bench|plan [flags]``: see :mod:`parallel_layers.cli.demo`, ``benchmarks/suite.py``
  and :mod:`parallel_layers.planner.cli`."""
+import importlib.util
 import os
+import subprocess
 import sys
 
+from .pipeline.schedules import schedule_names
+
 USAGE = ("usage: python -m parallel_layers demo [--model gpt|llama --dp 2 --tp 2 --pp 2 --zero 0|1|2|3 "
-         "--schedule gpipe|1f1b|interleaved --microbatches 4 --precision fp32|bf16|fp16 --offload none|disk "
+         f"--schedule {'|'.join(schedule_names())} --microbatches 4 --precision fp32|bf16|fp16 --offload none|disk "
          "--steps N ...]\n"
          "       python -m parallel_layers bench [--only kernels|tp|dp|zero|pipeline|demo|scaling] "
          "[--quick|--smoke] [--readme]\n"
@@ -14,23 +18,32 @@ USAGE = ("usage: python -m parallel_layers demo [--model gpt|llama --dp 2 --tp 2
          "       python -m parallel_layers demo --help | bench --help | gpu-check --help   (all flags)")
 
 
+def _benchmarks_root():
+    """The folder that holds the checkout's ``benchmarks/`` (with ``suite.py``): the one on the import path
+    (``python -m`` from the checkout's root puts it there), else the one beside this package's folder (an
+    uninstalled or editable checkout); None outside a checkout. Found, not imported: the installed package
+    imports nothing of ``benchmarks/``, which is not part of it."""
+    spec = importlib.util.find_spec("benchmarks")
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    places.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    for place in places:
+        if os.path.isfile(os.path.join(place, "suite.py")):
+            return os.path.dirname(os.path.abspath(place))
+    return None
+
+
 def _bench_main(argv) -> int:
     """The benchmarks live in the source checkout's top-level ``benchmarks/`` folder, not in the installed
-    package: they import from the directory ``python -m`` runs in, so run this from the checkout's root
-    (``make bench`` does)."""
-    try:
-        from benchmarks import suite
-    except ModuleNotFoundError as exc:
-        if exc.name != "benchmarks":
-            raise
-        checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        where = (f"cd {checkout} && python -m parallel_layers bench"
-                 if os.path.isfile(os.path.join(checkout, "benchmarks", "suite.py"))
-                 else "clone the repository and run it from its root")
-        print(f"python -m parallel_layers bench needs the source checkout's benchmarks/ folder on the import "
-              f"path: {where}", file=sys.stderr)
+    package: ``python -m benchmarks.suite`` runs in a child process with that checkout on its import path
+    (``make bench`` runs this from the checkout's root)."""
+    root = _benchmarks_root()
+    if root is None:
+        print("python -m parallel_layers bench needs the source checkout's benchmarks/ folder: clone the "
+              "repository and run it from its root", file=sys.stderr)
         return 2
-    return suite.main(argv)
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""))
+    return subprocess.call([sys.executable, "-m", "benchmarks.suite", *argv], env=env)
 
 
 def _main(argv=None) -> int:

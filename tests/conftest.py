@@ -154,7 +154,6 @@ SLOW = {
                                        "test_parallel3d_checkpoint_inputs_equal_plain_checkpointing"),
     "test_async_checkpoint.py": "*",
     "test_torchrun_restart.py": "*",
-    "test_parallel3d_config.py": ("test_old_and_new_forms_train_bit_identically",),
     "test_planner.py": ("test_meta_microbatch_equals_real_tensors", "test_schedule_in_flight_and_zero3",
                         "test_cli_json_and_png", "test_parallel3d_layout_auto",
                         "test_parallel_probes_rank_exactly_what_one_process_ranks",

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
 from parallel_layers.composition.parallel3d import Parallel3D
 from parallel_layers.models.gpt import GPT, GPTConfig
 from parallel_layers.testing import WorkerPool, cached_mesh
@@ -73,8 +74,10 @@ def body_3d(rank, world, zero, schedule):
     mesh = cached_mesh(dp=2, tp=2, pp=2)
     cfg = GPTConfig(**CFG)
     dense, ref_opt = _reference()
-    model = Parallel3D(cfg, mesh, zero=zero, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
-                       weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=0)
+    model = Parallel3D(cfg, mesh, seed=0,
+                       optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP),
+                       pipeline=PipelineConfig(schedule=schedule, num_microbatches=2),
+                       data_parallel=DataParallelConfig(zero=zero, bucket_cap_mb=0.002))
     loss_errs, norm_errs, clipped, eval_errs = [], [], [], []
     for i, (x, y) in enumerate(_batches(STEPS)):
         ref_loss, ref_norm = _reference_step(dense, ref_opt, x, y)
@@ -116,8 +119,10 @@ def body_3d_zero3(rank, world, dims, schedule):
     mesh = cached_mesh(dp=dp, tp=tp, pp=pp)
     cfg = GPTConfig(**CFG)
     dense, ref_opt = _reference()
-    model = Parallel3D(cfg, mesh, zero=3, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
-                       weight_decay=WD, max_grad_norm=CLIP, seed=0)
+    model = Parallel3D(cfg, mesh, seed=0,
+                       optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP),
+                       pipeline=PipelineConfig(schedule=schedule, num_microbatches=2),
+                       data_parallel=DataParallelConfig(zero=3))
     stage_numel = sum(p.numel() for p in model.model.parameters())
     loss_errs, norm_errs, clipped, resident, gathers = [], [], [], [], []
     z = model.z
@@ -189,8 +194,10 @@ def body_3d_checkpointing(rank, world, dims, zero, sequence_parallel):
     for ckpt, dropout_seed in ((False, 5), (True, 5), (False, 6)):
         # dropout_seed: the default generator's (replicated activations) and the TP stream's (sharded ones)
         cfg = GPTConfig(**CFG, dropout=0.2, sequence_parallel=sequence_parallel, seed=dropout_seed)
-        model = Parallel3D(cfg, mesh, zero=zero, schedule="1f1b", num_microbatches=2, lr=LR, betas=BETAS,
-                           eps=EPS, weight_decay=WD, max_grad_norm=CLIP, seed=0, checkpoint=ckpt)
+        model = Parallel3D(cfg, mesh, seed=0,
+                           optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP),
+                           pipeline=PipelineConfig(schedule="1f1b", num_microbatches=2, checkpoint=ckpt),
+                           data_parallel=DataParallelConfig(zero=zero))
         calls = [0]
         for chunk in model.chunks:
             for block in chunk.blocks:
@@ -227,8 +234,11 @@ def _resume_model(case, seed):
     cfg = GPTConfig(**dict(CFG, dropout=0.1))           # dropout on: resuming must restore the random streams
     if dtype == torch.float16:                          # growth_interval 2: the scale changes during the run
         return _fp16_model(mesh, cfg, zero=zero, schedule=schedule, seed=seed, growth_interval=2)
-    return Parallel3D(cfg, mesh, zero=zero, schedule=schedule, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
-                      weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=seed, dtype=dtype)
+    return Parallel3D(cfg, mesh, seed=seed,
+                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP),
+                      pipeline=PipelineConfig(schedule=schedule, num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=zero, bucket_cap_mb=0.002),
+                      precision=PrecisionConfig(dtype=dtype))
 
 
 def _resume_result(model, losses):
@@ -289,9 +299,10 @@ def test_3d_checkpoint_resumes_bit_identically_in_fresh_processes(dist_pools, tm
 def test_3d_zero3_rejects_other_dtypes_than_fp32_bf16_fp16():
     # bf16/fp16 train under ZeRO-3 (fp32 gradient reduction and master weights: tests/test_precision_3d.py)
     with pytest.raises(ValueError, match="zero=3 supports fp32, bf16 and fp16 models"):
-        Parallel3D(GPTConfig(**CFG), None, zero=3, dtype=torch.float64)
+        Parallel3D(GPTConfig(**CFG), None, data_parallel=DataParallelConfig(zero=3),
+                   precision=PrecisionConfig(dtype=torch.float64))
     with pytest.raises(ValueError, match="must be 0"):
-        Parallel3D(GPTConfig(**CFG), None, zero=4)
+        Parallel3D(GPTConfig(**CFG), None, data_parallel=DataParallelConfig(zero=4))
 
 
 def test_demo_end_to_end(tmp_path):
@@ -390,9 +401,11 @@ def _fp16_model(mesh, cfg, **kw):
     from parallel_layers.amp import DynamicLossScaler
     scaler = DynamicLossScaler(init_scale=FP16_INIT_SCALE, growth_interval=kw.pop("growth_interval", 3),
                                hysteresis=1)
-    return Parallel3D(cfg, mesh, zero=kw.pop("zero", 1), schedule=kw.pop("schedule", "1f1b"), num_microbatches=2,
-                      lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002,
-                      seed=kw.pop("seed", 0), dtype=torch.float16, loss_scaler=scaler)
+    return Parallel3D(cfg, mesh, seed=kw.pop("seed", 0),
+                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP),
+                      pipeline=PipelineConfig(schedule=kw.pop("schedule", "1f1b"), num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=kw.pop("zero", 1), bucket_cap_mb=0.002),
+                      precision=PrecisionConfig(dtype=torch.float16, loss_scaler=scaler))
 
 
 def body_3d_fp16(rank, world):
@@ -529,10 +542,9 @@ def test_demo_precision_fp16_arguments():
     with pytest.raises(SystemExit, match="fp16 needs fp32 master weights"):
         demo.check_args(demo.build_parser().parse_args(["--precision", "fp16", "--zero", "0"]))
     assert 0 < demo.FP16_RTOL <= demo.BF16_RTOL
-    with pytest.raises(SystemExit, match="with --zero 3 is not supported"):
-        demo.check_args(demo.build_parser().parse_args(["--precision", "bf16", "--zero", "3"]))
+    demo.check_args(demo.build_parser().parse_args(["--precision", "bf16", "--zero", "3"]))   # ZeRO-3 keeps fp32 too
     with pytest.raises(ValueError, match="loss_scaler is for fp16"):
         from parallel_layers.amp import DynamicLossScaler
-        Parallel3D(GPTConfig(**CFG), None, loss_scaler=DynamicLossScaler())
+        Parallel3D(GPTConfig(**CFG), None, precision=PrecisionConfig(loss_scaler=DynamicLossScaler()))
 
 

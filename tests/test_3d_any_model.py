@@ -14,6 +14,7 @@ import pytest
 import torch
 from hf_models import hf_model, loss_fn, rel_err, token_batches
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
 from parallel_layers.testing import cached_mesh
 
 pytest.importorskip("transformers")
@@ -84,9 +85,10 @@ def body_parity(rank, world, kind, dims, zero, schedule, tie, mask, checkpoint):
     mesh = cached_mesh(*dims)
     dense = hf_model(kind, tie, init_std=INIT_STD[kind])
     ref_opt = _reference_optimizer(dense)
-    p3d = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=loss_fn, zero=zero, schedule=schedule,
-                     num_microbatches=2, lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP,
-                     checkpoint=checkpoint)
+    p3d = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=loss_fn,
+                     optimizer=OptimizerConfig(lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP),
+                     pipeline=PipelineConfig(schedule=schedule, num_microbatches=2, checkpoint=checkpoint),
+                     data_parallel=DataParallelConfig(zero=zero))
     steps = []
     for idx, tgt, am in token_batches(STEPS, BATCH, SEQ, mask):
         out = p3d.train_step(idx, tgt, attention_mask=am)
@@ -154,8 +156,9 @@ def body_bert(rank, world, zero):
 
     mesh = cached_mesh(2, 2, 2)
     model = _bert()
-    p3d = Parallel3D(model, mesh, loss_fn=loss_fn, zero=zero, num_microbatches=2, lr=LR,
-                     weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP)
+    p3d = Parallel3D(model, mesh, loss_fn=loss_fn,
+                     optimizer=OptimizerConfig(lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP),
+                     pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=zero))
     outs = [p3d.train_step(ids, labels, attention_mask=am)
             for ids, labels, am in _mlm_batches(BERT_STEPS, model.config.vocab_size)]
     return dict(steps=[(o["loss"], o["grad_norm"]) for o in outs], weights=p3d.dense_state_dict())
@@ -181,14 +184,18 @@ def body_universal_resume(rank, world, directory):
     dense = hf_model("llama", True)
     ref_opt = _reference_optimizer(dense)
     batches = token_batches(4, BATCH, SEQ, True)
-    opts = dict(loss_fn=loss_fn, num_microbatches=2, lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP)
-    first = Parallel3D(copy.deepcopy(dense), cached_mesh(2, 2, 2), zero=1, **opts)
+    opts = dict(loss_fn=loss_fn,
+                optimizer=OptimizerConfig(lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP))
+    first = Parallel3D(copy.deepcopy(dense), cached_mesh(2, 2, 2), pipeline=PipelineConfig(num_microbatches=2),
+                       data_parallel=DataParallelConfig(zero=1), **opts)
     steps = []
     for idx, tgt, am in batches[:2]:
         out = first.train_step(idx, tgt, attention_mask=am)
         steps.append((out["loss"], out["grad_norm"]) + _reference_step(dense, ref_opt, idx, tgt, am))
     save_universal(first, directory)
-    second = Parallel3D(hf_model("llama", True), cached_mesh(2, 1, 4), zero=3, schedule="gpipe", **opts)
+    second = Parallel3D(hf_model("llama", True), cached_mesh(2, 1, 4),
+                        pipeline=PipelineConfig(schedule="gpipe", num_microbatches=2),
+                        data_parallel=DataParallelConfig(zero=3), **opts)
     meta = load_universal(second, directory)
     for idx, tgt, am in batches[2:]:
         out = second.train_step(idx, tgt, attention_mask=am)
@@ -211,8 +218,10 @@ def body_checkpoint_replays_dropout(rank, world):
 
     runs = []
     for checkpoint, seed in ((False, 5), (True, 5), (False, 6)):
-        p3d = Parallel3D(hf_model("gpt2", True, dropout=0.1), cached_mesh(2, 2, 2), loss_fn=loss_fn, zero=1,
-                         num_microbatches=2, lr=LR, checkpoint=checkpoint, seed=seed)
+        p3d = Parallel3D(hf_model("gpt2", True, dropout=0.1), cached_mesh(2, 2, 2), loss_fn=loss_fn, seed=seed,
+                         optimizer=OptimizerConfig(lr=LR),
+                         pipeline=PipelineConfig(num_microbatches=2, checkpoint=checkpoint),
+                         data_parallel=DataParallelConfig(zero=1))
         outs = [p3d.train_step(idx, tgt) for idx, tgt, _ in token_batches(3, BATCH, SEQ, False)]
         runs.append(([(o["loss"], o["grad_norm"]) for o in outs], p3d.dense_state_dict()))
     (plain, w0), (ckpt, w1), (other_seed, _) = runs
@@ -232,8 +241,9 @@ def body_skip_nonfinite(rank, world):
     from parallel_layers.composition.parallel3d import Parallel3D
 
     mesh = cached_mesh(2, 2, 2)
-    p3d = Parallel3D(hf_model("llama", False), mesh, loss_fn=loss_fn, zero=1, num_microbatches=2, lr=LR,
-                     skip_nonfinite=True)
+    p3d = Parallel3D(hf_model("llama", False), mesh, loss_fn=loss_fn, optimizer=OptimizerConfig(lr=LR),
+                     pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=1),
+                     precision=PrecisionConfig(skip_nonfinite=True))
     batches = token_batches(3, BATCH, SEQ, False)
     first = p3d.train_step(*batches[0][:2])
     before = ({k: v.clone() for k, v in p3d.dense_state_dict().items()}, copy.deepcopy(p3d.optimizer.state_dict()))
@@ -272,7 +282,8 @@ def test_skip_nonfinite_skips_on_every_rank_and_leaves_state_untouched(dist_pool
 
 # ---------------------------------------------------------------------- bad input
 def test_split_errors_name_the_model_and_the_fix():
-    from parallel_layers.pipeline import LLAMA, Recipe, split_model
+    from parallel_layers.families import LLAMA, Recipe
+    from parallel_layers.pipeline import split_model
 
     with pytest.raises(ValueError, match="boundaries=.*must be 1 non-decreasing layer indices in \\[0, 4\\]"):
         split_model(hf_model("llama", False), LLAMA, 0, 2, boundaries=[7])
@@ -287,7 +298,8 @@ def test_split_errors_name_the_model_and_the_fix():
 def test_plain_module_of_your_own_splits_with_a_sequential_recipe():
     """A model of your own: Recipe.sequential, balanced by parameter count (the embedding counts on the
     first stage), two stages computing what the whole model does."""
-    from parallel_layers.pipeline import Recipe, split_model
+    from parallel_layers.families import Recipe
+    from parallel_layers.pipeline import split_model
 
     class Tiny(torch.nn.Module):
         def __init__(self):
@@ -349,8 +361,9 @@ def body_offload_bit_identical(rank, world, directory):
     for zero in (1, 3):
         runs = []
         for options in (None, {"offload": "disk", "offload_dir": directory}):
-            p3d = Parallel3D(hf_model("llama", True), cached_mesh(2, 2, 2), loss_fn=loss_fn, zero=zero,
-                             num_microbatches=2, lr=LR, weight_decay=WD, optimizer_options=options)
+            p3d = Parallel3D(hf_model("llama", True), cached_mesh(2, 2, 2), loss_fn=loss_fn,
+                             optimizer=OptimizerConfig(lr=LR, weight_decay=WD, **(options or {})),
+                             pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=zero))
             losses = [p3d.train_step(i, t, attention_mask=m)["loss"] for i, t, m in token_batches(3, BATCH, SEQ, True)]
             runs.append((losses, p3d.dense_state_dict()))
             if options:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from hf_families import VOCAB, family_model, logits_of
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
 from parallel_layers.testing import cached_mesh
 
 pytest.importorskip("transformers")
@@ -75,8 +76,10 @@ def body_matrix(rank, world, dims, zero, schedule, kinds):
     for kind in kinds:
         model = family_model(kind)
         recipe = infer_recipe(model) if kind in SHIPPED else None
-        p3d = Parallel3D(model, mesh, recipe=recipe, loss_fn=loss_fn, zero=zero, schedule=schedule,
-                         num_microbatches=2, lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP)
+        p3d = Parallel3D(model, mesh, recipe=recipe, loss_fn=loss_fn,
+                         optimizer=OptimizerConfig(lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP),
+                         pipeline=PipelineConfig(schedule=schedule, num_microbatches=2),
+                         data_parallel=DataParallelConfig(zero=zero))
         steps = []
         for ids, tgt, mask in _batches(kind):
             side = {} if mask is None else {"attention_mask": mask}

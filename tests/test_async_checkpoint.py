@@ -42,10 +42,13 @@ def _batches(n=5):
 
 
 def _model(mesh, seed):
+    from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPTConfig
-    return Parallel3D(GPTConfig(**CFG), mesh, zero=1, num_microbatches=2, lr=1e-2, weight_decay=0.1,
-                      max_grad_norm=0.5, bucket_cap_mb=0.002, seed=seed)
+    return Parallel3D(GPTConfig(**CFG), mesh, seed=seed,
+                      optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5),
+                      pipeline=PipelineConfig(num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=1, bucket_cap_mb=0.002))
 
 
 def _equal_states(a: dict, b: dict) -> bool:
@@ -186,11 +189,14 @@ def _counting_collectives(calls: list):
 
 
 def _model_of(dims, zero, seed):
+    from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPTConfig
     from parallel_layers.testing import cached_mesh
-    return Parallel3D(GPTConfig(**CFG), cached_mesh(*dims), zero=zero, num_microbatches=2, lr=1e-2,
-                      weight_decay=0.1, max_grad_norm=0.5, bucket_cap_mb=0.002, seed=seed)
+    return Parallel3D(GPTConfig(**CFG), cached_mesh(*dims), seed=seed,
+                      optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5),
+                      pipeline=PipelineConfig(num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=zero, bucket_cap_mb=0.002))
 
 
 def body_async_universal_is_local(rank, world, root, case):

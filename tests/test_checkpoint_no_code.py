@@ -44,13 +44,13 @@ def _batches(n):
 
 
 def _model(seed):
+    from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPTConfig
     from parallel_layers.testing import cached_mesh
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return Parallel3D(GPTConfig(**dict(CFG, dropout=0.1)), cached_mesh(2, 1, 1), zero=1, num_microbatches=2,
-                          lr=1e-2, weight_decay=0.1, bucket_cap_mb=0.002, seed=seed)
+    return Parallel3D(GPTConfig(**dict(CFG, dropout=0.1)), cached_mesh(2, 1, 1), seed=seed,
+                      optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1), pipeline=PipelineConfig(num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=1, bucket_cap_mb=0.002))
 
 
 def _pickled(obj) -> bytes:

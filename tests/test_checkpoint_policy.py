@@ -1,4 +1,4 @@
-"""Checkpoint placement policies (``models/checkpoint_policy.py``): Chen et al.'s sqrt(n) segments and the
+"""Checkpoint placement policies (``activations/checkpoint_policy.py``): Chen et al.'s sqrt(n) segments and the
 least recomputation within a memory budget. What each chooses for 1..16 blocks, the budget's search
 against brute force, the memory each keeps (measured), and gradients bit-identical to no checkpointing
 on the reference GPT and on HF Llama through ``split_model``, and in a 2-stage pipeline."""
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from parallel_layers.models.checkpoint_policy import (
+from parallel_layers.activations.checkpoint_policy import (
     CheckpointPlan,
     EveryBlock,
     FirstBlocks,
@@ -22,8 +22,8 @@ from parallel_layers.models.checkpoint_policy import (
     resolve_policy,
     saved_bytes,
 )
+from parallel_layers.activations.recompute import checkpoint_placement
 from parallel_layers.models.gpt import GPT, GPTConfig
-from parallel_layers.models.recompute import checkpoint_placement
 
 
 @pytest.mark.parametrize("n", range(1, 17))
@@ -172,7 +172,8 @@ def test_memory_measured_none_sqrt_every_block():
 
 
 def _llama_stage(checkpoint):
-    from parallel_layers.pipeline.any_model import recipe_for, split_model
+    from parallel_layers.families import recipe_for
+    from parallel_layers.pipeline.any_model import split_model
     from tests.hf_models import hf_model, loss_fn
     model = hf_model("llama", tie=False, dropout=0.1, layers=6).train()
     (stage,) = split_model(model, recipe_for(model), 0, 1, loss_fn=loss_fn, checkpoint=checkpoint)
@@ -200,7 +201,8 @@ def test_llama_gradients_bit_identical_through_split_model():
 
 def body_pipeline_policies(rank, world):
     """One 1F1B step with dropout, 4 blocks per stage: plain, sqrt segments and a budget, gradients equal."""
-    from parallel_layers.pipeline import PipelineEngine, build_gpt_stages
+    from parallel_layers.models.gpt_stages import build_gpt_stages
+    from parallel_layers.pipeline import PipelineEngine
     from parallel_layers.testing import cached_mesh
     mesh = cached_mesh(pp=world)
     cfg = GPTConfig(vocab_size=48, n_layer=8, n_head=2, d_model=16, max_seq_len=8, dropout=0.2)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
 from parallel_layers.testing import cached_mesh
 
 
@@ -101,8 +102,9 @@ def body_cp_train(rank, world, kind, dims, zero, method, case, n_steps=STEPS):
     mesh = cached_mesh(dp=dp, tp=tp, pp=pp, cp=cp)
     dense = _model(kind)
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
-    model = Parallel3D(copy.deepcopy(dense), mesh, zero=zero, num_microbatches=2, lr=LR, betas=BETAS,
-                       weight_decay=WD, max_grad_norm=CLIP, cp_method=method)
+    model = Parallel3D(copy.deepcopy(dense), mesh, cp_method=method,
+                       optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
+                       pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=zero))
     steps = []
     for x, y, side in _batches(case, n_steps):
         out = model.train_step(x, y, **side)
@@ -170,13 +172,17 @@ def body_cp_checkpoint_then_resume(rank, world, path):
 
     dense = _model("llama")
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
-    kw = dict(num_microbatches=2, lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP)
-    first = Parallel3D(copy.deepcopy(dense), cached_mesh(dp=2, cp=2), zero=1, checkpoint=True, **kw)
+    kw = dict(optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP))
+    first = Parallel3D(copy.deepcopy(dense), cached_mesh(dp=2, cp=2),
+                       pipeline=PipelineConfig(num_microbatches=2, checkpoint=True),
+                       data_parallel=DataParallelConfig(zero=1), **kw)
     batches, steps = _batches("padding"), []
     for i, (x, y, side) in enumerate(batches):
         if i == 2:
             save_universal(first, path, iteration=2)
-            model = Parallel3D(copy.deepcopy(_model("llama")), cached_mesh(dp=2, pp=2), zero=3, **kw)
+            model = Parallel3D(copy.deepcopy(_model("llama")), cached_mesh(dp=2, pp=2),
+                               pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=3),
+                               **kw)
             load_universal(model, path)
         out = (first if i < 2 else model).train_step(x, y, **side)
         ref = _reference_loss(dense, x, y, side)
@@ -204,8 +210,9 @@ def body_cp_bf16(rank, world):
 
     dense = _model("llama")
     ref = _MasterWeightsReference(copy.deepcopy(dense), torch.bfloat16, None)
-    model = Parallel3D(copy.deepcopy(dense).to(torch.bfloat16), cached_mesh(dp=2, cp=2), zero=1, num_microbatches=2,
-                       lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, loss_fn=_reference_loss_fn)
+    model = Parallel3D(copy.deepcopy(dense).to(torch.bfloat16), cached_mesh(dp=2, cp=2), loss_fn=_reference_loss_fn,
+                       optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
+                       pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=1))
     steps = []
     for x, y, side in _batches("padding"):
         out = model.train_step(x, y, **side)
@@ -230,20 +237,27 @@ def test_bf16_model_with_context_parallel(dist_pools):
             assert abs(loss - ref) <= 5e-4 * abs(ref), f"rank {rank} step {step}: {loss} vs {ref}"
 
 
-def test_demo_with_context_parallel(tmp_path):
-    """``demo --cp 2``: Llama at cp2 x pp2 (Ulysses), 4 processes, agrees with the single process."""
+@pytest.mark.parametrize("model, extra", [
+    ("llama", ["--cp-method", "ulysses", "--zero", "1"]),
+    ("gpt", ["--zero", "3", "--precision", "bf16"]),     # the reference GPT's own ring attention, bf16 ZeRO-3
+], ids=["llama-ulysses", "gpt-ring-bf16-zero3"])
+def test_demo_with_context_parallel(tmp_path, model, extra):
+    """``demo --cp 2`` at cp2 x pp2, 4 processes, agrees with the single process: Llama (its attention swapped)
+    and the reference GPT."""
     import json
     import subprocess
     import sys
 
-    pytest.importorskip("transformers")
-    out = subprocess.run([sys.executable, "-m", "parallel_layers", "demo", "--model", "llama", "--dp", "1", "--cp",
-                          "2", "--cp-method", "ulysses", "--tp", "1", "--pp", "2", "--zero", "1", "--steps", "3",
+    if model == "llama":
+        pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-m", "parallel_layers", "demo", "--model", model, "--dp", "1", "--cp",
+                          "2", "--tp", "1", "--pp", "2", "--steps", "3", *extra,
                           "--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-interval", "0",
                           "--corpus-bytes", "200000", "--no-progress", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "dp=1 cp=2 (ulysses) tp=1 pp=2" in out.stdout
+    method = "ulysses" if model == "llama" else "ring"
+    assert f"dp=1 cp=2 ({method}) tp=1 pp=2" in out.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["agree"] is True
 
@@ -259,9 +273,10 @@ def body_gpt_cp(rank, world, dims, zero, method, sp, schedule):
     torch.manual_seed(0)
     dense = GPT(GPTConfig(**dict(cfg, sequence_parallel=False)))
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
-    model = Parallel3D(GPTConfig(**cfg), cached_mesh(dp=dp, tp=tp, pp=pp, cp=cp), zero=zero, num_microbatches=2,
-                       lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, seed=0, cp_method=method,
-                       schedule=schedule)
+    model = Parallel3D(GPTConfig(**cfg), cached_mesh(dp=dp, tp=tp, pp=pp, cp=cp), seed=0, cp_method=method,
+                       optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
+                       pipeline=PipelineConfig(num_microbatches=2, schedule=schedule),
+                       data_parallel=DataParallelConfig(zero=zero))
     gen = torch.Generator().manual_seed(5)
     steps = []
     for _ in range(STEPS):
@@ -295,7 +310,8 @@ def body_cp_softcap(rank, world):
 
     from parallel_layers.composition.parallel3d import Parallel3D
 
-    model = Parallel3D(family_model("gemma2"), cached_mesh(cp=2), loss_fn=_reference_loss_fn, num_microbatches=1)
+    model = Parallel3D(family_model("gemma2"), cached_mesh(cp=2), loss_fn=_reference_loss_fn,
+                       pipeline=PipelineConfig(num_microbatches=1))
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError) as err:
         model.train_step(ids, ids)

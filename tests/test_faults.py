@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from parallel_layers import DataParallelConfig, PipelineConfig, PrecisionConfig
 from parallel_layers.testing import cached_mesh
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL/SIGSTOP are POSIX signals")
@@ -54,7 +55,8 @@ def _final_norm(model):
 def _model(mesh, zero, **kw):
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.models.gpt import GPTConfig
-    return Parallel3D(GPTConfig(**CFG), mesh, zero=zero, num_microbatches=2, **kw)
+    return Parallel3D(GPTConfig(**CFG), mesh, pipeline=PipelineConfig(num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=zero), **kw)
 
 
 # ---------------------------------------------------------------------- kill and stop, in processes of their own
@@ -229,10 +231,10 @@ def body_poison(rank, world, composition, what):
     (dp, tp, pp), zero = COMPOSITIONS[composition]
     mesh = cached_mesh(dp=dp, tp=tp, pp=pp)
     if zero in (0, 3):          # fp32 only: Megatron's opt-in skip of a non-finite gradient norm
-        kw = dict(skip_nonfinite=True)
+        kw = dict(precision=PrecisionConfig(skip_nonfinite=True))
     else:                       # fp16: the loss scaler (a scale the clean steps do not overflow)
         from parallel_layers.amp import DynamicLossScaler
-        kw = dict(dtype=torch.float16, loss_scaler=DynamicLossScaler(init_scale=2.0 ** 10))
+        kw = dict(precision=PrecisionConfig(dtype=torch.float16, loss_scaler=DynamicLossScaler(init_scale=2.0 ** 10)))
     model = _model(mesh, zero, **kw)
     first = model.train_step(*_batch(0))
     before = _local_state(model)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
 from parallel_layers.composition.parallel3d import Parallel3D
 from parallel_layers.elastic import (
     AutoFreeze,
@@ -80,14 +81,17 @@ def _reference(freeze_at=FREEZE_AT, frozen=2):
 
 
 def _trainer(freeze, zero, dp=1, pp=4, **kw):
-    return FreezeTrainer(_gpt, dp=dp, pp=pp, loss_fn=_loss, freeze=freeze, zero=zero, num_microbatches=4,
-                         max_grad_norm=CLIP, mesh_factory=lambda d, p: cached_mesh(dp=d, pp=p), **OPT, **kw)
+    return FreezeTrainer(_gpt, dp=dp, pp=pp, loss_fn=_loss, freeze=freeze,
+                         mesh_factory=lambda d, p: cached_mesh(dp=d, pp=p),
+                         optimizer=OptimizerConfig(max_grad_norm=CLIP, **OPT),
+                         pipeline=PipelineConfig(num_microbatches=4), data_parallel=DataParallelConfig(zero=zero), **kw)
 
 
 # ---------------------------------------------------------------------- freezing off = Parallel3D
 def body_freeze_off_is_parallel3d(rank, world, zero):
-    static = Parallel3D(_gpt(), cached_mesh(dp=2, pp=2), loss_fn=_loss, zero=zero, num_microbatches=4,
-                        max_grad_norm=CLIP, **OPT)
+    static = Parallel3D(_gpt(), cached_mesh(dp=2, pp=2), loss_fn=_loss,
+                        optimizer=OptimizerConfig(max_grad_norm=CLIP, **OPT),
+                        pipeline=PipelineConfig(num_microbatches=4), data_parallel=DataParallelConfig(zero=zero))
     static_losses = [static.train_step(x, y)["loss"] for x, y, _ in _data()[:3]]
     trainer = _trainer("off", zero, dp=2, pp=2)
     losses = [trainer.train_step(x, y, sample_ids=ids)["loss"] for x, y, ids in _data()[:3]]
@@ -309,9 +313,10 @@ def _llama_batches():
 
 def body_llama_freeze(rank, world):
     from hf_models import loss_fn
-    trainer = FreezeTrainer(_llama, dp=1, pp=4, loss_fn=loss_fn, freeze="2:2", layouts={2: (2, 2)}, zero=1,
-                            num_microbatches=4, max_grad_norm=CLIP, mesh_factory=lambda d, p: cached_mesh(dp=d, pp=p),
-                            **OPT)
+    trainer = FreezeTrainer(_llama, dp=1, pp=4, loss_fn=loss_fn, freeze="2:2", layouts={2: (2, 2)},
+                            mesh_factory=lambda d, p: cached_mesh(dp=d, pp=p),
+                            optimizer=OptimizerConfig(max_grad_norm=CLIP, **OPT),
+                            pipeline=PipelineConfig(num_microbatches=4), data_parallel=DataParallelConfig(zero=1))
     losses = [trainer.train_step(x, y, attention_mask=m)["loss"] for x, y, m in _llama_batches()]
     return losses, trainer.dense_state_dict(), (trainer.layout.dp, trainer.layout.pp)
 

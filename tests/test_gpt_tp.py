@@ -242,7 +242,7 @@ def test_dense_model_single_process():
 def test_reduced_precision_model_starts_from_the_rounded_fp32_weights(dtype):
     """Weights are drawn in fp32 and rounded: a reduced-precision draw is not the fp32 draw rounded
     (torch's uniform_ maps values that round up to the bound to the lower bound, flipping their sign)."""
-    from parallel_layers.pipeline import build_gpt_stages
+    from parallel_layers.models.gpt_stages import build_gpt_stages
 
     cfg = GPTConfig(vocab_size=101, n_layer=4, n_head=4, d_model=256, max_seq_len=16)
     torch.manual_seed(0)

@@ -31,7 +31,8 @@ def _batch(kind):
 
 
 def _chained(model, ids, mask):
-    from parallel_layers.pipeline import recipe_for, split_model
+    from parallel_layers.families import recipe_for
+    from parallel_layers.pipeline import split_model
 
     stages = split_model(model, recipe_for(model), 0, 1, num_chunks=2)
     side = {} if mask is None else {"attention_mask": mask}
@@ -40,8 +41,8 @@ def _chained(model, ids, mask):
 
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_inferred_stages_give_the_models_own_logits(kind):
+    from parallel_layers.families import RECIPES
     from parallel_layers.families.infer_recipe import infer_recipe
-    from parallel_layers.pipeline import RECIPES
 
     model = family_model(kind, dtype=torch.float64)
     ids, mask = _batch(kind)
@@ -153,7 +154,7 @@ def test_mistral_gets_its_sliding_window_mask():
 
 
 def test_models_the_inference_cannot_place_get_the_recipe_to_write():
-    from parallel_layers.pipeline import InferenceError, recipe_for
+    from parallel_layers.families import InferenceError, recipe_for
 
     class NoBlocks(nn.Module):
         def __init__(self):
@@ -190,7 +191,7 @@ def test_forwards_the_inference_does_not_reproduce_are_refused_by_name():
     and so are a known option applied another way, Gemma 3's bidirectional masks and config.scale_emb."""
     from transformers import CohereForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-    from parallel_layers.pipeline import InferenceError, recipe_for
+    from parallel_layers.families import InferenceError, recipe_for
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None)
@@ -233,7 +234,7 @@ def test_decoders_whose_forward_differed_silently_are_refused():
     routers' load-balancing loss in the model's loss is refused too; without it, its logits are exact."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from parallel_layers.pipeline import InferenceError, recipe_for
+    from parallel_layers.families import InferenceError, recipe_for
 
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -256,7 +257,8 @@ def test_decoders_whose_forward_differed_silently_are_refused():
 def test_a_model_with_an_nn_sequential_of_blocks_splits_by_parameters():
     """Before, split_model refused an nn.Sequential of blocks ("has no nn.ModuleList"); now its children run
     in order and the blocks split like a ModuleList's."""
-    from parallel_layers.pipeline import recipe_for, split_model
+    from parallel_layers.families import recipe_for
+    from parallel_layers.pipeline import split_model
 
     model = OwnModel(4).double()
     ids, _ = _batch("own")

@@ -168,7 +168,8 @@ def body_gpt2(rank, world, attn_impl):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from parallel_layers.tensor_parallel.parallelize import gpt2_plan, parallelize
+    from parallel_layers.families import gpt2_plan
+    from parallel_layers.tensor_parallel.parallelize import parallelize
 
     mesh = cached_mesh(tp=world)
     cfg = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32, resid_pdrop=0.0,

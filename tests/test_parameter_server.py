@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_layers.data_parallel import ParameterServerWorker, predicted_bytes_per_step, ps_layout, serve
 from parallel_layers.models import GPT, GPTConfig
+from parallel_layers.parameter_server import ParameterServerWorker, predicted_bytes_per_step, ps_layout, serve
 from parallel_layers.parameter_server.protocol import ALIGN, plan_buckets
 from parallel_layers.testing.compare import worst
 

@@ -1,4 +1,4 @@
-"""Partitioned and offloaded checkpoint inputs (``parallel_layers.models.partitioned_checkpoint``, ZeRO-R's P_a).
+"""Partitioned and offloaded checkpoint inputs (``parallel_layers.activations.partitioned_checkpoint``, ZeRO-R's P_a).
 
 On two real gloo ranks (tp 2), the reference GPT with dropout 0.1 and every block checkpointed, trained for
 two SGD steps from one seed, once per way of keeping the checkpoint inputs: whole (plain checkpointing, the
@@ -14,7 +14,8 @@ shard) ``partition+offload`` only offloads, with the same exactness.
 import pytest
 import torch
 
-from parallel_layers.models.partitioned_checkpoint import SavedInputs
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
+from parallel_layers.activations.partitioned_checkpoint import SavedInputs
 from parallel_layers.testing import cached_mesh
 
 MODES = ("partition", "offload", "partition+offload")
@@ -136,8 +137,9 @@ def test_one_process_offload_and_bad_modes():
 def _train_3d(mesh, model, mode, **opts):
     from parallel_layers.composition.parallel3d import Parallel3D
 
-    p3d = Parallel3D(model, mesh, zero=1, num_microbatches=2, checkpoint=True, checkpoint_inputs=mode, lr=1e-2,
-                     **opts)
+    p3d = Parallel3D(model, mesh, optimizer=OptimizerConfig(lr=1e-2),
+                     pipeline=PipelineConfig(num_microbatches=2, checkpoint=True, checkpoint_inputs=mode),
+                     data_parallel=DataParallelConfig(zero=1), **opts)
     gen = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(2):
@@ -185,7 +187,7 @@ def test_parallel3d_checkpoint_inputs_need_checkpointing():
 
     cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, max_seq_len=8)
     with pytest.raises(ValueError, match="checkpoint_inputs='partition' applies to checkpointed blocks"):
-        Parallel3D(cfg, _mesh_stub(), checkpoint_inputs="partition")
+        Parallel3D(cfg, _mesh_stub(), pipeline=PipelineConfig(checkpoint_inputs="partition"))
 
 
 def _mesh_stub():

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel_layers.models.gpt import GPT, GPTConfig
-from parallel_layers.pipeline import PipelineEngine, build_gpt_stages, tied_embedding_group
+from parallel_layers.models.gpt_stages import build_gpt_stages
+from parallel_layers.pipeline import PipelineEngine, tied_embedding_group
 from parallel_layers.testing import RankFailure, cached_mesh
 from parallel_layers.testing.compare import worst
 

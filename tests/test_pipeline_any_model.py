@@ -36,8 +36,9 @@ def _model(kind: str, tie: bool):
 
 
 def body_any_model(rank, world, kind, schedule, tie, mask, dtype=torch.float32):
+    from parallel_layers.families import recipe_for
     from parallel_layers.pipeline import PipelineEngine, tied_embedding_group
-    from parallel_layers.pipeline.any_model import recipe_for, split_model
+    from parallel_layers.pipeline.any_model import split_model
 
     group = cached_mesh(pp=world).pp_group
     dense = _model(kind, tie).to(dtype)
@@ -81,7 +82,8 @@ def test_hf_model_pipelined_matches_single_process(dist_pools, kind, schedule, t
 
 
 def test_split_model_errors():
-    from parallel_layers.pipeline.any_model import recipe_for, split_model
+    from parallel_layers.families import recipe_for
+    from parallel_layers.pipeline.any_model import split_model
 
     model = _model("llama", tie=False)
     with pytest.raises(ValueError, match="4 blocks cannot fill 8 pipeline stages"):

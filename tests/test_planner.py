@@ -16,8 +16,9 @@ import sys
 import pytest
 import torch
 
+from parallel_layers.composition.layout import Layout
 from parallel_layers.models.gpt import GPTConfig
-from parallel_layers.planner import BUILTIN, Layout, Request, candidate_layouts, predict
+from parallel_layers.planner import BUILTIN, Request, candidate_layouts, predict
 from parallel_layers.planner.model import probe_layout
 from parallel_layers.planner.probe import build_rank, fake_world, global_rank, microbatch_probe, static_terms
 from parallel_layers.zero.memory import expected_bytes
@@ -161,8 +162,8 @@ def test_cli_json_and_png(tmp_path):
 
 
 def _auto_body(rank, world):
+    from parallel_layers.composition.layout import Auto
     from parallel_layers.composition.parallel3d import Parallel3D
-    from parallel_layers.planner import Auto
     p3d = Parallel3D(GPT, None, layout=Auto(global_batch=8, seq_len=64, memory_gib=0.006, profile="h100"))
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 256, (8, 64), generator=gen), torch.randint(0, 256, (8, 64), generator=gen)

@@ -34,6 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
 from parallel_layers.testing import cached_mesh
 
 pytest.importorskip("transformers")
@@ -114,11 +115,11 @@ def body_low_precision(rank, world, dims, zero, dtype_name, autocast_name, micro
         dense = family_model(family)
     ref = _MasterWeightsReference(copy.deepcopy(dense), dtype, autocast)
     model = copy.deepcopy(dense) if autocast else copy.deepcopy(dense).to(dtype)
-    kw = {"autocast": autocast} if autocast else {}
-    if offload_dir is not None:
-        kw["optimizer_options"] = {"offload": "disk", "offload_dir": offload_dir}
-    p3d = Parallel3D(model, mesh, loss_fn=_loss, zero=zero, num_microbatches=micro, lr=LR, betas=BETAS,
-                     weight_decay=WD, max_grad_norm=CLIP, schedule=schedule, **kw)
+    offload = {} if offload_dir is None else {"offload": "disk", "offload_dir": offload_dir}
+    p3d = Parallel3D(model, mesh, loss_fn=_loss,
+                     optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, **offload),
+                     pipeline=PipelineConfig(num_microbatches=micro, schedule=schedule),
+                     data_parallel=DataParallelConfig(zero=zero), precision=PrecisionConfig(autocast=autocast))
     steps = []
     for x, y in _batches():
         out = p3d.train_step(x, y)
@@ -202,8 +203,10 @@ def body_gpt(rank, world, zero, sequence_parallel):
 
     cfg = GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, max_seq_len=SEQ,
                     sequence_parallel=sequence_parallel)
-    p3d = Parallel3D(cfg, cached_mesh(2, 2, 1), zero=zero, dtype=torch.bfloat16, num_microbatches=MICRO, lr=LR,
-                     betas=BETAS, weight_decay=WD, max_grad_norm=CLIP)
+    p3d = Parallel3D(cfg, cached_mesh(2, 2, 1),
+                     optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
+                     pipeline=PipelineConfig(num_microbatches=MICRO), data_parallel=DataParallelConfig(zero=zero),
+                     precision=PrecisionConfig(dtype=torch.bfloat16))
     losses = [p3d.train_step(x, y)["loss"] for x, y in _batches()]
     return losses, {n: st["param"] for n, st in dense_states(p3d)[0].items()}
 
@@ -238,9 +241,11 @@ def body_zero3_fp16_overflow(rank, world):
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.composition.universal_checkpoint import dense_states
 
-    p3d = Parallel3D(_llama().to(torch.float16), cached_mesh(2, 1, 2), loss_fn=_loss, zero=3, num_microbatches=MICRO,
-                     lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP,
-                     loss_scaler=DynamicLossScaler(init_scale=2.0 ** 24, hysteresis=1, growth_interval=1000))
+    p3d = Parallel3D(_llama().to(torch.float16), cached_mesh(2, 1, 2), loss_fn=_loss,
+                     optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
+                     pipeline=PipelineConfig(num_microbatches=MICRO), data_parallel=DataParallelConfig(zero=3),
+                     precision=PrecisionConfig(loss_scaler=DynamicLossScaler(init_scale=2.0 ** 24, hysteresis=1,
+                                                                             growth_interval=1000)))
     batches = _batches()
     before, step0 = dense_states(p3d)
     shard = p3d.z.shard_buffer.clone()
@@ -277,8 +282,9 @@ def _zero3_bf16(dims, zero=3, seed=0):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p), alpha=0.1)
-    return Parallel3D(model.to(torch.bfloat16), cached_mesh(*dims), loss_fn=_loss, zero=zero,
-                      num_microbatches=MICRO, lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP)
+    return Parallel3D(model.to(torch.bfloat16), cached_mesh(*dims), loss_fn=_loss,
+                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
+                      pipeline=PipelineConfig(num_microbatches=MICRO), data_parallel=DataParallelConfig(zero=zero))
 
 
 def body_zero3_checkpoints(rank, world, path):
@@ -339,12 +345,13 @@ def test_unsupported_precision_combinations_are_refused_at_construction():
 
     cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, max_seq_len=8)
     with pytest.raises(ValueError, match="autocast=torch.float16 is not supported.*dtype=torch.float16 with zero=1"):
-        Parallel3D(cfg, None, autocast=torch.float16)
+        Parallel3D(cfg, None, precision=PrecisionConfig(autocast=torch.float16))
     with pytest.raises(ValueError, match="autocast is for fp32 weights"):
-        Parallel3D(cfg, None, zero=1, dtype=torch.bfloat16, autocast=torch.bfloat16)
+        Parallel3D(cfg, None, data_parallel=DataParallelConfig(zero=1),
+                   precision=PrecisionConfig(dtype=torch.bfloat16, autocast=torch.bfloat16))
     with pytest.raises(ValueError, match="needs fp32 master weights; use zero=1, 2 or 3"):
-        Parallel3D(cfg, None, zero=0, dtype=torch.bfloat16)
+        Parallel3D(cfg, None, data_parallel=DataParallelConfig(zero=0), precision=PrecisionConfig(dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="zero=3 supports fp32, bf16 and fp16 models"):
-        Parallel3D(cfg, None, zero=3, dtype=torch.float64)
+        Parallel3D(cfg, None, data_parallel=DataParallelConfig(zero=3), precision=PrecisionConfig(dtype=torch.float64))
 
 

@@ -1,5 +1,5 @@
-"""The README keeps its promises: its runnable examples run, its module map names every module, and no
-link in the docs points outside the repository.
+"""The guides keep their promises: the runnable examples of the README and docs/building_blocks.md run,
+docs/architecture.md's module map names every module, and no link in the docs points outside the repository.
 
 A runnable example is a python block with a marker on the line before it::
 
@@ -28,10 +28,13 @@ from parallel_layers.testing.workers import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
-DOCS = [README, os.path.join(REPO, "benchmarks", "README.md"), os.path.join(REPO, "docs", "architecture.md")]
+ARCHITECTURE = os.path.join(REPO, "docs", "architecture.md")
+EXAMPLE_DOCS = [README, os.path.join(REPO, "docs", "building_blocks.md")]
+DOCS = [README, os.path.join(REPO, "benchmarks", "README.md")] + sorted(
+    os.path.join(REPO, "docs", f) for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md"))
 TIMEOUT_S = 180
 MARKER = re.compile(r"^<!-- runnable: (\d+) ranks? -->\n```python\n(.*?)^```", re.M | re.S)
-# What the README must show running: an API named here that no runnable example uses fails the test.
+# What the guides must show running: an API named here that no runnable example uses fails the test.
 SHOWN_RUNNING = ["ParallelMesh(tp=", "DataParallel(", "ZeroOptimizer(", "ZeroStage3(", "ZeroStage3Optimizer(",
                  ".no_sync()", "opt.clip_grad_norm_(", "PipelineEngine(", "build_gpt_stages(", "FusedAdamW(",
                  "Parallel3D(model, mesh, loss_fn="]
@@ -42,14 +45,16 @@ class Example:
     line: int          # of the marker, 1-based
     ranks: int
     code: str
+    doc: str = "README.md"
 
     @property
     def name(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.doc}:{self.line}"
 
 
-def runnable_examples(text: str) -> List[Example]:
-    return [Example(text.count("\n", 0, m.start()) + 1, int(m.group(1)), m.group(2)) for m in MARKER.finditer(text)]
+def runnable_examples(text: str, doc: str = "README.md") -> List[Example]:
+    return [Example(text.count("\n", 0, m.start()) + 1, int(m.group(1)), m.group(2), doc)
+            for m in MARKER.finditer(text)]
 
 
 def _read(path: str) -> str:
@@ -57,7 +62,7 @@ def _read(path: str) -> str:
         return fh.read()
 
 
-EXAMPLES = runnable_examples(_read(README))
+EXAMPLES = [e for doc in EXAMPLE_DOCS for e in runnable_examples(_read(doc), os.path.relpath(doc, REPO))]
 
 
 def test_the_marker_parser_finds_marked_blocks_only():
@@ -69,7 +74,7 @@ def test_the_marker_parser_finds_marked_blocks_only():
 
 def test_the_readme_runs_what_it_teaches():
     missing = [api for api in SHOWN_RUNNING if not any(api in e.code for e in EXAMPLES)]
-    assert not missing, f"no runnable README example uses {missing}; mark the block that shows it"
+    assert not missing, f"no runnable example of README.md or docs/building_blocks.md uses {missing}; mark one"
 
 
 PORT_CLASH = "address already in use"     # another process took the free port before rank 0 bound it
@@ -80,13 +85,14 @@ class _Run:
 
     def __init__(self, example: Example, workdir: str, attempt: int):
         self.example = example
-        script = os.path.join(workdir, f"readme_line_{example.line}.py")
+        stem = re.sub(r"[^A-Za-z0-9]+", "_", example.name)
+        script = os.path.join(workdir, f"{stem}.py")
         with open(script, "w") as fh:
             fh.write(example.code)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(example.ranks),
                    LOCAL_WORLD_SIZE=str(example.ranks), OMP_NUM_THREADS="1")
-        self.logs = [os.path.join(workdir, f"readme_line_{example.line}.try{attempt}.rank{r}.log")
+        self.logs = [os.path.join(workdir, f"{stem}.try{attempt}.rank{r}.log")
                      for r in range(example.ranks)]
         self.procs = []
         for rank, log in enumerate(self.logs):
@@ -118,26 +124,26 @@ class _Run:
 
 @pytest.fixture(scope="module")
 def example_runs(tmp_path_factory) -> Dict[int, List[tuple]]:
-    """Every runnable example, all started at once: line -> [(exit status, output) per rank]. A run whose
+    """Every runnable example, all started at once: name -> [(exit status, output) per rank]. A run whose
     rendezvous port was taken by another process in the meantime is started again on another port."""
     workdir = str(tmp_path_factory.mktemp("readme_examples"))
-    running = {e.line: _Run(e, workdir, 0) for e in EXAMPLES}
-    attempts = {e.line: 0 for e in EXAMPLES}
+    running = {e.name: _Run(e, workdir, 0) for e in EXAMPLES}
+    attempts = {e.name: 0 for e in EXAMPLES}
     deadline = time.monotonic() + TIMEOUT_S
     results = {}
     while running:
-        for line, run in list(running.items()):
+        for name, run in list(running.items()):
             if not (run.finished() or run.failed_rank() or time.monotonic() > deadline):
                 continue
             timed_out = not run.finished() and not run.failed_rank()
             run.stop()
             outcome = run.results()
-            if any(status != 0 and PORT_CLASH in out for status, out in outcome) and attempts[line] < 2:
-                attempts[line] += 1
-                running[line] = _Run(run.example, workdir, attempts[line])
+            if any(status != 0 and PORT_CLASH in out for status, out in outcome) and attempts[name] < 2:
+                attempts[name] += 1
+                running[name] = _Run(run.example, workdir, attempts[name])
                 continue
-            del running[line]
-            results[line] = [(f"killed after {TIMEOUT_S} s" if timed_out and status != 0 else status, out)
+            del running[name]
+            results[name] = [(f"killed after {TIMEOUT_S} s" if timed_out and status != 0 else status, out)
                              for status, out in outcome]
         time.sleep(0.2)
     return results
@@ -146,14 +152,15 @@ def example_runs(tmp_path_factory) -> Dict[int, List[tuple]]:
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.name for e in EXAMPLES])
 def test_readme_example_runs(example, example_runs):
     failed = [f"rank {rank} of {example.ranks}: exit {status} (-9: stopped after another rank failed)\n"
-              f"{out[-3000:]}" for rank, (status, out) in enumerate(example_runs[example.line]) if status != 0]
+              f"{out[-3000:]}" for rank, (status, out) in enumerate(example_runs[example.name]) if status != 0]
     assert not failed, f"{example.name}:\n" + "\n".join(failed)
 
 
 # ---------------------------------------------------------------------- the module map
 def _module_map(text: str) -> str:
     start = text.index("\n## Module map")
-    return text[start:text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
 
 
 def _modules() -> List[str]:
@@ -181,11 +188,11 @@ def _named(path: str, section: str) -> bool:
 
 
 def test_the_module_map_names_every_module():
-    section = _module_map(_read(README))
+    section = _module_map(_read(ARCHITECTURE))
     modules = _modules()
     assert len(modules) > 50, modules
     missing = [m for m in modules if not _named(m, section)]
-    assert not missing, f"README.md's module map does not name {missing}"
+    assert not missing, f"docs/architecture.md's module map does not name {missing}"
 
 
 # ---------------------------------------------------------------------- links stay inside the repo

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from hf_families import VOCAB, family_model
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
 from parallel_layers.testing import cached_mesh
 
 pytest.importorskip("transformers")
@@ -117,8 +118,10 @@ def _batches(steps=STEPS):
 def _p3d(kind, dims, zero, dtype=torch.float32, **kw):
     from parallel_layers.composition.parallel3d import Parallel3D
 
-    return Parallel3D(family_model(kind, dtype=dtype), cached_mesh(*dims), loss_fn=_loss, zero=zero, schedule="1f1b",
-                      num_microbatches=2, lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP, **kw)
+    return Parallel3D(family_model(kind, dtype=dtype), cached_mesh(*dims), loss_fn=_loss,
+                      optimizer=OptimizerConfig(lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP),
+                      pipeline=PipelineConfig(schedule="1f1b", num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=zero), **kw)
 
 
 def body_train(rank, world, kind, dims, zero, dtype=torch.float32):
@@ -292,8 +295,8 @@ def body_tied_dp4(rank, world, dims, zero):
     from parallel_layers.models.gpt import GPTConfig
 
     cfg = GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=8, bias=False, tie_embeddings=True)
-    model = Parallel3D(cfg, cached_mesh(*dims), zero=zero, num_microbatches=2, lr=1e-3, weight_decay=0.1,
-                       max_grad_norm=0.5)
+    model = Parallel3D(cfg, cached_mesh(*dims), optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.1, max_grad_norm=0.5),
+                       pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=zero))
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(3):

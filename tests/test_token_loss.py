@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
 from parallel_layers.models.gpt import GPT, GPTConfig
 from parallel_layers.testing import cached_mesh
 
@@ -69,8 +70,9 @@ def body_gpt(rank, world, dims, zero, pattern):
     torch.manual_seed(0)
     dense = GPT(GPTConfig(**CFG))
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
-    model = Parallel3D(GPTConfig(**CFG), mesh, zero=zero, num_microbatches=MICRO, lr=LR, betas=BETAS,
-                       weight_decay=WD, max_grad_norm=CLIP, seed=0)
+    model = Parallel3D(GPTConfig(**CFG), mesh, seed=0,
+                       optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
+                       pipeline=PipelineConfig(num_microbatches=MICRO), data_parallel=DataParallelConfig(zero=zero))
     steps = []
     for x, y in _batches(pattern):
         _, ref = dense(x, y)
@@ -140,8 +142,9 @@ def body_llama(rank, world, dims, zero, loss_name, pattern):
     mesh = cached_mesh(*dims)
     dense = _llama()
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
-    model = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=LOSSES[loss_name], zero=zero, num_microbatches=MICRO,
-                       lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP)
+    model = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=LOSSES[loss_name],
+                       optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
+                       pipeline=PipelineConfig(num_microbatches=MICRO), data_parallel=DataParallelConfig(zero=zero))
     steps = []
     for x, y in _batches(pattern):
         ref = _mean_loss(dense(input_ids=x).logits, y)

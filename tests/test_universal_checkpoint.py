@@ -16,6 +16,7 @@ from unittest import mock
 import pytest
 import torch
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
 from parallel_layers.composition.parallel3d import Parallel3D
 from parallel_layers.composition.universal_checkpoint import (
     STATES,
@@ -64,8 +65,10 @@ def _batches():
 
 def _model(layout, seed):
     dims, zero, schedule, tied, *sp = layout
-    return Parallel3D(_cfg(tied, *sp), cached_mesh(*dims), zero=zero, schedule=schedule, num_microbatches=2, lr=LR,
-                      betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=seed)
+    return Parallel3D(_cfg(tied, *sp), cached_mesh(*dims), seed=seed,
+                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP),
+                      pipeline=PipelineConfig(schedule=schedule, num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=zero, bucket_cap_mb=0.002))
 
 
 def body_save(rank, world, layout, path):
@@ -180,9 +183,11 @@ def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case
 def _fp16_model(dims, zero, seed):
     from parallel_layers.amp import DynamicLossScaler
     scaler = DynamicLossScaler(init_scale=2.0 ** 10, growth_interval=1, hysteresis=1)   # grows every step
-    return Parallel3D(_cfg(True), cached_mesh(*dims), zero=zero, num_microbatches=2, lr=LR, betas=BETAS, eps=EPS,
-                      weight_decay=WD, max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=seed, dtype=torch.float16,
-                      loss_scaler=scaler)
+    return Parallel3D(_cfg(True), cached_mesh(*dims), seed=seed,
+                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=CLIP),
+                      pipeline=PipelineConfig(num_microbatches=2),
+                      data_parallel=DataParallelConfig(zero=zero, bucket_cap_mb=0.002),
+                      precision=PrecisionConfig(dtype=torch.float16, loss_scaler=scaler))
 
 
 def body_fp16_save(rank, world, path):

@@ -11,6 +11,7 @@ shards (DeepSpeed's accumulation), which agrees with stage 1 to rounding.
 import pytest
 import torch
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
 from parallel_layers.testing import cached_mesh
 
 # d_model 128, 4 layers, vocab 2048: 1.05M parameters, a 4.2 MB fp32 gradient buffer in 0.25 MB buckets,
@@ -217,8 +218,10 @@ def body_parallel3d(rank, world, micro):
     torch.manual_seed(0)
     dense = GPT(cfg)
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-    runs = {z: Parallel3D(copy.deepcopy(dense), mesh, zero=z, num_microbatches=micro, lr=1e-3, betas=(0.9, 0.95),
-                          weight_decay=0.1, max_grad_norm=None, bucket_cap_mb=CAP_MB, seed=0) for z in (1, 2)}
+    runs = {z: Parallel3D(copy.deepcopy(dense), mesh, seed=0,
+                          optimizer=OptimizerConfig(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=None),
+                          pipeline=PipelineConfig(num_microbatches=micro),
+                          data_parallel=DataParallelConfig(zero=z, bucket_cap_mb=CAP_MB)) for z in (1, 2)}
     losses = []
     for step in range(3):
         x, y = _batch(1000 + step, n=4)
@@ -259,8 +262,10 @@ def body_parallel3d_zero3(rank, world, dtype_name):
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     dense = GPT(GPTConfig(**CFG))
-    runs = {z: Parallel3D(copy.deepcopy(dense), cached_mesh(dp=world), zero=z, num_microbatches=2, lr=1e-3,
-                          weight_decay=0.1, dtype=dtype, seed=0) for z in (1, 3)}
+    runs = {z: Parallel3D(copy.deepcopy(dense), cached_mesh(dp=world), seed=0,
+                          optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.1),
+                          pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=z),
+                          precision=PrecisionConfig(dtype=dtype)) for z in (1, 3)}
     losses = [tuple(runs[z].train_step(*_batch(2000 + step, n=4))["loss"] for z in (1, 3)) for step in range(3)]
     z = runs[3].z
     whole = sum(u.nbytes + u.grad_nbytes for u in z.units)

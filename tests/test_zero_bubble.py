@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
 from parallel_layers.pipeline.backward_split import backward_input
 from parallel_layers.pipeline.saved_tensors import SavedTensors
 from parallel_layers.pipeline.schedules import (
@@ -178,7 +179,7 @@ def _assert_bit_identical(out):
 @pytest.mark.parametrize("checkpoint,ledger", [(False, False), (False, True), (True, True)])
 def test_b_then_w_equals_full_backward_on_a_gpt_stage(checkpoint, ledger):
     from parallel_layers.models.gpt import GPTConfig
-    from parallel_layers.pipeline import build_gpt_stages
+    from parallel_layers.models.gpt_stages import build_gpt_stages
 
     cfg = GPTConfig(vocab_size=64, d_model=32, n_head=4, n_layer=4, d_ff=64, max_seq_len=16, dropout=0.1)
     torch.manual_seed(0)
@@ -197,7 +198,8 @@ def test_b_then_w_equals_full_backward_on_an_hf_llama_stage():
     pytest.importorskip("transformers")
     from hf_models import hf_model
 
-    from parallel_layers.pipeline.any_model import recipe_for, split_model
+    from parallel_layers.families import recipe_for
+    from parallel_layers.pipeline.any_model import split_model
 
     model = hf_model("llama", tie=False)
     stage = split_model(model, recipe_for(model), 1, 2, loss_fn=None)[0]       # blocks 2-3, norm, lm_head
@@ -391,8 +393,9 @@ def _gpt_case(mesh, zero, schedule, m, checkpoint, n_layer):
     torch.manual_seed(0)
     dense = GPT(cfg)
     opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=WD, foreach=False)
-    model = Parallel3D(cfg, mesh, zero=zero, schedule=schedule, num_microbatches=m, lr=LR, weight_decay=WD,
-                       max_grad_norm=CLIP, bucket_cap_mb=0.002, seed=0, checkpoint=checkpoint)
+    model = Parallel3D(cfg, mesh, seed=0, optimizer=OptimizerConfig(lr=LR, weight_decay=WD, max_grad_norm=CLIP),
+                       pipeline=PipelineConfig(schedule=schedule, num_microbatches=m, checkpoint=checkpoint),
+                       data_parallel=DataParallelConfig(zero=zero, bucket_cap_mb=0.002))
     gen = torch.Generator().manual_seed(1)
     errs = []
     for _ in range(STEPS):
@@ -420,9 +423,10 @@ def _llama_case(mesh, zero, schedule, m, checkpoint, layers):
 
     dense = hf_model("llama", True, layers=layers)
     opt = _reference_optimizer(dense)
-    model = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=loss_fn, zero=zero, schedule=schedule,
-                       num_microbatches=m, lr=HF_LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=1.0,
-                       checkpoint=checkpoint)
+    model = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=loss_fn,
+                       optimizer=OptimizerConfig(lr=HF_LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=1.0),
+                       pipeline=PipelineConfig(schedule=schedule, num_microbatches=m, checkpoint=checkpoint),
+                       data_parallel=DataParallelConfig(zero=zero))
     errs = []
     for idx, tgt, am in token_batches(STEPS, 8, 12, True):
         out = model.train_step(idx, tgt, attention_mask=am)

@@ -51,6 +51,7 @@ import torch
 
 from ..cpu_affinity import available_cores, bind_rank_to_cores
 from ..cpu_allocator import retain_freed_memory
+from ..pipeline.schedules import schedule_names, schedule_spec
 from ..testing.compare import worst as worst_error
 from ..testing.workers import free_port
 from .demo_models import MODELS, lm_loss, model_description, parallel_model, reference
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-method", default="ring", choices=("ring", "ulysses"),
                    help="with --cp: ring attention or Ulysses (all-to-all over heads)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"))
+    p.add_argument("--schedule", default="1f1b", choices=schedule_names())
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--steps", type=int, default=30)
@@ -210,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def checkpoint_setting(args):
-    """``--checkpoint`` -> ``Parallel3D(checkpoint=)``: True (flag alone: every block), False (absent) or N."""
+    """``--checkpoint`` -> ``PipelineConfig(checkpoint=)``: True (flag alone: every block), False (absent) or N."""
     return True if args.checkpoint == -1 else args.checkpoint
 
 
@@ -220,7 +221,7 @@ def world_size(args) -> int:
 
 def check_args(args) -> None:
     world = world_size(args)
-    chunks = 2 if args.schedule in ("interleaved", "zbv") else 1
+    chunks = schedule_spec(args.schedule).chunks
     errs = []
     if args.batch_size % (args.dp * args.microbatches):
         errs.append(f"--batch-size {args.batch_size} must be a multiple of dp x microbatches = "
@@ -233,12 +234,6 @@ def check_args(args) -> None:
                     f"--n-layer {args.n_layer} must be at least --pp {args.pp}")
     if args.precision in ("bf16", "fp16") and args.zero == 0:
         errs.append(f"--precision {args.precision} needs fp32 master weights: use --zero 1 or --zero 2")
-    if args.precision in ("bf16", "fp16") and args.zero == 3:
-        errs.append(f"--precision {args.precision} with --zero 3 is not supported (ZeRO-3 in the pipeline is "
-                    f"fp32 only): use --zero 1 or --zero 2, or --precision fp32")
-    if args.cp > 1 and args.model != "llama":
-        errs.append(f"--cp {args.cp} needs --model llama (context parallelism swaps a Hugging Face model's attention; "
-                    f"the reference GPT's attention is not context-parallel)")
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         errs.append(f"--seq-len {args.seq_len} must be a multiple of 2 x --cp = {2 * args.cp} (the load-balanced "
                     f"split cuts every sequence into 2 x cp chunks)")

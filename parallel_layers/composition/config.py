@@ -11,8 +11,8 @@ fix before any process group is touched):
 
 Checks that need two groups together (a ZeRO stage against a dtype) are :func:`check_together`, run by
 ``Parallel3D`` once the model's dtype is known and the layout planner has chosen. :func:`split_keywords`
-turns the flat keywords ``Parallel3D`` took before these groups existed (``lr=``, ``zero=``, ...) into them;
-they are accepted for one release with a ``DeprecationWarning``.
+takes the groups out of ``Parallel3D``'s keywords; a flat keyword it took before the groups existed (``lr=``,
+``zero=``, ...) is a ``TypeError`` naming the group and field that replace it (:data:`MOVED_KEYWORDS`).
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..activations.checkpoint_policy import resolve_policy
+from ..activations.partitioned_checkpoint import MODES as CHECKPOINT_INPUT_MODES
 from ..amp.scaler import DynamicLossScaler
-from ..models.checkpoint_policy import resolve_policy
-from ..models.partitioned_checkpoint import MODES as CHECKPOINT_INPUT_MODES
-from ..pipeline.schedules import SCHEDULES
+from ..pipeline.schedules import SCHEDULE_SPECS, schedule_names, schedule_spec
 from ..zero.offload import DEFAULT_BUFFER_MB
 from ..zero.state_file import IO_MODES
 
@@ -134,13 +134,15 @@ class PipelineConfig:
     """How the stages run. ``schedule``: ``gpipe``, ``1f1b``, ``interleaved`` (``num_chunks`` virtual
     stages per rank, default 2), or the zero-bubble ``zb-h1`` and ``zbv`` (two chunks per rank in a V; see
     :mod:`parallel_layers.pipeline.schedules`); ``num_microbatches`` per replica and step; ``num_chunks``
-    (None: 2 for ``interleaved`` and ``zbv``, else 1). An ``nn.Module``'s stage boundaries: balanced by
-    block count (None), by parameter count (``boundaries="parameters"``), by per-block costs
+    (None: the schedule's ``ScheduleSpec.chunks``, 2 for ``interleaved`` and ``zbv``, else 1). An
+    ``nn.Module``'s stage boundaries: balanced by block count (None), by parameter count
+    (``boundaries="parameters"``), by per-block costs
     (``block_costs=[...]``) or given (``boundaries=[4, 8, 12]``). ``checkpoint``: activation
     checkpointing, True (every block), an int ``n`` (the first ``n`` of each stage), ``"sqrt"`` or a
-    policy such as ``MemoryBudget(bytes)`` (:mod:`parallel_layers.models.checkpoint_policy`).
+    policy such as ``MemoryBudget(bytes)`` (:mod:`parallel_layers.activations.checkpoint_policy`).
     ``checkpoint_inputs``: how a checkpointed block keeps its input until backward: None (whole),
-    ``"partition"``, ``"offload"`` or ``"partition+offload"`` (:mod:`parallel_layers.models.partitioned_checkpoint`)."""
+    ``"partition"``, ``"offload"`` or ``"partition+offload"``
+    (:mod:`parallel_layers.activations.partitioned_checkpoint`)."""
     schedule: str = "1f1b"
     num_microbatches: int = 4
     num_chunks: Optional[int] = None
@@ -151,16 +153,15 @@ class PipelineConfig:
 
     def __post_init__(self):
         me = "PipelineConfig"
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"Parallel3D: {me}(schedule={self.schedule!r}): choose one of {SCHEDULES}")
+        if self.schedule not in schedule_names():
+            raise ValueError(f"Parallel3D: {me}(schedule={self.schedule!r}): choose one of {schedule_names()}")
         for name in ("num_microbatches", "num_chunks"):
             value = getattr(self, name)
             if value is None and name == "num_chunks":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Parallel3D: {me}({name}={value!r}) must be an int >= 1"
-                                 + ("; None picks 2 for interleaved and zbv, 1 for the rest"
-                                    if name == "num_chunks" else ""))
+                                 + (f"; None picks {_default_chunks()}" if name == "num_chunks" else ""))
         b = self.boundaries
         if not (b is None or b == "parameters" or (not isinstance(b, str) and isinstance(b, Sequence) and all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in b))):
@@ -181,7 +182,16 @@ class PipelineConfig:
         """Chunks per rank: ``num_chunks``, or the schedule's default."""
         if self.num_chunks is not None:
             return self.num_chunks
-        return 2 if self.schedule in ("interleaved", "zbv") else 1
+        return schedule_spec(self.schedule).chunks
+
+
+def _default_chunks() -> str:
+    """What ``num_chunks=None`` picks, schedule by schedule (their declarations), for an error message."""
+    by_count: Dict[int, List[str]] = {}
+    for spec in SCHEDULE_SPECS.values():
+        by_count.setdefault(spec.chunks, []).append(spec.name)
+    picks = [f"{n} for {' and '.join(names)}" for n, names in sorted(by_count.items(), reverse=True) if n != 1]
+    return ", ".join(picks + ["1 for the rest"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,9 +293,9 @@ class Parallel3DSettings:
 GROUPS = {"optimizer": OptimizerConfig, "pipeline": PipelineConfig, "data_parallel": DataParallelConfig,
           "precision": PrecisionConfig}
 
-# the flat keywords Parallel3D took before the groups (accepted for one release) -> their group; each is the
-# field of the same name, but optimizer_options, a dict of OptimizerConfig's ZeRO-only fields
-DEPRECATED_KEYWORDS: Dict[str, str] = {
+# the flat keywords Parallel3D took before the groups -> the group that holds them now; each is the field of
+# the same name, but optimizer_options (a dict of OptimizerConfig's ZeRO-only fields)
+MOVED_KEYWORDS: Dict[str, str] = {
     **{k: "optimizer" for k in ("lr", "betas", "eps", "weight_decay", "no_decay", "max_grad_norm",
                                 "optimizer_options")},
     **{k: "pipeline" for k in ("schedule", "num_microbatches", "num_chunks", "boundaries", "block_costs",
@@ -295,52 +305,25 @@ DEPRECATED_KEYWORDS: Dict[str, str] = {
 }
 
 
-def _fields_of(name: str, value, where: str) -> dict:
-    """A deprecated keyword -> the config fields it sets."""
-    if name != "optimizer_options":
-        return {name: value}
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise TypeError(f"{where}: optimizer_options={value!r} must be a dict; pass "
-                        f"optimizer=OptimizerConfig(offload=..., ...) instead")
-    unknown = sorted(set(value) - set(ZERO_ONLY_FIELDS))
-    if unknown:
-        raise TypeError(f"{where}: optimizer_options has unknown key(s) {unknown}; the ZeRO optimizers' options "
-                        f"are {list(ZERO_ONLY_FIELDS)}, OptimizerConfig's fields")
-    return dict(value)
-
-
-def split_keywords(keywords: dict, where: str = "Parallel3D"
-                   ) -> Tuple[Parallel3DSettings, Optional[str], dict]:
-    """``keywords`` (``optimizer=``, ``pipeline=``, ``data_parallel=``, ``precision=`` and the deprecated flat
-    ones; None for a group not given) -> ``(settings, deprecation message or None, the other keywords)``.
-    A deprecated keyword given with its group's config is a ``TypeError``."""
-    rest = {k: v for k, v in keywords.items() if k not in GROUPS and k not in DEPRECATED_KEYWORDS}
+def split_keywords(keywords: dict, where: str = "Parallel3D") -> Tuple[Parallel3DSettings, dict]:
+    """``keywords`` (``optimizer=``, ``pipeline=``, ``data_parallel=``, ``precision=``, None for a group not
+    given, and others) -> ``(settings, the other keywords)``. A flat keyword of :data:`MOVED_KEYWORDS` is a
+    ``TypeError`` naming the group and field to use instead."""
+    moved = [k for k in keywords if k in MOVED_KEYWORDS]
+    if moved:
+        fields = {g: ["offload=..., ..." if k == "optimizer_options" else f"{k}=..." for k in moved
+                      if MOVED_KEYWORDS[k] == g] for g in GROUPS}
+        raise TypeError(f"{where}: {', '.join(f'{k}=' for k in moved)} moved into the config groups; pass "
+                        + ", ".join(f"{g}={cls.__name__}({', '.join(fields[g])})" for g, cls in GROUPS.items()
+                                    if fields[g]))
     given = {g: keywords.get(g) for g in GROUPS}
     for group, cls in GROUPS.items():
         if given[group] is not None and not isinstance(given[group], cls):
             raise TypeError(f"{where}: {group}= takes a {cls.__name__}, not {type(given[group]).__name__}; e.g. "
                             f"{group}={cls.__name__}(...) (from parallel_layers import {cls.__name__})")
-    old = [k for k in keywords if k in DEPRECATED_KEYWORDS]
-    fields: Dict[str, dict] = {g: {} for g in GROUPS}
-    for name in old:
-        group = DEPRECATED_KEYWORDS[name]
-        if given[group] is not None:
-            raise TypeError(f"{where}: {name}= and {group}= were both given; set it inside "
-                            f"{group}={GROUPS[group].__name__}(...) and drop {name}=")
-        # optimizer_options holds only ZeRO-only fields, which no flat keyword sets: no field is set twice
-        fields[group].update(_fields_of(name, keywords[name], where))
-    settings = Parallel3DSettings(**{g: given[g] if given[g] is not None else GROUPS[g](**fields[g])
-                                     for g in GROUPS})
-    message = None
-    if old:
-        groups = [g for g in GROUPS if any(DEPRECATED_KEYWORDS[k] == g for k in old)]
-        forms = [f"{g}={GROUPS[g].__name__}({', '.join(f'{f}=...' for f in fields[g])})" for g in groups]
-        message = (f"{where}: {', '.join(f'{k}=' for k in old)} {'is' if len(old) == 1 else 'are'} deprecated "
-                   f"(accepted until the next release); pass {', '.join(forms)}")
-    return settings, message, rest
+    settings = Parallel3DSettings(**{g: given[g] if given[g] is not None else GROUPS[g]() for g in GROUPS})
+    return settings, {k: v for k, v in keywords.items() if k not in GROUPS}
 
 
 __all__ = ["OptimizerConfig", "PipelineConfig", "DataParallelConfig", "PrecisionConfig", "Parallel3DSettings",
-           "check_together", "split_keywords", "DEPRECATED_KEYWORDS", "ZERO_ONLY_FIELDS"]
+           "check_together", "split_keywords", "MOVED_KEYWORDS", "ZERO_ONLY_FIELDS"]

@@ -4,7 +4,7 @@
 Two ways in, one training path:
 
 * ``Parallel3D(config, mesh, ...)`` with a :class:`~parallel_layers.models.gpt.GPTConfig`: the reference
-  GPT, every rank building only its own stages (:func:`~parallel_layers.pipeline.build_gpt_stages`) from
+  GPT, every rank building only its own stages (:func:`~parallel_layers.models.gpt_stages.build_gpt_stages`) from
   the same seed as ``GPT(config)``;
 * ``Parallel3D(model, mesh, ...)`` with an ``nn.Module`` you built (a Hugging Face ``*ForCausalLM``,
   ``BertForMaskedLM`` or your own), unmodified: its recipe (:mod:`~parallel_layers.families`:
@@ -54,11 +54,11 @@ whose global gradient norm is inf or NaN is skipped on every rank, with everythi
 
 ``checkpoint``: activation checkpointing, True for every block, an int ``n`` for the first ``n`` blocks
 of each stage, ``"sqrt"`` or a policy such as ``MemoryBudget(bytes)``
-(:mod:`parallel_layers.models.checkpoint_policy`); backward recomputes them with the forward's RNG state, so
+(:mod:`parallel_layers.activations.checkpoint_policy`); backward recomputes them with the forward's RNG state, so
 dropout masks replay exactly. ``checkpoint_inputs``: how a checkpointed block keeps its input until
 backward: None (whole), ``"partition"`` (a 1/tp slice per TP rank, all-gathered for the recomputation:
 ZeRO-R's partitioned activations), ``"offload"`` (in host memory) or ``"partition+offload"``; the gradients
-are plain checkpointing's, bit for bit (:mod:`parallel_layers.models.partitioned_checkpoint`).
+are plain checkpointing's, bit for bit (:mod:`parallel_layers.activations.partitioned_checkpoint`).
 ``no_decay(name, p)``: parameters without weight decay (biases and norms: ``lambda n, p: p.ndim < 2``);
 ``optimizer`` is a ``torch.optim.Optimizer`` whose groups torch LR schedulers drive.
 
@@ -78,13 +78,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..activations.partitioned_checkpoint import SavedInputs
 from ..amp.clip import clip_grad_norm_
 from ..amp.scaler import DynamicLossScaler
 from ..distributed import collectives as C
@@ -92,10 +92,9 @@ from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
 from ..models.gpt_stages import build_gpt_stages
-from ..models.partitioned_checkpoint import SavedInputs
 from ..pipeline import PipelineEngine
 from ..pipeline.any_model import split_model
-from ..pipeline.schedules import layout_of
+from ..pipeline.schedules import layout_of, schedule_spec
 from ..pipeline.timeline import draw
 from ..pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
 from ..tensor_parallel.partial_grads import mark_partial_param
@@ -118,7 +117,7 @@ def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, 
     # build_gpt_stages draws fp16/bf16 weights in fp32 and rounds them (models/gpt.py: draw_dtype), so
     # every dtype starts from the fp32 model's weights.
     chunks = build_gpt_stages(config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=tp_group,
-                              require_divisible=schedule in ("interleaved", "zbv"), checkpoint=checkpoint,
+                              require_divisible=schedule_spec(schedule).virtual_stages, checkpoint=checkpoint,
                               dtype=dtype, device=device, cp_group=getattr(mesh, "cp_group", None),
                               cp_method=cp_method, layout=layout_of(schedule), saved_inputs=saved_inputs,
                               sums_sequence_parallel_grads=False)
@@ -195,17 +194,17 @@ class Parallel3D:
     max_grad_norm, ...and the ZeRO optimizers' offload options)``, ``pipeline=PipelineConfig(schedule,
     num_microbatches, num_chunks, boundaries, block_costs, checkpoint, checkpoint_inputs)``,
     ``data_parallel=DataParallelConfig(zero, bucket_cap_mb)`` and ``precision=PrecisionConfig(dtype,
-    autocast, loss_scaler, skip_nonfinite)``. The flat keywords they replace (``lr=``, ``zero=``,
-    ``optimizer_options=``, ...) are accepted for one release with a ``DeprecationWarning``; one given
-    with its group's config is a ``TypeError``. ``self.settings``: the groups this run uses (after the
-    layout's choices, with the model's dtype).
+    autocast, loss_scaler, skip_nonfinite)``; a flat keyword they replaced (``lr=``, ``zero=``,
+    ``optimizer_options=``, ...) is a ``TypeError`` naming its group. ``self.settings``: the groups this run
+    uses (after the layout's choices, with the model's dtype).
 
     ``ignore_index``: labels that do not count in the loss (None: every label counts). ``cp_method``:
     ``"ring"`` or ``"ulysses"``, the attention of a mesh with ``cp > 1`` (each rank holds a zigzag shard of
     every sequence: :mod:`parallel_layers.context_parallel`). ``layout``: ``"auto"`` (or
-    ``planner.Auto(global_batch=..., seq_len=..., memory_gib=..., profile=...)``) picks the fastest layout
+    ``Auto(global_batch=..., seq_len=..., memory_gib=..., profile=...)``) picks the fastest layout
     that fits with the layout planner (:mod:`parallel_layers.planner`; rank 0 plans in a child process,
-    every rank gets its choice), or a ``planner.Layout``; it sets the mesh when ``mesh`` is None, and
+    every rank gets its choice), or a ``Layout`` (both :mod:`~parallel_layers.composition.layout`); it sets
+    the mesh when ``mesh`` is None, and
     ``zero``, ``schedule``, ``num_microbatches``, ``num_chunks`` and ``checkpoint`` (``self.layout``),
     over those given. ``replica_check``: when every replicated parameter and the global batch are checked
     bit-identical over the ranks that hold them (:class:`~parallel_layers.composition.replica_check.ReplicaCheck`;
@@ -218,22 +217,22 @@ class Parallel3D:
                  seed: int = 0, device: Optional[torch.device] = None, loss_fn: Optional[Callable] = None,
                  recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
                  ignore_index: Optional[int] = IGNORE_INDEX, cp_method: str = "ring", layout=None,
-                 replica_check: Union[ReplicaCheck, str, None] = "default", **deprecated):
-        settings, warning, unexpected = split_keywords(
-            dict(deprecated, optimizer=optimizer, pipeline=pipeline, data_parallel=data_parallel, precision=precision))
+                 replica_check: Union[ReplicaCheck, str, None] = "default", **unexpected):
+        # a flat keyword of the groups (lr=, zero=, ...) lands in **unexpected: split_keywords names its group
+        settings, unexpected = split_keywords(
+            dict(unexpected, optimizer=optimizer, pipeline=pipeline, data_parallel=data_parallel, precision=precision))
         if unexpected:
             raise TypeError(f"Parallel3D() got unexpected keyword argument(s) {sorted(unexpected)}; its settings are "
                             f"optimizer=OptimizerConfig(...), pipeline=PipelineConfig(...), "
                             f"data_parallel=DataParallelConfig(...), precision=PrecisionConfig(...)")
-        if warning is not None:
-            warnings.warn(warning, DeprecationWarning, stacklevel=2)
         optimizer, pipeline, data_parallel, precision = (settings.optimizer, settings.pipeline,
                                                          settings.data_parallel, settings.precision)
         chosen_by = ""
         if layout is not None:
-            # the layout planner's choice (parallel_layers.planner): "auto" / planner.Auto(...) plans on rank 0
-            # and broadcasts; a planner.Layout is used as given. It sets the mesh (when mesh is None) and these:
-            from ..planner.auto import resolve_layout
+            # the layout planner's choice (composition/layout.py): "auto" / Auto(...) plans on rank 0 (the
+            # planner in a child process) and broadcasts; a Layout is used as given. It sets the mesh (when mesh
+            # is None) and these:
+            from .layout import resolve_layout
             chosen = resolve_layout(layout, model)
             if mesh is None:
                 mesh = ParallelMesh(dp=chosen.dp, tp=chosen.tp, pp=chosen.pp, cp=chosen.cp)

@@ -11,7 +11,7 @@ and gives the ranks they free to data parallelism::
 
 All four parts of the paper are here, built on ``Parallel3D`` (pipeline, data parallel, ZeRO 0-3) and the
 universal checkpoint's dense form; the model is anything ``Parallel3D`` takes through a
-:class:`~parallel_layers.pipeline.Recipe` (the reference GPT, Hugging Face Llama / GPT-2 / BERT, your own
+:class:`~parallel_layers.families.Recipe` (the reference GPT, Hugging Face Llama / GPT-2 / BERT, your own
 ``Recipe.sequential``):
 
 * **AutoFreeze** (:mod:`.auto_freeze`): a fixed schedule (``"3:2,10:4"``) or the adaptive criterion: the

@@ -1,6 +1,6 @@
 """A model cut at block ``k``: the frozen prefix (embedding + blocks ``0..k-1``) and the active rest.
 
-Both halves come from the model's :class:`~parallel_layers.pipeline.Recipe` (the reference GPT's, a
+Both halves come from the model's :class:`~parallel_layers.families.Recipe` (the reference GPT's, a
 Hugging Face family's, or ``Recipe.sequential``), so whatever ``Parallel3D`` takes can be frozen:
 
 * :func:`freeze_prefix_` sets ``requires_grad=False`` on the embedding (the recipe's ``first`` modules)
@@ -52,7 +52,7 @@ def prefix_modules(model: nn.Module, recipe: Recipe, num_frozen: int) -> List[nn
 def freeze_prefix_(model: nn.Module, num_frozen: int, recipe: Optional[Recipe] = None) -> List[str]:
     """Freeze the embedding and the first ``num_frozen`` blocks of ``model`` in place
     (``requires_grad=False``); returns the names of the parameters frozen. ``recipe``: default the shipped
-    one for the model's class (:func:`~parallel_layers.pipeline.recipe_for`)."""
+    one for the model's class (:func:`~parallel_layers.families.recipe_for`)."""
     if recipe is None:
         from ..families import recipe_for
         recipe = recipe_for(model)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -62,8 +61,7 @@ class FreezeTrainer:
     ``build_model()``: the whole model, the same weights on every rank (seed it inside); called once at
     the start and once per re-layout (its weights are then overwritten with the run's). ``loss_fn``,
     ``recipe`` (default: the shipped one for the model's class) and ``**options`` (``optimizer=``,
-    ``pipeline=``, ``data_parallel=``, ``precision=``, ``seed``, ...; the flat ``zero=``, ``lr=``, ... with
-    a ``DeprecationWarning``) are ``Parallel3D``'s.
+    ``pipeline=``, ``data_parallel=``, ``precision=``, ``seed``, ...) are ``Parallel3D``'s.
     ``freeze``: a :class:`~.auto_freeze.FreezePolicy`, or ``"off"``, ``"auto"``, ``"STEP:BLOCKS,..."``;
     ``freeze_cap``: the most of the blocks that may be frozen (a fraction). ``layouts``: ``"auto"``
     (AutoPipe + AutoDP: :func:`~.relayout.choose_layout`), ``"keep"`` (the same dp x pp while the active
@@ -80,7 +78,7 @@ class FreezeTrainer:
                  layouts: Union[str, Mapping[int, Tuple[int, int]]] = "auto", cache_bytes: int = DEFAULT_MAX_BYTES,
                  mesh_factory: Optional[Callable[[int, int], ParallelMesh]] = None, timeout=None,
                  layout_tolerance: float = 0.1, **options):
-        settings, warning, plain = split_keywords(options, "FreezeTrainer")
+        settings, plain = split_keywords(options, "FreezeTrainer")
         bad = sorted(set(options) & set(_NOT_OPTIONS)) + [f"pipeline.{k}" for k in _NOT_OPTIONS if k not in options
                                                           and getattr(settings.pipeline, k, None) is not None]
         if bad:
@@ -92,9 +90,7 @@ class FreezeTrainer:
                              f"freeze training runs tp=1 over every rank")
         if layouts not in ("auto", "keep") and not isinstance(layouts, Mapping):
             raise ValueError(f"FreezeTrainer: layouts={layouts!r}: 'auto', 'keep' or {{frozen blocks: (dp, pp)}}")
-        if warning is not None:
-            warnings.warn(warning, DeprecationWarning, stacklevel=2)
-        # Parallel3D's keywords, the settings in their groups (the flat ones are not passed on: one warning)
+        # Parallel3D's keywords, the settings in their groups
         self.build_model, self.loss_fn, self.options = build_model, loss_fn, {**plain, **settings.as_keywords()}
         # the batch is checked here, on the global batch: the active part's Parallel3D is handed the prefix's
         # output, whose rows outside a replica's slice are not filled
@@ -103,8 +99,7 @@ class FreezeTrainer:
         self.layouts, self.tolerance = layouts, layout_tolerance
         self.mesh_factory = mesh_factory or (lambda d, p: ParallelMesh(dp=d, tp=1, pp=p, timeout=timeout))
         self.device = torch.device(options["device"]) if options.get("device") is not None else torch.device("cpu")
-        schedule = settings.pipeline.schedule
-        self.chunks = settings.pipeline.num_chunks or (2 if schedule == "interleaved" else 1)
+        self.chunks = settings.pipeline.chunks()
         self.num_microbatches = settings.pipeline.num_microbatches
         model = build_model()
         # a parameter tied under two names (a Llama's lm_head.weight is model.embed_tokens.weight) is known

@@ -53,6 +53,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..activations.partitioned_checkpoint import SavedInputs
+from ..activations.recompute import checkpoint_placement, run_blocks
 from ..data_parallel.fused_grads import embedding_grad_into_buffer, grad_sink, linear_weight_grad_into_buffer
 from ..distributed import collectives as C
 from ..mesh import ParallelMesh
@@ -61,8 +63,6 @@ from ..tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
 )
-from .partitioned_checkpoint import SavedInputs
-from .recompute import checkpoint_placement, run_blocks
 
 
 @dataclass
@@ -285,14 +285,14 @@ class GPT(nn.Module):
 
     ``checkpoint``: activation checkpointing in training mode, True for every block, an int ``n`` for the
     first ``n``, ``"sqrt"`` or a placement policy such as ``MemoryBudget(bytes)``
-    (:mod:`~parallel_layers.models.checkpoint_policy`; :mod:`parallel_layers.models.recompute`: dropout
+    (:mod:`~parallel_layers.activations.checkpoint_policy`; :mod:`parallel_layers.activations.recompute`: dropout
     masks replay exactly, TP stream included; works under ZeRO-3, which gathers a block's parameters again
     for its recomputation).
 
     ``checkpoint_inputs``: how a checkpointed block keeps its input until backward: None (whole),
     ``"partition"`` (a 1/tp slice per TP rank, all-gathered for the recomputation: ZeRO-R's partitioned
     activations; under sequence parallelism the input is already a shard and is kept as it is), ``"offload"``
-    (in host memory) or ``"partition+offload"`` (:mod:`~parallel_layers.models.partitioned_checkpoint`); the
+    (in host memory) or ``"partition+offload"`` (:mod:`~parallel_layers.activations.partitioned_checkpoint`); the
     gradients are those of plain checkpointing, bit for bit.
     """
 

@@ -19,9 +19,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ..activations.recompute import checkpoint_placement, run_blocks
 from ..pipeline.stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
 from .gpt import GPT, Block, GPTConfig, ParallelContext, draw_dtype, resolve_tp_group, round_to, untied_head
-from .recompute import checkpoint_placement, run_blocks
 
 
 class GPTStage(nn.Module):
@@ -30,7 +30,7 @@ class GPTStage(nn.Module):
     or hidden states in; hidden states out, or on the last stage the logits shard (no targets) or the
     loss as ``(sum, count)`` over the targets that are not -100 (see ``pipeline.token_loss``). Built by
     :func:`build_gpt_stages` (which makes the weights equal the full GPT's).
-    ``checkpoint``: see :func:`~parallel_layers.models.recompute.checkpointed_block_count`; in
+    ``checkpoint``: see :func:`~parallel_layers.activations.recompute.checkpointed_block_count`; in
     training mode only (eval keeps nothing for backward anyway)."""
 
     # The pieces are GPT's own, so a stage computes exactly what the full model does.
@@ -64,7 +64,8 @@ class GPTStage(nn.Module):
         self.checkpoint = checkpoint
         self.checkpointing = checkpoint_placement(checkpoint, len(self.blocks), "GPTStage")
         self.checkpoint_blocks = self.checkpointing.static_count
-        self.saved_inputs = saved_inputs     # how a checkpointed block keeps its input (models.partitioned_checkpoint)
+        # how a checkpointed block keeps its input (activations.partitioned_checkpoint)
+        self.saved_inputs = saved_inputs
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = self.embed(x) if self.is_first else x
@@ -117,12 +118,12 @@ def build_gpt_stages(config: GPTConfig, pp_rank: int, pp_size: int, *, num_chunk
     layer split points across all ``pp_size * num_chunks`` stages; ``tied_group``: from
     :func:`tied_embedding_group` when ``config.tie_embeddings`` and ``pp_size > 1``; ``checkpoint``:
     activation checkpointing of every block (True), of the first ``n`` blocks of each stage (an int), or a
-    placement policy per stage (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.models.checkpoint_policy`),
-    see :func:`~parallel_layers.models.recompute.checkpointed_block_count`; ``cp_group``: context
+    placement policy per stage (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.activations.checkpoint_policy`),
+    see :func:`~parallel_layers.activations.recompute.checkpointed_block_count`; ``cp_group``: context
     parallelism (every sequence's zigzag shard on this rank, ``cp_method`` ring or Ulysses); ``layout``:
     ``"v"`` for the ZBV schedule (see :func:`stage_ids`; the first and last stage are then both on rank 0,
     which shares one embedding between them: no ``tied_group``); ``saved_inputs``: how a checkpointed block
-    keeps its input until backward (a :class:`~parallel_layers.models.partitioned_checkpoint.SavedInputs`:
+    keeps its input until backward (a :class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`:
     a 1/tp slice, in host memory; None: whole); ``sums_sequence_parallel_grads=False``: the caller sums the
     sequence-parallel parameters' gradients over tp itself (``Parallel3D`` does, on its fp32 gradient
     buffers: a bf16 model's ``p.grad`` is not where they are)."""

@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..families import RECIPES, Recipe, get_module, recipe_for
-from ..models.recompute import checkpoint_placement, run_blocks
+from ..activations.recompute import checkpoint_placement, run_blocks
+from ..families import Recipe, get_module
 from ..tensor_parallel.dense_layouts import from_dense, to_dense
 from .stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
 
@@ -39,7 +39,7 @@ class ModelStage(nn.Module):
     """One pipeline stage of a model cut by :func:`split_model`: ``stage(x, targets=None, **side)``.
 
     ``checkpoint``: activation checkpointing of every block (True), of the first ``n`` (an int) or by a
-    placement policy (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.models.checkpoint_policy`), in
+    placement policy (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.activations.checkpoint_policy`), in
     training mode; the recomputation replays the forward's dropout masks (default generator restored).
     ``dense_name(name)``: a parameter's name here -> its name in the whole model."""
 
@@ -58,7 +58,8 @@ class ModelStage(nn.Module):
         self.sums_tied_grads = sums_tied_grads
         self.checkpointing = checkpoint_placement(checkpoint, len(blocks), "split_model")
         self.checkpoint_blocks = self.checkpointing.static_count
-        self.saved_inputs = saved_inputs     # how a checkpointed block keeps its input (models.partitioned_checkpoint)
+        # how a checkpointed block keeps its input (activations.partitioned_checkpoint)
+        self.saved_inputs = saved_inputs
         ids = dense_names or {}
         self._dense = {n: ids[id(p)] for n, p in self.named_parameters(remove_duplicate=False) if id(p) in ids}
         self._side_ok: set = set()          # side-input names already checked against the recipe
@@ -189,7 +190,7 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     False when the caller sums the tied gradients itself (``Parallel3D``); ``layout``: ``"v"`` for the ZBV
     schedule (:func:`~parallel_layers.pipeline.stage.stage_ids`; the first and last stage are both on rank
     0, where tied weights stay one module); ``saved_inputs``: how a checkpointed block keeps its input
-    (:class:`~parallel_layers.models.partitioned_checkpoint.SavedInputs`; None: whole)."""
+    (:class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`; None: whole)."""
     blocks = _get(model, recipe.blocks)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise ValueError(f"split_model: {type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks at "
@@ -230,4 +231,4 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     return stages
 
 
-__all__ = ["Recipe", "RECIPES", "recipe_for", "ModelStage", "split_model", "balanced_boundaries"]
+__all__ = ["ModelStage", "split_model", "balanced_boundaries"]

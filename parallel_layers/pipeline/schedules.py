@@ -28,6 +28,11 @@ rank 0 and the turn at rank ``p - 1`` is a local hand-off). In a schedule with W
 alone; elsewhere it is the whole backward. :func:`stage_of` maps (rank, chunk) to the stage for both
 layouts (``"loop"``, Megatron's, and ``"v"``).
 
+Each schedule is declared once, in :data:`SCHEDULE_SPECS`: a :class:`ScheduleSpec` with its compute order,
+chunks per rank, layout, whether it splits the backward and what it needs of the micro-batch count. The
+checks here, ``PipelineConfig``, ``Parallel3D``, the demo, the planner and freeze training read it
+(:func:`schedule_spec`) and never test a schedule's name.
+
 Evaluation runs the *forward-only* list of a schedule (``build_schedule(..., forward_only=True)``,
 Megatron-LM's ``forward_only``, DeepSpeed's ``eval_batch``): every forward in the training order's
 sequence, no backward and no gradient message. Without backward nothing is held between microbatches,
@@ -39,16 +44,16 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from types import MappingProxyType
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 LAYOUTS = ("loop", "v")
 
 
 def layout_of(schedule: str) -> str:
-    """How a schedule lays its chunks on the ranks: ``"v"`` for ZBV, ``"loop"`` (chunk c of rank r is stage
-    ``c * p + r``) for the others."""
-    return "v" if schedule == "zbv" else "loop"
+    """How a schedule lays its chunks on the ranks (:attr:`ScheduleSpec.layout`): ``"v"`` for ZBV,
+    ``"loop"`` (chunk c of rank r is stage ``c * p + r``) for the others."""
+    return schedule_spec(schedule).layout
 
 
 def stage_of(rank: int, chunk: int, p: int, v: int, layout: str = "loop") -> int:
@@ -99,27 +104,35 @@ Step = Union[Instr, Tuple[Instr, ...]]
 # ---------------------------------------------------------------------------------------- validation
 def check_schedule_args(schedule: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
     """Clear errors for combinations a schedule cannot run (same message on every rank)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline: unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    spec = schedule_spec(schedule)
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                         ("num_chunks", num_chunks)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"pipeline: {name}={value!r} must be a positive integer")
-    if schedule == "zbv" and num_chunks != 2:
-        raise ValueError(f"pipeline: schedule 'zbv' runs two chunks per rank (a V), got num_chunks={num_chunks}; "
-                         f"build the model with num_chunks=2")
-    if schedule not in ("interleaved", "zbv") and num_chunks != 1:
+    if not spec.runs(num_chunks):
+        if spec.chunks > 1:
+            raise ValueError(f"pipeline: schedule {schedule!r} runs {_chunk_words(spec.chunks)} per rank"
+                             f"{' (a V)' if spec.layout == 'v' else ''}, got num_chunks={num_chunks}; build the "
+                             f"model with num_chunks={spec.chunks}")
+        virtual = " or ".join(f"schedule={s.name!r} ("
+                              + ("any number of chunks" if s.any_chunks else _chunk_words(s.chunks)) + ")"
+                              for s in SCHEDULE_SPECS.values() if s.virtual_stages)
         raise ValueError(f"pipeline: schedule {schedule!r} runs one chunk per rank, got num_chunks={num_chunks}; "
-                         f"use schedule='interleaved' (or 'zbv', two chunks) for virtual stages")
-    if schedule in ("1f1b", "zb-h1") and num_microbatches < num_stages:
-        name = "1F1B" if schedule == "1f1b" else "ZB-H1"
-        raise ValueError(f"pipeline: {name} needs at least as many microbatches as stages, got "
+                         f"use {virtual} for virtual stages")
+    if spec.microbatches_at_least_pp and num_microbatches < num_stages:
+        free = [s.name for s in SCHEDULE_SPECS.values() if s.runs(num_chunks) and not s.microbatches_at_least_pp
+                and not s.microbatches_multiple_of_pp]
+        raise ValueError(f"pipeline: {spec.title} needs at least as many microbatches as stages, got "
                          f"num_microbatches={num_microbatches} < {num_stages} stages; use >= {num_stages} "
-                         f"microbatches (or schedule='gpipe')")
-    if schedule == "interleaved" and num_microbatches % num_stages:
-        raise ValueError(f"pipeline: interleaved 1F1B needs num_microbatches divisible by the pipeline size, got "
+                         f"microbatches" + (f" (or schedule={free[0]!r})" if free else ""))
+    if spec.microbatches_multiple_of_pp and num_microbatches % num_stages:
+        raise ValueError(f"pipeline: {spec.title} needs num_microbatches divisible by the pipeline size, got "
                          f"num_microbatches={num_microbatches} and {num_stages} stages; use a multiple of "
                          f"{num_stages}")
+
+
+def _chunk_words(n: int) -> str:
+    return {1: "one chunk", 2: "two chunks"}.get(n, f"{n} chunks")
 
 
 # ---------------------------------------------------------------------------------------- compute orders
@@ -250,6 +263,69 @@ def forward_only_order(p: int, m: int, rank: int, v: int = 1, layout: str = "loo
     return [Forward(*_interleaved_unit(k, p, v, True)) for k in range(m * v)]
 
 
+# ---------------------------------------------------------------------------------------- the schedules
+Order = Callable[[int, int, int, int], List[Instr]]     # (p, m, rank, v) -> the compute order of ``rank``
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One pipeline schedule and everything the rest of the package needs to know about it. Config checks,
+    ``Parallel3D``, the demo, the planner and freeze training read these fields, never the name, so a new
+    schedule is its compute order and one entry in :data:`SCHEDULE_SPECS`."""
+    name: str                                  # what PipelineConfig(schedule=...) and --schedule take
+    title: str                                 # how error messages name it
+    order: Order
+    chunks: int = 1                            # chunks per rank when num_chunks is not given
+    any_chunks: bool = False                   # runs any number of chunks per rank (else exactly ``chunks``)
+    layout: str = "loop"                       # where the chunks sit (:func:`stage_of`): "loop" or "v"
+    splits_backward: bool = False              # B (input gradient) and W (weight gradients) apart
+    microbatches_at_least_pp: bool = False     # needs num_microbatches >= the pipeline size
+    microbatches_multiple_of_pp: bool = False  # needs num_microbatches divisible by the pipeline size
+    # a steady-state forward and the backward after it share their message batches: without that the
+    # order deadlocks under NCCL's rules (:func:`add_communication`)
+    pairs_steady_state: bool = False
+
+    def runs(self, num_chunks: int) -> bool:
+        """Whether the schedule runs ``num_chunks`` chunks per rank."""
+        return self.any_chunks or num_chunks == self.chunks
+
+    @property
+    def virtual_stages(self) -> bool:
+        """More than one chunk per rank by default. Its chunks should cost alike, so a model's layers must
+        split evenly into ``pp x chunks`` stages."""
+        return self.chunks > 1
+
+
+def _one_chunk(order: Callable[[int, int, int], List[Instr]]) -> Order:
+    return lambda p, m, rank, v: order(p, m, rank)
+
+
+SCHEDULE_SPECS: Mapping[str, ScheduleSpec] = MappingProxyType({spec.name: spec for spec in (
+    ScheduleSpec("gpipe", "GPipe", _one_chunk(gpipe_order)),
+    ScheduleSpec("1f1b", "1F1B", _one_chunk(one_f_one_b_order), microbatches_at_least_pp=True),
+    ScheduleSpec("interleaved", "interleaved 1F1B", interleaved_order, chunks=2, any_chunks=True,
+                 microbatches_multiple_of_pp=True, pairs_steady_state=True),
+    ScheduleSpec("zb-h1", "ZB-H1", _one_chunk(zb_h1_order), splits_backward=True, microbatches_at_least_pp=True),
+    ScheduleSpec("zbv", "ZBV", _one_chunk(zbv_order), chunks=2, layout="v", splits_backward=True),
+)})
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The declaration of schedule ``name``; a ValueError naming the known schedules for any other."""
+    spec = SCHEDULE_SPECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"pipeline: unknown schedule {name!r}; choose one of {schedule_names()}")
+    return spec
+
+
+def schedule_names() -> Tuple[str, ...]:
+    """Every declared schedule's name, in declaration order."""
+    return tuple(SCHEDULE_SPECS)
+
+
+SCHEDULES = schedule_names()
+
+
 def _units(order: Sequence[Instr], paired: bool) -> List[List[Instr]]:
     """Compute instructions grouped into units that share their messages: each alone, or (``paired``)
     each steady-state forward with the backward right after it."""
@@ -340,25 +416,20 @@ def build_schedule(schedule: str, num_stages: int, num_microbatches: int, rank: 
     p, m, v = num_stages, num_microbatches, num_chunks
     if not 0 <= rank < p:
         raise ValueError(f"pipeline: rank {rank} outside 0..{p - 1}")
-    layout = layout_of(schedule)
-    if forward_only:
-        order = forward_only_order(p, m, rank, v, layout)
-    elif schedule == "gpipe":
-        order = gpipe_order(p, m, rank)
-    elif schedule == "1f1b":
-        order = one_f_one_b_order(p, m, rank)
-    elif schedule == "zb-h1":
-        order = zb_h1_order(p, m, rank)
-    elif schedule == "zbv":
-        order = zbv_order(p, m, rank)
-    else:
-        order = interleaved_order(p, m, rank, v)
-    # Megatron's pairing in interleaved 1F1B's steady state (none when every forward warms up, m == p)
-    paired = schedule == "interleaved" and not forward_only and m != p
-    if schedule == "zbv":     # evaluation too: rank 0 sends chunk 0's output down while waiting for chunk 1's
-        orders = [forward_only_order(p, m, r, v, layout) if forward_only else zbv_order(p, m, r) for r in range(p)]
-        return lockstep_communication(orders, p, v, layout)[rank]
-    return add_communication(order, p, rank, v, paired, layout)
+    spec = schedule_spec(schedule)
+    layout = spec.layout
+
+    def order(r: int) -> List[Instr]:
+        return forward_only_order(p, m, r, v, layout) if forward_only else spec.order(p, m, r, v)
+
+    # in a V both directions of a link carry activations and gradients, in an order add_communication's
+    # batches cannot keep deadlock-free (see lockstep_communication); evaluation too: rank 0 sends chunk 0's
+    # output down while waiting for chunk 1's
+    if layout == "v":
+        return lockstep_communication([order(r) for r in range(p)], p, v, layout)[rank]
+    # no pairing when every forward warms up (interleaved 1F1B with m == p)
+    paired = spec.pairs_steady_state and not forward_only and m != p
+    return add_communication(order(rank), p, rank, v, paired, layout)
 
 
 def lockstep_communication(orders: Sequence[Sequence[Instr]], p: int, v: int, layout: str = "loop") -> List[List[Step]]:
@@ -650,7 +721,8 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
             "bubble": sum(1.0 - b / step_time for b in busy) / p if step_time > 0 else 0.0}
 
 
-__all__ = ["Instr", "Forward", "Backward", "WeightGrad", "SCHEDULES", "LAYOUTS", "layout_of", "stage_of", "place_of",
+__all__ = ["Instr", "Forward", "Backward", "WeightGrad", "SCHEDULES", "ScheduleSpec", "SCHEDULE_SPECS",
+           "schedule_spec", "schedule_names", "LAYOUTS", "layout_of", "stage_of", "place_of",
            "build_schedule", "build_all", "format_schedule", "simulate", "simulate_timing", "ScheduleError",
            "check_schedule_args", "add_communication", "lockstep_communication", "forward_only_order",
            "zb_h1_order", "zbv_order"]

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collectives as C
-from ..models.recompute import checkpointed
 
 
 def partition_layers(num_layers: int, num_stages: int, boundaries: Optional[Sequence[int]] = None,
@@ -100,5 +99,4 @@ def tied_embedding_group(pp_group, timeout=None):
     return result
 
 
-__all__ = ["partition_layers", "stage_ids", "tied_embedding_group", "start_tied_equal", "sum_tied_grads",
-           "checkpointed"]
+__all__ = ["partition_layers", "stage_ids", "tied_embedding_group", "start_tied_equal", "sum_tied_grads"]

@@ -18,7 +18,7 @@ import sys
 
 from ..cpu_affinity import available_cores
 from .hardware import BUILTIN, load_profile
-from .search import candidate_layouts, draw, plan, to_json
+from .search import PLANNED_SCHEDULES, candidate_layouts, draw, plan, to_json
 from .spec import Request
 
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = ap.add_mutually_exclusive_group()
     model.add_argument("--gpt", help="the reference GPT: n_layer,d_model,n_head,vocab (d_ff = 4 d_model)")
     model.add_argument("--hf-config", help="a Hugging Face config.json (a causal LM's)")
-    model.add_argument("--model-json", help="a model as planner.spec.model_to_json writes it (GPTConfig or HF)")
+    model.add_argument("--model-json", help="a model as composition.layout.model_to_json writes it (GPTConfig or HF)")
     ap.add_argument("--world", type=int, default=8, help="ranks (default 8)")
     ap.add_argument("--devices-per-node", type=int, default=8)
     ap.add_argument("--memory-gib", type=float, default=80.0, help="memory per rank, GiB")
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--profile", default="h100", help=f"built-in ({', '.join(BUILTIN)}) or a calibrated JSON file")
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    ap.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES))
     ap.add_argument("--checkpoint", default="off,on", help="activation checkpointing: off, on or off,on")
     ap.add_argument("--top", type=int, default=10, help="feasible layouts to print")
     ap.add_argument("--jobs", type=int, default=_cores(),
@@ -58,7 +58,7 @@ def request_of(args) -> Request:
         from transformers import AutoConfig
         model = AutoConfig.from_pretrained(args.hf_config)
     elif args.model_json:
-        from .spec import model_from_json
+        from ..composition.layout import model_from_json
         with open(args.model_json) as fh:
             model = model_from_json(fh.read())
     else:

@@ -11,11 +11,19 @@ Memory, per rank, by the tensors' and the allocator's own accounting (not RSS):
   frees what the previous one allocated, ZeRO-3's gradient shard or ZeRO-2's buckets, is then seen to).
 
 peak = the first + the second. Time: the slowest rank's wall time of a step, median of ``steps``.
+
+Kineto (the profiler's backend) writes a ``USDT: ... profiler_start`` / ``profiler_stop`` line to stderr
+on every start and stop, at a severity above its errors (``KINETO_LOG_LEVEL`` would have to hide those
+too): :func:`quiet_profile` drops those two lines and passes everything else through.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import statistics
+import sys
+import tempfile
 import time
 from typing import Dict, List
 
@@ -24,25 +32,63 @@ import torch
 from .accounting import held_bytes
 
 
+def live_tensors() -> List[torch.Tensor]:
+    """Every tensor the garbage collector tracks. Tested by ``type(obj)``, not ``isinstance``: that reads
+    ``obj.__class__``, which torch's deprecated module attributes (``torch.distributed.reduce_op``) answer with
+    a FutureWarning, and a dead ``weakref.proxy`` with a ReferenceError."""
+    gc.collect()
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+
+
 def live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every tensor alive in this process (views counted once)."""
-    gc.collect()
-    ts = []
-    for obj in gc.get_objects():
+    return held_bytes([t for t in live_tensors() if t.device.type == "cpu"])
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """Runs the body with file descriptor 2 sent to a file, then writes back every line but kineto's
+    ``USDT:`` markers (C++ writes them to the descriptor, past ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
         try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-                ts.append(obj)
-        except ReferenceError:
-            continue
-    return held_bytes(ts)
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+@contextlib.contextmanager
+def quiet_profile(**options):
+    """``torch.profiler.profile(**options)`` as a context manager, without kineto's start/stop markers on
+    stderr (only its start and stop run with stderr filtered, not the body)."""
+    from torch.profiler import profile
+    prof = profile(**options)
+    with _without_kineto_markers():
+        prof.__enter__()
+    try:
+        yield prof
+    except BaseException:
+        with _without_kineto_markers():
+            prof.__exit__(*sys.exc_info())
+        raise
+    with _without_kineto_markers():
+        prof.__exit__(None, None, None)
 
 
 def step_growth(fn, before=None) -> int:
     """The most bytes torch's CPU allocator held above its level at the start while ``fn()`` ran.
     ``before``: run first under the same profiler (a warm-up step), so that what ``fn`` frees of the blocks
     ``before`` allocated counts too (the profiler reports no free of a block allocated before it started)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from torch.profiler import ProfilerActivity, record_function
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         if before is not None:
             before()
         with record_function("step_growth: measured"):
@@ -89,4 +135,4 @@ def measure_layout(p3d, batch, steps: int = 3, baseline: int = 0) -> Dict[str, o
             "peak_bytes": start + growth, "step_s": statistics.median(times)}
 
 
-__all__ = ["live_tensor_bytes", "step_growth", "measure_layout"]
+__all__ = ["live_tensors", "live_tensor_bytes", "quiet_profile", "step_growth", "measure_layout"]

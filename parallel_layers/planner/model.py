@@ -41,7 +41,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
-from ..pipeline import build_all, simulate, simulate_timing
+from ..composition.layout import Layout
+from ..pipeline.schedules import SCHEDULE_SPECS, build_all, schedule_spec, simulate, simulate_timing
 from .hardware import Profile
 from .probe import (
     ChunkCost,
@@ -55,7 +56,7 @@ from .probe import (
     streams_gradients,
     sync_bytes,
 )
-from .spec import Layout, Request
+from .spec import Request
 
 _COLL_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
               "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
@@ -103,6 +104,15 @@ def _twin(req: Request, layout: Layout, r: int) -> Optional[int]:
     return None
 
 
+def _probe_schedule(layout: Layout) -> str:
+    """The schedule a micro-batch is probed under: the first declared one that places the layout's chunks
+    as its own schedule does (a probe runs one micro-batch through the chunks, not the schedule), so layouts
+    that differ only in their schedule share the probe."""
+    placement = schedule_spec(layout.schedule).layout
+    return next(spec.name for spec in SCHEDULE_SPECS.values()
+                if spec.layout == placement and spec.runs(layout.num_chunks))
+
+
 def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> List[RankProbe]:
     """The probes of every pipeline rank of ``layout``, in two cached parts: what the rank holds
     (depends on the mesh, the ZeRO stage and the chunk count; for a streaming ZeRO-2 rank, whose bucket
@@ -128,12 +138,13 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
                 del p3d
         cache[skey] = ranks
     z3 = layout.zero == 3
-    akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.num_chunks, layout.checkpoint, b, z3)
+    probe_schedule = _probe_schedule(layout)
+    akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.num_chunks, probe_schedule, layout.checkpoint, b, z3)
     if akey not in cache:
         # dp 1; ZeRO 0 (1 for bf16/fp16, which need fp32 master weights) or 3: a micro-batch is the same
         plain = 0 if req.precision == "fp32" else 1
         one = dataclasses.replace(layout, dp=1, zero=3 if z3 else plain, num_microbatches=layout.pp,
-                                  schedule="interleaved" if layout.num_chunks > 1 else "gpipe")
+                                  schedule=probe_schedule)
         ranks, hidden = [], None
         for r in range(layout.pp):
             if _twin(req, layout, r) is not None:
@@ -175,7 +186,8 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     probes = probe_layout(req, layout, cache)
     p, m, v = layout.pp, layout.num_microbatches, layout.num_chunks
     streams = build_all(layout.schedule, p, m, v)
-    in_flight = simulate(streams, v)["max_in_flight"]
+    placement = schedule_spec(layout.schedule).layout
+    in_flight = simulate(streams, v, layout=placement)["max_in_flight"]
     memory = []
     act_bytes = probes[0].chunks[0].out_bytes
     for r, pr in enumerate(probes):
@@ -212,7 +224,7 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b
     latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) if p > 1 else 0.0
-    sim = simulate_timing(streams, v, latency=latency, durations=durations)
+    sim = simulate_timing(streams, v, latency=latency, durations=durations, layout=placement)
     terms = {"pipeline": sim["step"]}
     sync = max(probes, key=lambda pr: sum(pr.sync.values())).sync
     n_rep = layout.dp * layout.cp

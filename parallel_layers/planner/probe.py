@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..composition.layout import Layout
 from .accounting import (
     FlopTally,
     OpTally,
@@ -35,7 +36,7 @@ from .accounting import (
     held_bytes,
     tensors_reachable,
 )
-from .spec import Layout, Request
+from .spec import Request
 
 META = torch.device("meta")
 

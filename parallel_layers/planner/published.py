@@ -36,11 +36,13 @@ import itertools
 import math
 from typing import Dict, List, Optional
 
+from ..composition.layout import Layout
 from ..models.gpt import GPTConfig
+from ..pipeline.schedules import schedule_spec
 from .hardware import BUILTIN, Profile
 from .model import Prediction, phase_seconds, predict, probe_layout
 from .search import divisors, plan, why_not
-from .spec import Layout, Request
+from .spec import Request
 
 PAPER = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
          "SC'21, arXiv:2104.04473, Table 1")
@@ -132,7 +134,8 @@ def layout_of(layers: int, batch: int, tp: int, pp: int, dp: int, micro_batch: i
     m = max(batch // (dp * micro_batch), 1)
     if pp == 1:
         return Layout(dp=dp, tp=tp, pp=1, zero=1, schedule="1f1b", num_microbatches=m, checkpoint=checkpoint)
-    v = _chunks(layers, pp) if schedule == "interleaved" else 1
+    spec = schedule_spec(schedule)
+    v = _chunks(layers, pp) if spec.any_chunks else spec.chunks
     if v == 1:
         schedule = "1f1b"
     return Layout(dp=dp, tp=tp, pp=pp, zero=1, schedule=schedule, num_microbatches=m, num_chunks=v,
@@ -198,8 +201,9 @@ def candidates(run: PublishedRun, checkpoint=(True,), schedules=("interleaved",)
                 reason = f"fp16 weights alone ({2 * params / (tp * pp) / 2**30:.0f} GiB a GPU) exceed the memory"
             if reason is None and run.batch % (dp * run.micro_batch):
                 reason = f"the batch ({run.batch}) does not split into dp={dp} x micro-batch {run.micro_batch}"
-            if reason is None and lay.schedule == "interleaved" and lay.num_microbatches % pp:
-                reason = f"interleaved 1F1B needs the micro-batches ({lay.num_microbatches}) a multiple of pp={pp}"
+            spec = schedule_spec(lay.schedule)
+            if reason is None and spec.microbatches_multiple_of_pp and lay.num_microbatches % pp:
+                reason = f"{spec.title} needs the micro-batches ({lay.num_microbatches}) a multiple of pp={pp}"
             yield lay, reason
 
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 import itertools
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from ..composition.layout import Layout
+from ..pipeline.schedules import SCHEDULE_SPECS, schedule_spec
 from .hardware import Profile
 from .model import Prediction, predict, probe_layout
-from .spec import Layout, Request
+from .spec import Request
+
+# the time model prices a whole backward per micro-batch, not B and W apart: the schedules it searches unasked
+PLANNED_SCHEDULES = tuple(spec.name for spec in SCHEDULE_SPECS.values() if not spec.splits_backward)
 
 
 def divisors(n: int) -> List[int]:
@@ -36,7 +41,7 @@ def zero_allowed(req: Request, zero: int) -> Optional[str]:
 
 
 def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
-                      schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"),
+                      schedules: Sequence[str] = PLANNED_SCHEDULES,
                       checkpoint: Sequence[bool] = (False, True), microbatch_factors: Sequence[int] = (1, 2, 4)):
     """``(layout, None)`` for every layout to predict and ``(layout, reason)`` for those that cannot run:
     dp x tp x pp x cp = world; ZeRO stages the precision allows (:func:`zero_allowed`: fp32 0-3, bf16/fp16
@@ -48,7 +53,7 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
             continue
         cp = req.world // (dp * tp * pp)
         for sched in (schedules if pp > 1 else ("1f1b",)):
-            v = 2 if sched == "interleaved" else 1
+            v = schedule_spec(sched).chunks
             reason = why_not(req, tp, pp, cp, v)
             ms = sorted({pp * f for f in microbatch_factors}) if pp > 1 else [1]
             for m, z, ck in itertools.product(ms, zeros, checkpoint):
@@ -110,7 +115,7 @@ def plan(req: Request, profile: Profile, layouts: Optional[Iterable] = None, pro
 
 
 def to_json(req: Request, profile: Profile, ranked: List[Prediction]) -> dict:
-    from .spec import model_to_json
+    from ..composition.layout import model_to_json
     return {"request": {"model": model_to_json(req.model), "world": req.world, "global_batch": req.global_batch,
                         "seq_len": req.seq_len, "memory_bytes": req.memory_bytes,
                         "devices_per_node": req.devices_per_node, "precision": req.precision},
@@ -146,4 +151,4 @@ def draw(ranked: List[Prediction], path: str, memory_bytes: float, top: int = 16
     return path
 
 
-__all__ = ["candidate_layouts", "zero_allowed", "plan", "probe_in_parallel", "to_json", "draw"]
+__all__ = ["PLANNED_SCHEDULES", "candidate_layouts", "zero_allowed", "plan", "probe_in_parallel", "to_json", "draw"]

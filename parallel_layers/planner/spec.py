@@ -1,50 +1,16 @@
-"""What the planner is asked and what it answers with: the request (model, cluster, batch) and one
-layout (dp x tp x pp x cp, ZeRO stage, schedule, micro-batches, checkpointing)."""
+"""What the planner is asked: the request (model, cluster, batch). What it answers with, one layout (dp x tp x
+pp x cp, ZeRO stage, schedule, micro-batches, checkpointing), is ``Parallel3D``'s
+:class:`~parallel_layers.composition.layout.Layout`."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ..models.gpt import GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One way to run: the mesh sizes and the Parallel3D settings that go with them."""
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero: int = 0
-    schedule: str = "1f1b"
-    num_microbatches: int = 1
-    num_chunks: int = 1
-    checkpoint: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def name(self) -> str:
-        dims = "x".join(f"{k}{v}" for k, v in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp))
-                        if v > 1) or "dp1"
-        sched = f" {self.schedule} m{self.num_microbatches}" + (f" v{self.num_chunks}" if self.num_chunks > 1 else "")
-        return f"{dims} z{self.zero}{sched if self.pp > 1 else f' m{self.num_microbatches}'}" + \
-            (" ckpt" if self.checkpoint else "")
-
-    def parallel3d_kwargs(self) -> dict:
-        """The keywords of ``Parallel3D`` this layout sets."""
-        from ..composition.config import DataParallelConfig, PipelineConfig
-        return dict(pipeline=PipelineConfig(schedule=self.schedule, num_microbatches=self.num_microbatches,
-                                            num_chunks=self.num_chunks, checkpoint=self.checkpoint),
-                    data_parallel=DataParallelConfig(zero=self.zero))
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -103,22 +69,6 @@ class Request:
                 f"h{self.heads()} V{self.vocab()}")
 
 
-def model_from_json(text: Union[str, dict]) -> object:
-    """A GPTConfig (``{"gpt": {...}}``) or a Hugging Face config (``{"model_type": ...}``) from JSON."""
-    import json
-    d = json.loads(text) if isinstance(text, str) else dict(text)
-    if "gpt" in d:
-        return GPTConfig(**d["gpt"])
-    from transformers import AutoConfig
-    return AutoConfig.for_model(**d)
-
-
-def model_to_json(model: object) -> dict:
-    if isinstance(model, GPTConfig):
-        return {"gpt": dataclasses.asdict(model)}
-    return model.to_dict()
-
-
 Options = Optional[dict]
 
-__all__ = ["Layout", "Request", "DTYPES", "model_from_json", "model_to_json"]
+__all__ = ["Request", "DTYPES"]

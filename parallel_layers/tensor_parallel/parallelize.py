@@ -475,13 +475,4 @@ def gather_dense_state_dict(model: nn.Module, *, grads: bool = False) -> Dict[st
     return out
 
 
-def __getattr__(name: str):
-    # gpt2_plan lives with GPT-2's recipe (parallel_layers.families.gpt2) and stays importable from here;
-    # resolved on first use so that this layer imports nothing of the model families above it
-    if name == "gpt2_plan":
-        from ..families.gpt2 import gpt2_plan
-        return gpt2_plan
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["parallelize", "gather_dense_state_dict", "tp_partitions", "gather_partition"]

@@ -28,8 +28,8 @@ def training_parity(device: torch.device, precision: str, steps: int = 5) -> flo
     """Largest relative loss difference over ``steps`` AdamW steps: the reference GPT with our fused
     kernels (fused_linear on its automatic backend, FusedAdamW) against the same model and data in torch
     eager (``fused_linear`` forced to torch) with ``torch.optim.AdamW``."""
-    from parallel_layers import FusedAdamW
     from parallel_layers.models import GPT, GPTConfig
+    from parallel_layers.optim.fused_adamw import FusedAdamW
 
     cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=128, max_seq_len=64)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -76,7 +76,7 @@ def _nccl_self(rank: int, world: int, port: int) -> None:
 def _gloo_dp(rank: int, world: int, port: int, device_type: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    from parallel_layers import DataParallel
+    from parallel_layers.data_parallel.ddp import DataParallel
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device)

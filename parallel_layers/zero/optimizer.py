@@ -64,19 +64,9 @@ from . import full_state
 from . import memory as M
 from .host_offload import HostOffload, HostShard, LaunchedBuckets, segments_of
 from .offload import DEFAULT_BUFFER_MB, resolve_offload
-
-# Re-exported: other modules and users import these names from here.
-from .sharded_adamw import STATE_FORMAT, NoDecay, ShardedAdamW, step_multipliers  # noqa: F401
+from .sharded_adamw import STATE_FORMAT, NoDecay, ShardedAdamW, step_multipliers
 from .sharded_adamw import STATES as _STATES
-from .sharded_grad import (  # noqa: F401
-    METADATA_FUNCTIONS,
-    ShardedGrad,
-    guarded_in,
-    is_metadata,
-    sharded_grad_message,
-    sharded_grad_placeholder,
-    sharded_grad_view,
-)
+from .sharded_grad import ShardedGrad, sharded_grad_message, sharded_grad_placeholder, sharded_grad_view
 from .state_storage import HostState, ResidentState, ShardState
 
 

@@ -1,5 +1,5 @@
 """How many Triton kernels ``gpu-check``'s CUDA tests compile, and what one compile costs for sm_90, measured
-on a machine without a GPU (the estimate behind the first run's time plan, README "GPU").
+on a machine without a GPU (the estimate behind the first run's time plan, docs/gpu.md).
 
     python -m parallel_layers.cli.gpu_check.estimate                 # count, then time a few sm_90 compiles
     python -m parallel_layers.cli.gpu_check.estimate --no-compile    # the count only
@@ -10,7 +10,7 @@ kernel, its constexprs, the pointer dtypes (and 16-byte alignment), and each int
 a multiple of 16, other). Distinct keys = kernels compiled. For the fused linear the interpreter runs one
 fixed tile, so its keys are re-made with the tile ``PARALLEL_LAYERS_LINEAR_TUNING=one`` picks (and EVEN_K for
 it), and, for the full autotune, multiplied by the configs ``prune_configs`` keeps for the call.
-Timing: the fused linear's one-config kernels (``benchmarks.linear_registers.compile_config``) and an AdamW
+Timing: the fused linear's one-config kernels (:func:`.offline_compile.compile_config`) and an AdamW
 kernel compiled for sm_90 here, one after another (Triton compiles a process's kernels serially).
 """
 from __future__ import annotations
@@ -94,8 +94,9 @@ def time_compiles(n: int) -> List[Tuple[str, float]]:
     """Seconds per sm_90 compile of the fused linear's one-config kernels (a fresh cache each)."""
     import tempfile
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="pl-estimate-")
-    from benchmarks.linear_registers import compile_config
     from parallel_layers.triton_kernels import matmul
+
+    from .offline_compile import compile_config
     out = []
     cases = [(2, 64, 0, "bf16", "plain"), (2, 64, 1, "bf16", "gelu+pre"), (2, 16, 1, "bf16", "gelu"),
              (4, 64, 0, "fp32", "plain"), (4, 16, 1, "fp32", "gelu+pre")][:n]

@@ -13,13 +13,13 @@ parameters are gathered again for it (``ZeroStage3``'s pre-backward hook; in the
 gathered for the whole step).
 
 Where to checkpoint (every block, the first n, Chen et al.'s sqrt(n) segments, the least recomputation
-within a memory budget) is :mod:`~parallel_layers.models.checkpoint_policy`'s; :class:`Placement` applies a
+within a memory budget) is :mod:`~parallel_layers.activations.checkpoint_policy`'s; :class:`Placement` applies a
 policy to one model or stage, and :func:`run_blocks` runs the blocks by its plan: a segment of several
 blocks is one checkpoint (its input kept, the whole run recomputed in backward, its dropout masks
 replayed like a single block's).
 
 How a checkpointed block keeps its input (whole, by default) is a ``saved_inputs=``
-(:class:`~parallel_layers.models.partitioned_checkpoint.SavedInputs`): a ``1/tp`` slice per TP rank gathered
+(:class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`): a ``1/tp`` slice per TP rank gathered
 again for the recomputation (ZeRO-R's partitioned activations) and / or a copy in host memory; the
 recomputation reads the same values, so the gradients are plain checkpointing's bit for bit.
 

@@ -1,6 +1,6 @@
 """Activation offload: a tensor moved to host memory while it waits for backward, and back for it.
 
-Used by :class:`~parallel_layers.models.partitioned_checkpoint.SavedInputs` for the inputs of checkpointed
+Used by :class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs` for the inputs of checkpointed
 blocks (ZeRO-R's CPU checkpointing): at the end of a block's forward its input is copied to host memory and
 the device copy is freed; the block's recomputation in backward copies it back.
 

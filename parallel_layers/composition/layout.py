@@ -1,8 +1,13 @@
-"""``Parallel3D(model, layout="auto")``: the planner's best feasible layout, agreed by every rank.
+"""A layout of ``Parallel3D`` (``layout=``): the mesh sizes and the settings that go with them, given
+(:class:`Layout`) or planned (``"auto"``, :class:`Auto`): the layout planner's best feasible one, agreed by
+every rank.
 
 Global rank 0 runs the planner in a child process (``python -m parallel_layers plan --json``: the planner
 plays every rank under a fake process group, which cannot share a process with the real one) and the
-chosen layout is broadcast over the world group, so every rank builds the same mesh and settings.
+chosen layout is broadcast over the world group, so every rank builds the same mesh and settings. The
+planner (``parallel_layers.planner``) sits above this layer: it builds ``Parallel3D`` on meta to measure a
+layout, and ranks layouts; this module only starts it as a program and reads its JSON
+(:func:`model_to_json` writes the model it plans for, :func:`model_from_json` is how the planner reads it).
 """
 from __future__ import annotations
 
@@ -17,7 +22,57 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from .spec import Layout, model_to_json
+from ..models.gpt import GPTConfig
+from .config import DataParallelConfig, PipelineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run: the mesh sizes and the Parallel3D settings that go with them."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+    num_microbatches: int = 1
+    num_chunks: int = 1
+    checkpoint: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def name(self) -> str:
+        dims = "x".join(f"{k}{v}" for k, v in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp))
+                        if v > 1) or "dp1"
+        sched = f" {self.schedule} m{self.num_microbatches}" + (f" v{self.num_chunks}" if self.num_chunks > 1 else "")
+        return f"{dims} z{self.zero}{sched if self.pp > 1 else f' m{self.num_microbatches}'}" + \
+            (" ckpt" if self.checkpoint else "")
+
+    def parallel3d_kwargs(self) -> dict:
+        """The keywords of ``Parallel3D`` this layout sets."""
+        return dict(pipeline=PipelineConfig(schedule=self.schedule, num_microbatches=self.num_microbatches,
+                                            num_chunks=self.num_chunks, checkpoint=self.checkpoint),
+                    data_parallel=DataParallelConfig(zero=self.zero))
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def model_from_json(text: Union[str, dict]) -> object:
+    """A GPTConfig (``{"gpt": {...}}``) or a Hugging Face config (``{"model_type": ...}``) from JSON."""
+    d = json.loads(text) if isinstance(text, str) else dict(text)
+    if "gpt" in d:
+        return GPTConfig(**d["gpt"])
+    from transformers import AutoConfig
+    return AutoConfig.for_model(**d)
+
+
+def model_to_json(model: object) -> dict:
+    if isinstance(model, GPTConfig):
+        return {"gpt": dataclasses.asdict(model)}
+    return model.to_dict()
 
 
 @dataclasses.dataclass
@@ -35,7 +90,6 @@ class Auto:
 
 
 def _defaults(auto: Auto, model, world: int) -> Auto:
-    from ..models.gpt import GPTConfig
     cfg = model if isinstance(model, GPTConfig) else getattr(model, "config", None)
     seq = auto.seq_len or (cfg.max_seq_len if isinstance(cfg, GPTConfig) else cfg.max_position_embeddings)
     if auto.memory_gib is not None:
@@ -49,12 +103,11 @@ def _defaults(auto: Auto, model, world: int) -> Auto:
 
 def plan_in_child(model, world: int, auto: Auto) -> Layout:
     """Run the planner in a child process; the best feasible layout (``ValueError`` when none fits)."""
-    from ..models.gpt import GPTConfig
     auto = _defaults(auto, model, world)
     cfg = model if isinstance(model, GPTConfig) else getattr(model, "config", None)
     if cfg is None:
         raise ValueError(f"Parallel3D(layout='auto'): {type(model).__name__} has no config to plan from; pass a "
-                         f"GPTConfig, a Hugging Face model, or a planner.Layout")
+                         f"GPTConfig, a Hugging Face model, or a Layout")
     with tempfile.TemporaryDirectory() as tmp:
         model_path, out = os.path.join(tmp, "model.json"), os.path.join(tmp, "plan.json")
         with open(model_path, "w") as fh:
@@ -89,11 +142,12 @@ def resolve_layout(layout: Union[str, Auto, Layout], model) -> Layout:
     if layout == "auto":
         layout = Auto()
     if not isinstance(layout, Auto):
-        raise ValueError(f"Parallel3D: layout={layout!r} must be 'auto', a planner.Auto or a planner.Layout")
+        raise ValueError(f"Parallel3D: layout={layout!r} must be 'auto', an Auto or a Layout "
+                         f"(parallel_layers.composition.layout)")
     world = dist.get_world_size()
     box = [plan_in_child(model, world, layout) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-__all__ = ["Auto", "resolve_layout", "plan_in_child"]
+__all__ = ["Layout", "Auto", "resolve_layout", "plan_in_child", "model_from_json", "model_to_json"]
