@@ -1,4 +1,4 @@
-"""Freeze training (``parallel_layers.elastic``, after PipeTransformer) against the static layout: wall time
+"""Freeze training (``parallel_layers.freeze_training``, after PipeTransformer) against the static layout: wall time
 to the same training loss on the demo corpus, 4 ranks.
 
     python -m benchmarks.freeze_training            # full: GPT L8 d64, 640 steps, + static dp2 x pp2
@@ -116,7 +116,7 @@ def _interleaved(models: Dict[str, object], data) -> Dict[str, dict]:
 def _bench_rank(rank, world, size, weights, batch, microbatches, samples, steps, auto, static_dp2):
     from parallel_layers.composition.config import OptimizerConfig, PipelineConfig
     from parallel_layers.composition.parallel3d import Parallel3D
-    from parallel_layers.elastic import AutoFreeze, FreezeTrainer
+    from parallel_layers.freeze_training import AutoFreeze, FreezeTrainer
     from parallel_layers.mesh import ParallelMesh
     from parallel_layers.models.gpt import GPT, GPTConfig
 

@@ -1,4 +1,4 @@
-"""Freeze training with elastic pipelining (parallel_layers.elastic, after PipeTransformer) on 4 gloo ranks:
+"""Freeze training with elastic pipelining (parallel_layers.freeze_training, after PipeTransformer) on 4 gloo ranks:
 with freezing off the trainer is Parallel3D bit for bit; with a fixed schedule it equals one process whose
 torch AdamW trains the same model with the same blocks frozen (requires_grad=False) at the same step, across
 a re-layout pp 4 -> 2, dp 1 -> 2 that moves parameters, AdamW moments and step count exactly and keeps every
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig
 from parallel_layers.composition.parallel3d import Parallel3D
-from parallel_layers.elastic import (
+from parallel_layers.families import recipe_for
+from parallel_layers.freeze_training import (
     AutoFreeze,
     FreezeSchedule,
     FreezeTrainer,
@@ -26,7 +27,6 @@ from parallel_layers.elastic import (
     parse_freeze,
     split_at,
 )
-from parallel_layers.families import recipe_for
 from parallel_layers.models.gpt import GPT, GPTConfig
 from parallel_layers.testing import cached_mesh
 from parallel_layers.testing.compare import worst

@@ -146,7 +146,7 @@ def test_misspelt_keywords_and_wrong_config_types_raise():
 
 
 def test_freeze_trainer_names_the_group_too():
-    from parallel_layers.elastic.trainer import FreezeTrainer
+    from parallel_layers.freeze_training.trainer import FreezeTrainer
     with pytest.raises(TypeError, match=r"^FreezeTrainer: zero= moved into the config groups; pass "
                                         r"data_parallel=DataParallelConfig\(zero=\.\.\.\)"):
         FreezeTrainer(lambda: None, dp=1, pp=1, loss_fn=None, zero=1)

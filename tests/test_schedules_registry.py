@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import parallel_layers.__main__ as entry
 from parallel_layers import OptimizerConfig, PipelineConfig
 from parallel_layers.cli import demo
-from parallel_layers.elastic import FreezeTrainer
+from parallel_layers.freeze_training import FreezeTrainer
 from parallel_layers.models.gpt import GPT, GPTConfig
 from parallel_layers.pipeline import schedules
 from parallel_layers.pipeline.schedules import (

@@ -15,9 +15,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ..elastic.auto_freeze import parse_freeze
-from ..elastic.prefix import freeze_prefix_
-from ..elastic.relayout import blocks_text
+from ..freeze_training.auto_freeze import parse_freeze
+from ..freeze_training.prefix import freeze_prefix_
+from ..freeze_training.relayout import blocks_text
 
 
 def check_freeze_args(args) -> List[str]:
@@ -43,7 +43,7 @@ def freeze_trainer(args, build_model: Callable[[], nn.Module], loss_fn: Callable
                    device: Optional[torch.device], checkpoint):
     """The demo's ``FreezeTrainer``: ``mesh`` (``--dp`` x ``--pp``) to start, new meshes of the same
     processes for the later layouts, the demo's optimizer and schedule."""
-    from ..elastic.trainer import FreezeTrainer
+    from ..freeze_training.trainer import FreezeTrainer
     from ..mesh import ParallelMesh
     auto = {"interval": args.freeze_interval} if args.freeze == "auto" else {}
     policy = parse_freeze(args.freeze, args.n_layer, args.freeze_cap, **auto)

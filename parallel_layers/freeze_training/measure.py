@@ -35,7 +35,7 @@ def _grad_pieces(mode) -> List[Tuple[nn.Parameter, torch.Tensor]]:
         return out
     if isinstance(mode, ShardedParams):
         return [(p, mode.z.grad_buffer[start:start + n]) for p, _, start, n in mode.optimizer.shard_pieces()]
-    raise TypeError(f"elastic: no gradient pieces for replica mode {type(mode).__name__}")
+    raise TypeError(f"freeze training: no gradient pieces for replica mode {type(mode).__name__}")
 
 
 def block_grad_norms(model, block_of: Dict[int, int], num_blocks: int, *, device: torch.device,

@@ -98,7 +98,7 @@ def choose_layout(costs: Sequence[float], *, world: int, current_pp: int, budget
         options.append((pp, bounds, stage_costs(costs, bounds, first_extra, last_extra)))
     if not options:
         what = f"pp={fixed_pp}" if fixed_pp is not None else f"any pp up to {current_pp}"
-        raise ValueError(f"elastic: no layout of {world} ranks fits {len(costs)} active blocks with {what} "
+        raise ValueError(f"freeze training: no layout of {world} ranks fits {len(costs)} active blocks with {what} "
                          f"({chunks} chunk(s) per rank, global batch {batch}, {microbatches} microbatches per "
                          f"replica); use a batch divisible by world x microbatches, or freeze fewer blocks")
     fitting = [o for o in options if max(o[2]) <= budget * (1 + tolerance)]
@@ -180,7 +180,7 @@ def load_parameters(model: nn.Module, dense: Dense) -> None:
     """Copy ``dense``'s parameters into a whole model (by name), before it is cut and built."""
     missing = [n for n, _ in model.named_parameters() if n not in dense]
     if missing:
-        raise ValueError(f"elastic: the re-layout lost {len(missing)} parameter(s), e.g. {missing[:3]}; every "
+        raise ValueError(f"freeze training: the re-layout lost {len(missing)} parameter(s), e.g. {missing[:3]}; every "
                          f"parameter of the model must be held by a stage or the frozen prefix")
     for n, p in model.named_parameters():
         p.copy_(dense[n]["param"].to(device=p.device, dtype=p.dtype))

@@ -35,7 +35,7 @@ def _set(model: nn.Module, dotted: str, value) -> None:
 def blocks_of(model: nn.Module, recipe: Recipe) -> nn.ModuleList:
     blocks = get_module(model, recipe.blocks)
     if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"elastic: {type(model).__name__} has no nn.ModuleList of blocks at {recipe.blocks!r} "
+        raise ValueError(f"freeze training: {type(model).__name__} has no nn.ModuleList of blocks at {recipe.blocks!r} "
                          f"(the recipe's 'blocks'); fix the recipe")
     return blocks
 
@@ -127,7 +127,8 @@ def split_at(model: nn.Module, recipe: Recipe, num_frozen: int, *,
         return None, model, recipe
     blocks = blocks_of(model, recipe)
     if not 0 < num_frozen < len(blocks):
-        raise ValueError(f"elastic: cannot freeze {num_frozen} of {len(blocks)} blocks; leave at least one to train")
+        raise ValueError(f"freeze training: cannot freeze {num_frozen} of {len(blocks)} blocks; "
+                         f"leave at least one to train")
     freeze_prefix_(model, num_frozen, recipe)
     prefix = None
     if keep_prefix:
