@@ -6,8 +6,10 @@
 
 Both are ``Parallel3D``; what differs is how the stages come to be:
 
-* GPT-specific (baseline): ``Parallel3D(config, mesh)``: every rank builds only its own ``GPTStage``s
-  (``build_gpt_stages``);
+* config (baseline): ``Parallel3D(config, mesh)``: until issue 47 every rank built only its own ``GPTStage``s
+  (``build_gpt_stages``); now ``config.build`` builds the GPT holding only this rank's modules and it is cut by
+  the same recipe, so the two layouts' ratio measures building inside ``Parallel3D`` against handing it a
+  module (expected 1.0);
 * generic (ours): ``Parallel3D(GPT(config, tp_group=...), mesh, loss_fn=gpt.loss)``: the whole model as a
   user would hand it over, cut by its recipe (``families.gpt_recipe``) into ``ModelStage``s.
 

@@ -36,7 +36,7 @@ TIMEOUT_S = 180
 MARKER = re.compile(r"^<!-- runnable: (\d+) ranks? -->\n```python\n(.*?)^```", re.M | re.S)
 # What the guides must show running: an API named here that no runnable example uses fails the test.
 SHOWN_RUNNING = ["ParallelMesh(tp=", "DataParallel(", "ZeroOptimizer(", "ZeroStage3(", "ZeroStage3Optimizer(",
-                 ".no_sync()", "opt.clip_grad_norm_(", "PipelineEngine(", "build_gpt_stages(", "FusedAdamW(",
+                 ".no_sync()", "opt.clip_grad_norm_(", "PipelineEngine(", "split_model(", "FusedAdamW(",
                  "Parallel3D(model, mesh, loss_fn="]
 
 

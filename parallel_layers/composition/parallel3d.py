@@ -4,8 +4,10 @@
 Two ways in, one training path:
 
 * ``Parallel3D(config, mesh, ...)`` with a :class:`~parallel_layers.models.gpt.GPTConfig`: the reference
-  GPT, every rank building only its own stages (:func:`~parallel_layers.models.gpt_stages.build_gpt_stages`) from
-  the same seed as ``GPT(config)``;
+  GPT, built by ``config.build`` on every rank from ``seed`` (the weights of ``torch.manual_seed(seed);
+  GPT(config)``, each rank's tensor-parallel slice, holding only the modules its stages run:
+  :func:`~parallel_layers.pipeline.any_model.kept_modules`), then cut like any other module below, by its
+  recipe (:mod:`~parallel_layers.families.gpt`);
 * ``Parallel3D(model, mesh, ...)`` with an ``nn.Module`` you built (a Hugging Face ``*ForCausalLM``,
   ``BertForMaskedLM`` or your own), unmodified: its recipe (:mod:`~parallel_layers.families`:
   shipped for some families, else inferred from the model's structure and config by
@@ -91,10 +93,9 @@ from ..distributed import collectives as C
 from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
-from ..models.gpt_stages import build_gpt_stages
 from ..pipeline import PipelineEngine
-from ..pipeline.any_model import split_model
-from ..pipeline.schedules import layout_of, schedule_spec
+from ..pipeline.any_model import kept_modules, split_model
+from ..pipeline.schedules import layout_of
 from ..pipeline.timeline import draw
 from ..pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
 from ..tensor_parallel.partial_grads import mark_partial_param
@@ -111,31 +112,6 @@ from .replica_check import ReplicaCheck, Summed, check_same_batch, check_tensors
 from .replicas import replica_mode
 
 
-def _gpt_stages(config: GPTConfig, mesh: ParallelMesh, tp_group, tied_group, *, num_chunks, schedule,
-                checkpoint, dtype, device, seed, cp_method, saved_inputs=None):
-    torch.manual_seed(seed)
-    # build_gpt_stages draws fp16/bf16 weights in fp32 and rounds them (models/gpt.py: draw_dtype), so
-    # every dtype starts from the fp32 model's weights.
-    chunks = build_gpt_stages(config, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, tp_group=tp_group,
-                              require_divisible=schedule_spec(schedule).virtual_stages, checkpoint=checkpoint,
-                              dtype=dtype, device=device, cp_group=getattr(mesh, "cp_group", None),
-                              cp_method=cp_method, layout=layout_of(schedule), saved_inputs=saved_inputs,
-                              sums_sequence_parallel_grads=False)
-    # the sequence-parallel norms' and biases' gradients are sums over this rank's tokens: the replica mode
-    # sums them over tp where the step's gradients are (fp32 main grads, ZeRO-3's fp32 accumulation)
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if getattr(p, "sequence_parallel", False):
-                mark_partial_param(p)
-    tied, duplicates = [], set()
-    for chunk in chunks:                  # the copies: first stage (counted in the norm), last stage (duplicate)
-        if tied_group is not None and hasattr(chunk, "wte"):
-            tied.append(chunk.wte.weight)
-            if not chunk.is_first:
-                duplicates.add(id(chunk.wte.weight))
-    return chunks, tied, duplicates
-
-
 def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_plan, loss_fn, num_chunks,
                   boundaries, block_costs, checkpoint, layout="loop", saved_inputs=None):
     if loss_fn is None:
@@ -149,12 +125,19 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
             raise ValueError(f"Parallel3D: tp={mesh.tp} needs a tensor-parallel plan for {type(model).__name__}; "
                              f"pass tp_plan={{module pattern: style}} (see tensor_parallel.parallelize) or give its "
                              f"recipe a tp_plan (docs/custom_recipe.md)")
-        parallelize(model, tp_group, plan)
+        if plan:              # empty: the model built its tensor-parallel layers itself (the reference GPT)
+            parallelize(model, tp_group, plan)
     # in a V the first and last stage are both on pipeline rank 0: tied weights are one module there
     tied_group = mesh.tied_stage_group() if mesh.pp > 1 and layout == "loop" else None
     chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
                          block_costs=block_costs, loss_fn=loss_fn, tied_group=tied_group, checkpoint=checkpoint,
                          sum_tied_grads_in_stage=False, layout=layout, saved_inputs=saved_inputs)
+    # the sequence-parallel norms' and biases' gradients are sums over this rank's tokens: the replica mode
+    # sums them over tp where the step's gradients are (fp32 main grads, ZeRO-3's fp32 accumulation)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if getattr(p, "sequence_parallel", False):
+                mark_partial_param(p)
     tied, duplicates = [], set()
     for chunk in chunks:
         tied.extend(chunk.tied)
@@ -182,9 +165,10 @@ class Parallel3D:
     """A model trained over ``mesh``: see the module docstring.
 
     ``model``: a :class:`GPTConfig` (the reference GPT; ``seed``: its weights are those of
-    ``torch.manual_seed(seed); GPT(config)``) or an ``nn.Module`` (any model; every rank passes the same
-    weights; ``loss_fn``, ``recipe``, ``tp_plan`` and the pipeline's ``boundaries`` and ``block_costs``
-    apply; the module is changed in place: TP layers swapped in, the parts other ranks run dropped; the
+    ``torch.manual_seed(seed); GPT(config)``; then as a module, ``recipe``, ``boundaries`` and ``block_costs``
+    included) or an ``nn.Module`` (any model; every rank passes the same weights; ``loss_fn``, ``recipe``,
+    ``tp_plan`` and the pipeline's ``boundaries`` and ``block_costs`` apply; the module is changed in place:
+    TP layers swapped in, the parts other ranks run dropped; the
     default generator, which its dropout draws from, is seeded with ``seed`` on every rank once the model
     is split, so tensor-parallel ranks draw the same masks on the activations they hold replicated; heads
     split over tp share their masks rank to rank, unlike the reference GPT's per-rank tracker streams).
@@ -245,11 +229,15 @@ class Parallel3D:
                                            num_chunks=chosen.num_chunks, checkpoint=chosen.checkpoint)
             chosen_by = f"chosen by layout {chosen.name()}"
             self.layout = chosen
-        is_gpt = isinstance(model, GPTConfig)
-        if not is_gpt and not isinstance(model, nn.Module):
-            raise TypeError(f"Parallel3D: model must be a GPTConfig or an nn.Module, not {type(model).__name__}")
+        # a config that builds its model (``config.build(seed=, tp_group=, ...)``: the reference GPT's GPTConfig)
+        # is built here, on every rank from ``seed``; a module is used as given; both then take the one path
+        # below (recipe, split, replica mode)
+        built_here = not isinstance(model, nn.Module)
+        if built_here and not callable(getattr(model, "build", None)):
+            raise TypeError(f"Parallel3D: model must be a GPTConfig (a config with a build method) or an "
+                            f"nn.Module, not {type(model).__name__}")
         if precision.dtype is None:
-            precision = precision.with_dtype(torch.float32 if is_gpt else next(model.parameters()).dtype)
+            precision = precision.with_dtype(torch.float32 if built_here else next(model.parameters()).dtype)
         check_together(optimizer, data_parallel, precision, chosen_by)
         if precision.dtype == torch.float16 and precision.loss_scaler is None:
             precision = dataclasses.replace(precision, loss_scaler=DynamicLossScaler(device=device))
@@ -270,37 +258,49 @@ class Parallel3D:
         self.cp = getattr(mesh, "cp", 1) if mesh is not None else 1
         self.replica_group = mesh.dp_cp_group if self.cp > 1 else (mesh.dp_group if mesh is not None else None)
         self.replicas = mesh.dp * self.cp if mesh is not None else 1
-        if self.cp > 1 and not is_gpt:         # the reference GPT's attention takes the cp group itself
-            from ..context_parallel.hf import enable_context_parallel, with_context_parallel
-            enable_context_parallel(model)
-            recipe = with_context_parallel(recipe if recipe is not None else recipe_for(model), mesh.cp_group,
-                                           cp_method)
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
-        # the HF path has no sequence parallelism: a stage's hidden states are whole on every TP rank
-        saved_inputs = SavedInputs.from_mode(pipeline.checkpoint_inputs, self.tp_group,
-                                             bool(is_gpt and model.sequence_parallel), "Parallel3D: checkpoint_inputs",
-                                             checkpointed=bool(checkpoint), checkpoint=checkpoint)
-        if is_gpt:
-            self.config = model
-            self.description = dataclasses.asdict(model)
-            # a collective over the whole world: every rank calls it, in the same order
-            self.tied_group = mesh.tied_stage_group() if (model.tie_embeddings and mesh.pp > 1
-                                                                      and layout_of(schedule) == "loop") else None
-            chunks, tied, duplicates = _gpt_stages(model, mesh, self.tp_group, self.tied_group, num_chunks=num_chunks,
-                                                   schedule=schedule, checkpoint=checkpoint, dtype=dtype,
-                                                   device=device, seed=seed, cp_method=cp_method,
-                                                   saved_inputs=saved_inputs)
+        # sequence parallelism (the reference GPT's): a stage's hidden states are sequence shards on every TP rank
+        config = model if built_here else getattr(model, "config", None)
+        sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and self.tp_group is not None
+        saved_inputs = SavedInputs.from_mode(pipeline.checkpoint_inputs, self.tp_group, sequence_parallel,
+                                             "Parallel3D: checkpoint_inputs", checkpointed=bool(checkpoint),
+                                             checkpoint=checkpoint)
+        if built_here:
+            # its weights are those of torch.manual_seed(seed); GPT(config) on one process, this rank's TP slice
+            # (fp16/bf16 drawn in fp32 and rounded); the default generator stays where that leaves it
+            # what a checkpoint must match: the config (a resumed run may change its fields that leave the
+            # weights alone: universal_checkpoint.check_config)
+            self.description = dataclasses.asdict(model) if dataclasses.is_dataclass(model) else None
+            options = dict(seed=seed, tp_group=self.tp_group, cp_group=mesh.cp_group if self.cp > 1 else None,
+                           cp_method=cp_method, dtype=dtype)
+            # built on meta first (its structure: which modules this rank's stages hold), then for real,
+            # holding only those: a rank's memory is its own stages, never the whole model
+            skeleton = model.build(device=torch.device("meta"), **options)
+            keep = kept_modules(skeleton, recipe if recipe is not None else recipe_for(skeleton), mesh.pp_rank,
+                                mesh.pp, num_chunks=num_chunks, boundaries=pipeline.boundaries,
+                                block_costs=pipeline.block_costs, layout=layout_of(schedule))
+            del skeleton
+            model = model.build(device=device, keep=keep.__contains__, **options)
         else:
-            self.config = getattr(model, "config", None)
             if device is not None or next(model.parameters()).dtype != dtype:
                 model.to(device=device, dtype=dtype)
             self.description = _describe(model)
-            if loss_fn is None:
-                loss_fn = _default_loss(ignore_index)
-            chunks, tied, duplicates, self.tied_group = _model_stages(
-                model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
-                boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
-                layout=layout_of(schedule), saved_inputs=saved_inputs)
+        if self.description is None:
+            self.description = _describe(model)
+        self.config = getattr(model, "config", None)
+        recipe = recipe if recipe is not None else recipe_for(model)
+        if self.cp > 1 and getattr(model, "cp_size", 1) == 1:
+            # a model whose attention does not take the cp group itself (the reference GPT's does)
+            from ..context_parallel.hf import enable_context_parallel, with_context_parallel
+            enable_context_parallel(model)
+            recipe = with_context_parallel(recipe, mesh.cp_group, cp_method)
+        if loss_fn is None:
+            loss_fn = recipe.loss(model, ignore_index) if recipe.loss is not None else _default_loss(ignore_index)
+        chunks, tied, duplicates, self.tied_group = _model_stages(
+            model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
+            boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
+            layout=layout_of(schedule), saved_inputs=saved_inputs)
+        if not built_here:
             # dropout draws from the default generator: the same stream on every rank, so tensor-parallel
             # ranks drop the same elements of the activations they hold replicated
             torch.manual_seed(seed)
@@ -320,7 +320,7 @@ class Parallel3D:
                          for c in self.chunks]
         self.engine = PipelineEngine(engine_chunks, mesh.pp_group, schedule=schedule,
                                      num_microbatches=pipeline.num_microbatches, device=device,
-                                     ignore_index=-100 if is_gpt else ignore_index, autocast=precision.autocast)
+                                     ignore_index=ignore_index, autocast=precision.autocast)
 
     # ------------------------------------------------------------------ one step
     def local_batch(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -341,11 +341,7 @@ class Parallel3D:
         """This replica's rows of the global batch and, with cp > 1, this cp rank's tokens of them."""
         x, y = self.local_batch(inputs), self.local_batch(targets)
         side = {k: self.local_batch(v) for k, v in side.items()}
-        if self.cp > 1 and isinstance(self.config, GPTConfig):     # its stages take token shards alone
-            from ..context_parallel.layout import check_divisible, shard
-            check_divisible(x.shape[1], self.cp, f"context parallelism (cp={self.cp})")
-            x, y = shard(x, self.cp, self.mesh.cp_rank), shard(y, self.cp, self.mesh.cp_rank)
-        elif self.cp > 1:
+        if self.cp > 1:
             from ..context_parallel.batch import shard_batch
             x, y, side = shard_batch(x, y, side, self.cp, self.mesh.cp_rank)
         return x, y, side
@@ -354,8 +350,7 @@ class Parallel3D:
         """``(N, N / (dp x cp))``: the counted labels of the global batch, and what each rank divides its loss
         sums by (the gradients are averaged over the dp x cp ranks that hold the same parameters, so
         ``N / (dp x cp)`` makes the average the gradient of the global mean)."""
-        ignore = -100 if isinstance(self.config, GPTConfig) else self.ignore_index
-        n = count_labels(targets, ignore)
+        n = count_labels(targets, self.ignore_index)
         return n, n / self.replicas
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, **side) -> dict:

@@ -13,7 +13,9 @@ block. A :class:`Recipe` names those parts of one model family and says how each
   between stages, as in Megatron-LM;
 - ``block(block, hidden, context)``: one block's call;
 - ``tp_plan(model)``: the :func:`~parallel_layers.tensor_parallel.parallelize` plan of the family
-  (optional: without it, tensor parallelism needs a plan from the caller).
+  (optional: without it, tensor parallelism needs a plan from the caller);
+- ``loss(model, ignore_index)``: the family's ``loss_fn(logits, targets)`` (optional: without it the
+  default is token cross entropy on whole logits).
 
 Each shipped family has its recipe and plan in one file of this package (:mod:`.llama`, :mod:`.gpt2`,
 :mod:`.bert`, :mod:`.mistral`, :mod:`.gpt`); :mod:`.registry` maps a model's class to its recipe. A model
@@ -62,6 +64,9 @@ class Recipe:
     block: Callable
     shared: Sequence[str] = ()
     tp_plan: Optional[Callable[[nn.Module], dict]] = None
+    # loss(model, ignore_index) -> loss_fn(logits, targets): the family's own loss, used when the caller gives
+    # none (the reference GPT's logits are vocabulary shards under tensor parallelism)
+    loss: Optional[Callable] = None
 
     @classmethod
     def sequential(cls, blocks: str, first: Sequence[str], last: Sequence[str],

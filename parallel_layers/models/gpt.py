@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -92,6 +92,33 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: d_model={self.d_model} does not divide by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: dropout={self.dropout} must be in [0, 1)")
+
+    # the Hugging Face names of its sizes, so a reader of model configs (the layout planner) reads any one alike
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.n_layer
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.n_head
+
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.d_ff
+
+    def build(self, *, seed: int, tp_group=None, cp_group=None, cp_method: str = "ring", dtype=None,
+              device=None, keep: Optional[Callable[[str], bool]] = None) -> "GPT":
+        """``torch.manual_seed(seed); GPT(self, ...)``: the one-process model's weights at any layout (this
+        rank's tensor-parallel slice of them; fp16/bf16 drawn in fp32 and rounded: :func:`draw_dtype`); the
+        default generator is left where the one-process model leaves it (its dropout draws from there). What
+        ``Parallel3D`` does with a config it is given (any config with this method). ``keep``: see :class:`GPT`."""
+        torch.manual_seed(seed)
+        return GPT(self, tp_group=tp_group, cp_group=cp_group, cp_method=cp_method, dtype=dtype, device=device,
+                   keep=keep)
 
 
 class _Linear(nn.Linear):
@@ -258,6 +285,7 @@ def untied_head(config: "GPTConfig", tp: ParallelContext) -> nn.Module:
                                 dtype=dense.weight.dtype, device="meta")
     set_parameter(head, "weight", shard(dense.weight.detach(), 0, tp.rank, tp.size, padded),
                   tensor_parallel=True, partition_dim=0)
+    head.dense_rows = V          # the dense layout drops the padding rows (tensor_parallel.dense_layouts.to_dense)
     return head
 
 
@@ -294,11 +322,15 @@ class GPT(nn.Module):
     activations; under sequence parallelism the input is already a shard and is kept as it is), ``"offload"``
     (in host memory) or ``"partition+offload"`` (:mod:`~parallel_layers.activations.partitioned_checkpoint`); the
     gradients are those of plain checkpointing, bit for bit.
+
+    ``keep(name)``: the top-level modules (``"wte"``, ``"wpe"``, ``"blocks.i"``, ``"ln_f"``, ``"lm_head"``) to
+    hold; the others are built and moved to the meta device at once (a pipeline rank's build; the weights it
+    keeps are those of the whole model from the same seed).
     """
 
     def __init__(self, config: GPTConfig, *, tp_group=None, dtype=None, device=None,
                  checkpoint: Union[bool, int, str, object] = False, cp_group=None, cp_method: str = "ring",
-                 checkpoint_inputs: Optional[str] = None):
+                 checkpoint_inputs: Optional[str] = None, keep: Optional[Callable[[str], bool]] = None):
         super().__init__()
         self.checkpointing = checkpoint_placement(checkpoint, config.n_layer, "GPT")
         self.checkpoint_blocks = self.checkpointing.static_count
@@ -316,22 +348,39 @@ class GPT(nn.Module):
         d, V = config.d_model, config.vocab_size
         # Construction order is part of the model's definition: it fixes which random numbers each
         # weight gets. Do not reorder (or add a module in the middle) without meaning to.
+        # ``keep``: a module whose name it refuses is still built (drawing its numbers: the only exact way to
+        # advance the generator past it) and moved to the meta device at once, so a pipeline rank holds its own
+        # modules and at most one other (Parallel3D: pipeline.any_model.kept_modules)
+        def kept(name: str, module: nn.Module) -> nn.Module:
+            return module if keep is None or keep(name) else module.to("meta")
         if group is None:
-            self.wte = nn.Embedding(V, d, **tp.factory)
+            self.wte = kept("wte", nn.Embedding(V, d, **tp.factory))
         else:
             from ..tensor_parallel.embedding import VocabParallelEmbedding
-            self.wte = VocabParallelEmbedding(V, d, tp_group=group, sequence_parallel=tp.sp, **tp.factory)
-        self.wpe = nn.Embedding(config.max_seq_len, d, **tp.factory)
+            self.wte = kept("wte", VocabParallelEmbedding(V, d, tp_group=group, sequence_parallel=tp.sp,
+                                                          **tp.factory))
+        self.wpe = kept("wpe", nn.Embedding(config.max_seq_len, d, **tp.factory))
         self.wpe.weight.sequence_parallel = tp.sp
-        self.blocks = nn.ModuleList(Block(config, tp) for _ in range(config.n_layer))
-        self.ln_f = tp.layer_norm(d, config.layer_norm_eps)
-        self.lm_head = None if config.tie_embeddings else untied_head(config, tp)
+        self.blocks = nn.ModuleList(kept(f"blocks.{i}", Block(config, tp)) for i in range(config.n_layer))
+        self.ln_f = kept("ln_f", tp.layer_norm(d, config.layer_norm_eps))
+        self.lm_head = None if config.tie_embeddings else kept("lm_head", untied_head(config, tp))
         with torch.no_grad():
             self.wte.weight.mul_(config.init_std)   # N(0, 1) -> N(0, init_std^2), shard-local
             self.wpe.weight.mul_(config.init_std)
         round_to([self], dtype)
         tp.factory["dtype"] = dtype
         self.vocab_size_padded = getattr(self.wte, "num_embeddings_padded", V)
+
+    @property
+    def rng_tracker(self):
+        """The tensor-parallel dropout streams (``tensor_parallel_rng_tracker``), None without TP: a
+        checkpointed block's recomputation replays them."""
+        return self._tp.rng
+
+    @property
+    def cp_size(self) -> int:
+        """The context-parallel size its attention was built for (``cp_group=``): it takes token shards."""
+        return self._tp.cp_size
 
     # ------------------------------------------------------------------ pieces (pipeline stages reuse them)
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,9 @@
 """The reference GPT built directly as pipeline stages (:func:`build_gpt_stages`, :class:`GPTStage`).
 
+A lower-level builder, kept for the pipeline tests and benchmarks that drive a ``PipelineEngine`` by hand:
+``Parallel3D`` does not use it (a ``GPTConfig`` there is built by ``GPTConfig.build`` holding only the rank's
+modules and cut by its recipe, :mod:`parallel_layers.families.gpt`, like any other model).
+
 Every rank walks the *full* construction order of :class:`~parallel_layers.models.gpt.GPT` (``wte, wpe,
 blocks..., ln_f, lm_head``), constructing each module from the default generator, and keeps only the modules
 its stages own; a module it does not own is dropped as soon as it is built. Why not the meta device: weights

@@ -85,11 +85,17 @@ class ModelStage(nn.Module):
         h = self.recipe.embed(model, x, **side) if self.is_first else x
         ctx = self.recipe.context(model, h, **side)
         fns = [lambda t, block=block: self.recipe.block(block, t, ctx) for block in self.blocks]
-        h = run_blocks(fns, h, self.checkpointing if self.training else 0, None, self.saved_inputs)
+        h = run_blocks(fns, h, self.checkpointing if self.training else 0, self.rng_tracker, self.saved_inputs)
         if not self.is_last:
             return h
         logits = self.recipe.head(model, h)
         return logits if targets is None or self.loss_fn is None else self.loss_fn(logits, targets)
+
+    @property
+    def rng_tracker(self):
+        """The model's tensor-parallel dropout streams (its ``rng_tracker``: the reference GPT's), replayed by a
+        checkpointed block's recomputation; None for a model without them."""
+        return getattr(self._model[0], "rng_tracker", None)
 
     def dense_name(self, name: str) -> str:
         """This stage's parameter name -> the whole model's (as ``model.named_parameters()`` had it)."""
@@ -176,21 +182,9 @@ def _boundaries(model: nn.Module, recipe: Recipe, blocks: nn.ModuleList, S: int,
     return boundaries
 
 
-def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
-                boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
-                loss_fn: Optional[Callable] = None, tied_group=None, checkpoint: Union[bool, int] = False,
-                sum_tied_grads_in_stage: bool = True, layout: str = "loop", saved_inputs=None) -> List[ModelStage]:
-    """This rank's stages (one per chunk) of ``model``; the parts no stage of this rank needs are dropped
-    from ``model``. Every rank passes the same model (built from the same seed or loaded from the same
-    weights). ``boundaries``: block split points, ``"parameters"`` (balanced by parameter count) or None
-    (balanced by block count); ``block_costs``: balance by these per-block costs (e.g. measured forward
-    times); ``tied_group``: the group of the first and last pipeline rank
-    (:func:`~parallel_layers.pipeline.tied_embedding_group`), needed when weights are tied between them;
-    ``checkpoint``: activation checkpointing (see :class:`ModelStage`); ``sum_tied_grads_in_stage``:
-    False when the caller sums the tied gradients itself (``Parallel3D``); ``layout``: ``"v"`` for the ZBV
-    schedule (:func:`~parallel_layers.pipeline.stage.stage_ids`; the first and last stage are both on rank
-    0, where tied weights stay one module); ``saved_inputs``: how a checkpointed block keeps its input
-    (:class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`; None: whole)."""
+def _plan(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, num_chunks: int, boundaries, block_costs,
+          layout: str):
+    """``(blocks, ranges, mine)``: the model's blocks, every stage's block range, this rank's stage ids."""
     blocks = _get(model, recipe.blocks)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         raise ValueError(f"split_model: {type(model).__name__} has no nn.ModuleList or nn.Sequential of blocks at "
@@ -207,6 +201,41 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
         raise ValueError(f"split_model: pp_rank={pp_rank} outside 0..{pp_size - 1}")
     ranges = partition_layers(len(blocks), S, _boundaries(model, recipe, blocks, S, boundaries, block_costs))
     mine = stage_ids(pp_rank, pp_size, num_chunks, layout)
+    return blocks, ranges, mine
+
+
+def kept_modules(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
+                 boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
+                 layout: str = "loop") -> set:
+    """The names of the modules :func:`split_model` (same arguments) keeps on this rank: its blocks
+    (``"blocks.3"``), the shared parts and the first/last stage's parts it holds. ``model`` may be on the meta
+    device (only its structure and shapes are read): a model that builds itself can then build only these
+    (``GPTConfig.build(keep=)``)."""
+    blocks, ranges, mine = _plan(model, recipe, pp_rank, pp_size, num_chunks, boundaries, block_costs, layout)
+    S = pp_size * num_chunks
+    names = {f"{recipe.blocks}.{i}" for s in mine for i in range(*ranges[s])} | set(recipe.shared)
+    names |= set(recipe.first) if 0 in mine else set()
+    names |= set(recipe.last) if S - 1 in mine else set()
+    return names
+
+
+def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
+                boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
+                loss_fn: Optional[Callable] = None, tied_group=None, checkpoint: Union[bool, int] = False,
+                sum_tied_grads_in_stage: bool = True, layout: str = "loop", saved_inputs=None) -> List[ModelStage]:
+    """This rank's stages (one per chunk) of ``model``; the parts no stage of this rank needs are dropped
+    from ``model``. Every rank passes the same model (built from the same seed or loaded from the same
+    weights). ``boundaries``: block split points, ``"parameters"`` (balanced by parameter count) or None
+    (balanced by block count); ``block_costs``: balance by these per-block costs (e.g. measured forward
+    times); ``tied_group``: the group of the first and last pipeline rank
+    (:func:`~parallel_layers.pipeline.tied_embedding_group`), needed when weights are tied between them;
+    ``checkpoint``: activation checkpointing (see :class:`ModelStage`); ``sum_tied_grads_in_stage``:
+    False when the caller sums the tied gradients itself (``Parallel3D``); ``layout``: ``"v"`` for the ZBV
+    schedule (:func:`~parallel_layers.pipeline.stage.stage_ids`; the first and last stage are both on rank
+    0, where tied weights stay one module); ``saved_inputs``: how a checkpointed block keeps its input
+    (:class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`; None: whole)."""
+    blocks, ranges, mine = _plan(model, recipe, pp_rank, pp_size, num_chunks, boundaries, block_costs, layout)
+    S = pp_size * num_chunks
     has_first, has_last = 0 in mine, S - 1 in mine
     tied = _tied_between(model, recipe) if not (has_first and has_last) else []
     if tied and (has_first or has_last) and tied_group is None:
@@ -231,4 +260,4 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     return stages
 
 
-__all__ = ["ModelStage", "split_model", "balanced_boundaries"]
+__all__ = ["ModelStage", "split_model", "kept_modules", "balanced_boundaries"]

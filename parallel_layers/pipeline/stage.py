@@ -3,8 +3,8 @@ between the first and the last stage.
 
 Layout of virtual stages (Megatron-LM's): with ``p`` pipeline ranks and ``v`` chunks per rank there are
 ``S = p * v`` stages; chunk ``c`` of rank ``r`` is stage ``c * p + r``. With ``v = 1`` a rank holds
-one contiguous slice of the layers. The reference GPT built directly as stages is
-:mod:`parallel_layers.models.gpt_stages`; any other model is split by :mod:`.any_model`.
+one contiguous slice of the layers. Models are split by :mod:`.any_model` (``Parallel3D``'s reference GPT
+included); :mod:`parallel_layers.models.gpt_stages` builds that GPT directly as stages (a lower-level builder).
 
 Tied embeddings: the first stage owns ``wte`` for the embedding; the last stage (when tied) holds its
 own copy, drawn from the same numbers, for the LM head. Their gradients are summed over a group of the

@@ -8,8 +8,6 @@ from typing import Optional
 
 import torch
 
-from ..models.gpt import GPTConfig
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -37,34 +35,26 @@ class Request:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.precision]
 
-    @property
-    def is_gpt(self) -> bool:
-        return isinstance(self.model, GPTConfig)
-
+    # a GPTConfig reads as a Hugging Face config does (it has their size names: models.gpt.GPTConfig)
     def n_layer(self) -> int:
-        return self.model.n_layer if self.is_gpt else self.model.num_hidden_layers
+        return self.model.num_hidden_layers
 
     def vocab(self) -> int:
         return self.model.vocab_size
 
     def heads(self) -> int:
-        return self.model.n_head if self.is_gpt else self.model.num_attention_heads
+        return self.model.num_attention_heads
 
     def kv_heads(self) -> int:
-        if self.is_gpt:
-            return self.model.n_head
         return getattr(self.model, "num_key_value_heads", None) or self.heads()
 
     def ffn(self) -> int:
-        return self.model.d_ff if self.is_gpt else getattr(self.model, "intermediate_size", 4 * self.hidden())
+        return getattr(self.model, "intermediate_size", None) or 4 * self.hidden()
 
     def hidden(self) -> int:
-        return self.model.d_model if self.is_gpt else self.model.hidden_size
+        return self.model.hidden_size
 
     def describe_model(self) -> str:
-        if self.is_gpt:
-            c = self.model
-            return f"GPT L{c.n_layer} d{c.d_model} h{c.n_head} V{c.vocab_size}"
         return (f"{type(self.model).__name__.replace('Config', '')} L{self.n_layer()} d{self.hidden()} "
                 f"h{self.heads()} V{self.vocab()}")
 

@@ -75,6 +75,9 @@ def to_dense(layer: nn.Module, param_name: str, gathered: torch.Tensor) -> torch
         gathered = gathered.index_select(0, inverse.to(gathered.device))
     if getattr(layer, "dense_transposed", False) and param_name == "weight":
         gathered = gathered.t().contiguous()
+    rows = getattr(layer, "dense_rows", None)          # rows padded to a multiple of tp (the GPT's untied head)
+    if rows is not None and param_name == "weight" and gathered.shape[0] > rows:
+        gathered = gathered[:rows]
     return gathered
 
 
