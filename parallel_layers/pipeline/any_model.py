@@ -50,9 +50,14 @@ class ModelStage(nn.Module):
         self._model = [model]              # in a list: not a submodule, its dropped parts stay out of parameters()
         self.recipe, self.is_first, self.is_last, self.loss_fn = recipe, is_first, is_last, loss_fn
         kept = list(recipe.shared) + (list(recipe.first) if is_first else []) + (list(recipe.last) if is_last else [])
-        self.parts = nn.ModuleDict({name.replace(".", "__"): _get(model, name) for name in kept
-                                    if _get(model, name) is not None})
+        kept = [name for i, name in enumerate(kept) if name not in kept[:i] and _get(model, name) is not None]
+        # registered in the model's order (embeddings, blocks, head), so the parameters (and the flat buffers
+        # and ZeRO shards built from them) come as the whole model has them
+        before = [name for name in kept if name in recipe.shared or (is_first and name in recipe.first)]
+        self.parts = nn.ModuleDict({name.replace(".", "__"): _get(model, name) for name in before})
         self.blocks = nn.ModuleList(blocks)
+        self.last_parts = nn.ModuleDict({name.replace(".", "__"): _get(model, name) for name in kept
+                                         if name not in before})
         self.tied_group = tied_group
         self.tied: List[nn.Parameter] = []
         self.sums_tied_grads = sums_tied_grads
