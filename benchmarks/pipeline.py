@@ -148,10 +148,11 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
     )
 
     from parallel_layers.cpu_affinity import available_cores
+    from parallel_layers.families import recipe_for
     from parallel_layers.models.gpt import GPTConfig
-    from parallel_layers.models.gpt_stages import build_gpt_stages
-    from parallel_layers.pipeline import PipelineEngine
+    from parallel_layers.pipeline import PipelineEngine, split_model
     from parallel_layers.pipeline.schedules import schedule_spec
+    from parallel_layers.pipeline.stage import stage_ids
     from parallel_layers.planner.measure import step_growth
 
     # untied: torch.distributed.pipelining has no tied-weight support; same split for both
@@ -171,6 +172,10 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
     def loss_fn(out, tgt):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
 
+    def gpt_stages(v, layout):            # the one-process GPT's weights (seed 0), this rank's stages
+        gpt = cfg.build(seed=0)
+        return split_model(gpt, recipe_for(gpt), rank, world, num_chunks=v, layout=layout)
+
     cores = [None] * world       # each rank's affinity, for the rows (bound or free); fixed for the run
     dist.all_gather_object(cores, available_cores())
     for m in ms:
@@ -183,20 +188,19 @@ def _bench_rank(rank: int, world: int, cfgd: dict, ms: List[int], reps: int, war
         for sched in SCHEDS:
             spec = schedule_spec(sched)
             v, layout = spec.chunks, spec.layout
-            torch.manual_seed(0)
-            chunks = build_gpt_stages(cfg, rank, world, num_chunks=v, layout=layout)
+            chunks = gpt_stages(v, layout)
+            ids = stage_ids(rank, world, v, layout)
             variants[f"ours_{sched}"] = (PipelineEngine(chunks, group, schedule=sched, num_microbatches=m,
                                                         broadcast_loss=False), chunks)
-            torch.manual_seed(0)
-            tchunks = build_gpt_stages(cfg, rank, world, num_chunks=v, layout=layout)
-            stages = [PipelineStage(TorchChunk(c), c.stage_index, world * v, torch.device("cpu"), group=group)
-                      for c in tchunks]
+            tchunks = gpt_stages(v, layout)
+            stages = [PipelineStage(TorchChunk(c), i, world * v, torch.device("cpu"), group=group)
+                      for c, i in zip(tchunks, ids)]
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
                    "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[sched]
             schedule = cls(stages if (v > 1 or spec.splits_backward) else stages[0], n_microbatches=m,
                            loss_fn=loss_fn)
             variants[f"torch_{sched}"] = (schedule, tchunks)
-            here = {c.stage_index for c in chunks}
+            here = set(ids)
             ends[f"ours_{sched}"] = ends[f"torch_{sched}"] = (0 in here, world * v - 1 in here)
 
         def call(name, ours_method, torch_method):

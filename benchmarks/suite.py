@@ -32,7 +32,7 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("dp", ("dp", "parameter_server", "sync_batchnorm", "single_process_dp")),
     ("zero", ("zero", "zero3", "zero_memory", "zero_offload", "cpu_adam")),
     ("pipeline", ("pipeline", "checkpoint_policy")),
-    ("demo", ("demo_layouts", "generic_3d", "torch_native_3d", "freeze_training", "replica_check")),
+    ("demo", ("demo_layouts", "torch_native_3d", "freeze_training", "replica_check")),
     ("scaling", ("scaling",)),
     ("cp", ("context_parallel",)),
     ("resilience", ("checkpoint",)),

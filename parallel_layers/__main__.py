@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 
+from .dimensions import in_reading_order
 from .pipeline.schedules import schedule_names
 
-USAGE = ("usage: python -m parallel_layers demo [--model gpt|llama --dp 2 --tp 2 --pp 2 --zero 0|1|2|3 "
+USAGE = ("usage: python -m parallel_layers demo [--model gpt|llama "
+         + " ".join(f"--{name} N" for name, _ in in_reading_order({})) + " --zero 0|1|2|3 "
          f"--schedule {'|'.join(schedule_names())} --microbatches 4 --precision fp32|bf16|fp16 --offload none|disk "
          "--steps N ...]\n"
          "       python -m parallel_layers bench [--only kernels|tp|dp|zero|pipeline|demo|scaling] "

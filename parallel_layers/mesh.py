@@ -1,12 +1,13 @@
-"""``ParallelMesh``: the process groups of 4D parallelism, handed out explicitly (no globals).
+"""``ParallelMesh``: the process groups of the parallel dimensions, handed out explicitly (no globals).
 
-Ranks are laid out as a (pp, dp, cp, tp) grid with tp fastest, as Megatron-core does: the ranks of one
-tensor-parallel group are adjacent (same node, fastest links), the context-parallel ranks of a replica
-next (they exchange keys and values every attention call), data-parallel replicas next, pipeline stages
-outermost. Context parallelism sits inside data parallelism: the ``dp x cp`` ranks of a (pp, tp)
-coordinate hold the same parameters and reduce their gradients together (``dp_cp_group``), each over its
-own tokens. Exposed as a ``torch.distributed.device_mesh.DeviceMesh`` (``mesh.device_mesh``) after
-``init_process_group``. Two meshes in one process are fine: every layer takes the group it was given.
+The dimensions and their order are declared once, in :mod:`parallel_layers.dimensions`: a (pp, dp, cp, tp)
+grid with tp fastest, as Megatron-core lays ranks out: the ranks of one tensor-parallel group are adjacent
+(same node, fastest links), the context-parallel ranks of a replica next (they exchange keys and values
+every attention call), data-parallel replicas next, pipeline stages outermost. The dimensions that replicate
+parameters (dp and cp) form together the group of the ranks that hold the same parameters and reduce their
+gradients together (``replica_group``), each over its own tokens. Exposed as a
+``torch.distributed.device_mesh.DeviceMesh`` (``mesh.device_mesh``) after ``init_process_group``. Two meshes
+in one process are fine: every layer takes the group it was given.
 
 Timeouts: every group of the mesh waits at most ``timeout`` for a peer (default: the world group's, the
 ``timeout=`` of ``init_process_group``). The groups are built here with ``dist.new_group(timeout=...)``
@@ -23,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-DIMS = ("pp", "dp", "cp", "tp")
-
+from .dimensions import check_sizes, coordinates, describe, dimension, grid_ranks, replicating, world_size
 
 Timeout = Union[datetime.timedelta, float, int]
 
@@ -58,17 +58,6 @@ def _as_timeout(timeout: Optional[Timeout]) -> datetime.timedelta:
     return timeout
 
 
-def _dim_ranks(pp: int, dp: int, cp: int, tp: int, dim: str) -> List[List[int]]:
-    """Every group of mesh dimension ``dim`` (or ``"dp_cp"``: dp and cp together), as lists of global ranks
-    (grid (pp, dp, cp, tp), tp fastest)."""
-    grid = torch.arange(pp * dp * cp * tp).reshape(pp, dp, cp, tp)
-    if dim == "dp_cp":
-        grid = grid.movedim(3, 1).reshape(pp, tp, dp * cp)
-    else:
-        grid = grid.movedim(DIMS.index(dim), -1)
-    return grid.reshape(-1, grid.shape[-1]).tolist()
-
-
 def _new_dim_group(ranks_of_dim: List[List[int]], dim: str, timeout: datetime.timedelta):
     """This rank's group of one mesh dimension. A collective over the world: every rank creates every
     group of the dimension, in the same order (``dist.new_group``'s rule)."""
@@ -85,57 +74,76 @@ def _new_dim_group(ranks_of_dim: List[List[int]], dim: str, timeout: datetime.ti
 
 
 class ParallelMesh:
-    """Process groups for ``dp`` x ``cp`` x ``tp`` x ``pp`` ranks.
+    """Process groups for ``dp`` x ``cp`` x ``tp`` x ``pp`` ranks (every dimension of
+    :data:`~parallel_layers.dimensions.DIMENSIONS`: a declared one beyond these four is a keyword too).
 
-    ``dp_group``, ``cp_group``, ``tp_group``, ``pp_group``: this rank's groups; ``dp_cp_group``: the ranks
-    that hold the same parameters (dp and cp together: the gradient reduction's and ZeRO's group; the dp
-    group itself when ``cp == 1``; ``cp_group`` is None then). ``dp_rank``/``cp_rank``/``tp_rank``/``pp_rank``:
-    its coordinates. ``device_type`` defaults to ``"cuda"`` when the default backend is NCCL, else ``"cpu"``
-    (gloo). ``timeout`` (a ``datetime.timedelta`` or seconds; default: the world group's): how
+    ``<dim>_group`` (``dp_group``, ``cp_group``, ``tp_group``, ``pp_group``): this rank's group of each
+    dimension (None for a dimension not always grouped, like cp, at size 1); ``replica_group``: the ranks that
+    hold the same parameters (the replicating dimensions together, dp and cp: the gradient reduction's and
+    ZeRO's group; the dp group itself when the others are 1), ``replicas`` its size and ``replica_rank`` this
+    rank's index in it. ``<dim>_rank``: its coordinates; ``sizes``: every dimension's size, in grid order;
+    ``batch_shards``/``batch_rank``: how many slices the batch's rows are cut into (over the dimensions that
+    split the batch: dp) and which is this rank's. ``device_type`` defaults to ``"cuda"`` when the default
+    backend is NCCL, else ``"cpu"`` (gloo). ``timeout`` (a ``datetime.timedelta`` or seconds; default: the world group's): how
     long an operation on any of the mesh's groups waits for a peer before it raises, so a rank that stops
     answering (hung, stopped, dead) fails the others within it.
     """
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, *, device_type: Optional[str] = None,
-                 timeout: Optional[Timeout] = None):
-        for name, size in (("dp", dp), ("cp", cp), ("tp", tp), ("pp", pp)):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"ParallelMesh: {name}={size!r} must be a positive integer")
+                 timeout: Optional[Timeout] = None, **more: int):
+        sizes = check_sizes({"dp": dp, "tp": tp, "pp": pp, "cp": cp, **more}, "ParallelMesh")
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh: call torch.distributed.init_process_group first "
                                "(torchrun sets up the environment it needs)")
         world = dist.get_world_size()
-        if dp * cp * tp * pp != world:
-            cp_text = f"cp={cp} x " if cp > 1 else ""
-            raise ValueError(f"ParallelMesh: dp={dp} x {cp_text}tp={tp} x pp={pp} = {dp * cp * tp * pp} ranks, but "
-                             f"the world size is {world}; choose sizes whose product is {world}")
+        if world_size(sizes) != world:
+            raise ValueError(f"ParallelMesh: {describe(sizes)} = {world_size(sizes)} ranks, but the world size is "
+                             f"{world}; choose sizes whose product is {world}")
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self.dp, self.cp, self.tp, self.pp = dp, cp, tp, pp
+        self.sizes = sizes
+        for name, size in sizes.items():
+            setattr(self, name, size)
         self.device_type = device_type
         self.timeout = _as_timeout(timeout)
-        # without cp the mesh keeps its three dimensions (and its groups: the cp group would be one rank)
-        dims = DIMS if cp > 1 else tuple(d for d in DIMS if d != "cp")
-        groups = {dim: _new_dim_group(_dim_ranks(pp, dp, cp, tp, dim), dim, self.timeout) for dim in dims}
-        self.pp_group, self.dp_group, self.tp_group = groups["pp"], groups["dp"], groups["tp"]
-        self.cp_group = groups.get("cp")
-        self.dp_cp_group = (_new_dim_group(_dim_ranks(pp, dp, cp, tp, "dp_cp"), "dp_cp", self.timeout) if cp > 1
-                            else self.dp_group)
-        shape = tuple({"pp": pp, "dp": dp, "cp": cp, "tp": tp}[d] for d in dims)
+        # a dimension not always grouped (cp) at size 1 gets no group (it would be one rank)
+        dims = tuple(n for n in sizes if dimension(n).always_grouped or sizes[n] > 1)
+        groups = {dim: _new_dim_group(grid_ranks(sizes, [dim]), dim, self.timeout) for dim in dims}
+        self._groups = groups
+        for name in sizes:
+            setattr(self, f"{name}_group", groups.get(name))
+        first, *others = replicating()
+        self.replica_group = (groups[first] if all(sizes[n] == 1 for n in others) else
+                              _new_dim_group(grid_ranks(sizes, replicating()), "+".join(replicating()), self.timeout))
+        shape = tuple(sizes[d] for d in dims)
         self.device_mesh = DeviceMesh.from_group([groups[d] for d in dims], device_type,
                                                  mesh=torch.arange(world).reshape(shape), mesh_dim_names=dims)
         self.rank = dist.get_rank()
-        # Row-major (pp, dp, cp, tp) with tp fastest: rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
-        self.tp_rank = self.rank % tp
-        self.cp_rank = (self.rank // tp) % cp
-        self.dp_rank = (self.rank // (tp * cp)) % dp
-        self.pp_rank = self.rank // (tp * cp * dp)
-        assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from (pp, dp, cp, tp)"
+        self.coordinates = coordinates(self.rank, sizes)
+        for name, index in self.coordinates.items():
+            setattr(self, f"{name}_rank", index)
+        assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from the declared grid"
+        # the batch's rows are split over the dimensions that split it (dp), in grid order
+        split = [n for n in sizes if dimension(n).batch == "split"]
+        self.batch_dims = tuple(split)
+        self.batch_shards = world_size({n: sizes[n] for n in split})
+        self.batch_rank = 0
+        for name in split:
+            self.batch_rank = self.batch_rank * sizes[name] + self.coordinates[name]
+        self.replica_rank = 0                 # this rank's index among the ranks that hold its parameters
+        for name in replicating():
+            self.replica_rank = self.replica_rank * sizes[name] + self.coordinates[name]
+
+    def group(self, dim: str):
+        """This rank's group of dimension ``dim`` (None where the mesh made none: a size-1 cp)."""
+        if dim not in self.sizes:
+            raise ValueError(f"ParallelMesh: no dimension {dim!r}; the dimensions are {', '.join(self.sizes)}")
+        return self._groups.get(dim)
 
     def dim_groups(self) -> list:
-        """This rank's group of every dimension (pp, dp, cp where cp > 1, tp): together they cover the mesh, so
+        """This rank's group of every dimension the mesh made (in grid order): together they cover the mesh, so
         a value agreed over each in turn is agreed over all of it."""
-        return [self.pp_group, self.dp_group] + ([self.cp_group] if self.cp > 1 else []) + [self.tp_group]
+        return list(self._groups.values())
 
     def tied_stage_group(self):
         """The group of the first and last stage of this rank's pipeline (where a tied embedding's two copies
@@ -144,7 +152,7 @@ class ParallelMesh:
         (a new gloo group per model kept three more threads polling in every long-lived process)."""
         if not hasattr(self, "_tied_stage_group"):
             mine = None
-            for ranks in _dim_ranks(self.pp, self.dp, self.cp, self.tp, "pp") if self.pp > 1 else []:
+            for ranks in grid_ranks(self.sizes, ["pp"]) if self.pp > 1 else []:
                 group = dist.new_group([ranks[0], ranks[-1]], timeout=self.timeout,
                                        group_desc=f"tied embedding group [{ranks[0]}, {ranks[-1]}]")
                 if self.rank in (ranks[0], ranks[-1]):
@@ -154,18 +162,16 @@ class ParallelMesh:
 
     @property
     def replicas(self) -> int:
-        """How many ranks hold the same parameters: ``dp x cp``."""
-        return self.dp * self.cp
+        """How many ranks hold the same parameters: the product of the replicating dimensions (``dp x cp``)."""
+        return world_size({n: self.sizes[n] for n in replicating()})
 
     def __getitem__(self, dim: str):
         """The sub-``DeviceMesh`` of one dimension (for DTensor interop), e.g. ``mesh["tp"]``."""
         return self.device_mesh[dim]
 
     def __repr__(self) -> str:
-        cp = f", cp={self.cp}" if self.cp > 1 else ""
-        at = f", cp={self.cp_rank}" if self.cp > 1 else ""
-        return (f"ParallelMesh(dp={self.dp}{cp}, tp={self.tp}, pp={self.pp}; rank {self.rank} at "
-                f"pp={self.pp_rank}, dp={self.dp_rank}{at}, tp={self.tp_rank})")
+        at = ", ".join(f"{n}={self.coordinates[n]}" for n in self._groups)
+        return f"ParallelMesh({describe(self.sizes, ', ')}; rank {self.rank} at {at})"
 
 
 def check_group(layer: str, group, mesh: Optional[ParallelMesh] = None, dim: str = "tp") -> int:

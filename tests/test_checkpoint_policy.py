@@ -201,8 +201,8 @@ def test_llama_gradients_bit_identical_through_split_model():
 
 def body_pipeline_policies(rank, world):
     """One 1F1B step with dropout, 4 blocks per stage: plain, sqrt segments and a budget, gradients equal."""
-    from parallel_layers.models.gpt_stages import build_gpt_stages
-    from parallel_layers.pipeline import PipelineEngine
+    from parallel_layers.families import recipe_for
+    from parallel_layers.pipeline import PipelineEngine, split_model
     from parallel_layers.testing import cached_mesh
     mesh = cached_mesh(pp=world)
     cfg = GPTConfig(vocab_size=48, n_layer=8, n_head=2, d_model=16, max_seq_len=8, dropout=0.2)
@@ -210,9 +210,9 @@ def body_pipeline_policies(rank, world):
     idx, tgt = torch.randint(0, 48, (8, 8), generator=g), torch.randint(0, 48, (8, 8), generator=g)
     out = []
     for ckpt in (False, "sqrt", MemoryBudget(fraction=0.5)):
-        torch.manual_seed(0)
-        chunks = build_gpt_stages(cfg, mesh.pp_rank, world, tied_group=mesh.tied_stage_group(),
-                                  checkpoint=ckpt)
+        gpt = cfg.build(seed=0)
+        chunks = split_model(gpt, recipe_for(gpt), mesh.pp_rank, world, tied_group=mesh.tied_stage_group(),
+                             checkpoint=ckpt)
         engine = PipelineEngine(chunks, mesh.pp_group, schedule="1f1b", num_microbatches=2)
         torch.manual_seed(5)
         engine.step(idx, tgt)

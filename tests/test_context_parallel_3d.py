@@ -15,7 +15,7 @@ from parallel_layers.testing import cached_mesh
 def body_mesh(rank, world):
     mesh = cached_mesh(dp=2, cp=2, tp=2)
     ranks = {name: dist.get_process_group_ranks(getattr(mesh, f"{name}_group"))
-             for name in ("dp", "cp", "tp", "pp", "dp_cp")}
+             for name in ("dp", "cp", "tp", "pp", "replica")}
     return {"ranks": ranks, "coords": (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank, mesh.pp_rank), "repr": repr(mesh)}
 
 
@@ -27,7 +27,7 @@ def test_mesh_places_cp_inside_dp(dist_pools):
         assert out["ranks"]["tp"] == [rank - tp_rank, rank - tp_rank + 1]
         assert out["ranks"]["cp"] == [rank - 2 * cp_rank, rank - 2 * cp_rank + 2]
         assert out["ranks"]["dp"] == sorted({rank % 4, rank % 4 + 4})
-        assert out["ranks"]["dp_cp"] == sorted(r for r in range(8) if r % 2 == tp_rank)
+        assert out["ranks"]["replica"] == sorted(r for r in range(8) if r % 2 == tp_rank)
         assert "cp=2" in out["repr"]
 
 

@@ -23,8 +23,8 @@ How a checkpointed block keeps its input (whole, by default) is a ``saved_inputs
 again for the recomputation (ZeRO-R's partitioned activations) and / or a copy in host memory; the
 recomputation reads the same values, so the gradients are plain checkpointing's bit for bit.
 
-Used by :class:`~parallel_layers.models.gpt.GPT` (``checkpoint=``, ``checkpoint_inputs=``), the pipeline's
-``GPTStage`` and ``split_model``'s ``ModelStage``.
+Used by :class:`~parallel_layers.models.gpt.GPT` (``checkpoint=``, ``checkpoint_inputs=``), and
+``split_model``'s ``ModelStage``.
 """
 from __future__ import annotations
 

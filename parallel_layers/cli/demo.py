@@ -51,6 +51,8 @@ import torch
 
 from ..cpu_affinity import available_cores, bind_rank_to_cores
 from ..cpu_allocator import retain_freed_memory
+from ..dimensions import describe, dimension, in_reading_order, names
+from ..dimensions import world_size as sizes_world
 from ..pipeline.schedules import schedule_names, schedule_spec
 from ..testing.compare import worst as worst_error
 from ..testing.workers import free_port
@@ -131,17 +133,17 @@ def get_batch(corpus: torch.Tensor, step: int, batch: int, seq: int, seed: int):
 
 
 # ---------------------------------------------------------------------- set-up
+DEFAULT_SIZES = {"dp": 2, "tp": 2, "pp": 2}        # the demo's 3D layout; every other dimension 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m parallel_layers demo",
                                 description="Train the reference GPT with dp x tp x pp parallelism on the "
                                             "Python standard library's sources and compare with one process.")
     p.add_argument("--model", default="gpt", choices=MODELS,
                    help="gpt: the reference GPT; llama: transformers' LlamaForCausalLM of the same sizes")
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--cp", type=int, default=1, help="context parallel: every sequence sharded over N ranks through "
-                   "attention (needs --model llama; --seq-len a multiple of 2 x N)")
+    for name, _ in in_reading_order({}):        # a flag per parallel dimension (parallel_layers.dimensions)
+        p.add_argument(f"--{name}", type=int, default=DEFAULT_SIZES.get(name, 1), help=dimension(name).help)
     p.add_argument("--cp-method", default="ring", choices=("ring", "ulysses"),
                    help="with --cp: ring attention or Ulysses (all-to-all over heads)")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
@@ -215,8 +217,13 @@ def checkpoint_setting(args):
     return True if args.checkpoint == -1 else args.checkpoint
 
 
+def mesh_sizes(args) -> dict:
+    """The size of every parallel dimension the flags ask for: ``ParallelMesh(**mesh_sizes(args))``."""
+    return {name: getattr(args, name) for name in names()}
+
+
 def world_size(args) -> int:
-    return args.dp * args.cp * args.tp * args.pp
+    return sizes_world(mesh_sizes(args))
 
 
 def check_args(args) -> None:
@@ -357,7 +364,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     from ..composition.universal_checkpoint import load_universal, resolve_checkpoint, save_iteration
     from ..mesh import ParallelMesh
     rank = dist.get_rank()
-    mesh = ParallelMesh(args.dp, args.tp, args.pp, cp=args.cp)
+    mesh = ParallelMesh(**mesh_sizes(args))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision, torch.float32)
     what, extra = parallel_model(args)
     if args.freeze != "off":                     # the whole model, re-laid out as its bottom blocks freeze
@@ -400,7 +407,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
     bar = None
     if rank == 0 and not args.no_progress:
         from ..optional import progress_bar
-        bar = progress_bar(total=args.steps, initial=start, desc=f"{args.model} dp={args.dp} tp={args.tp} pp={args.pp}",
+        bar = progress_bar(total=args.steps, initial=start, desc=f"{args.model} {describe(mesh_sizes(args), ' ')}",
                    unit="step", dynamic_ncols=True)
     losses, step_times, skipped, val_losses = [], [], 0, []
     tokens_per_step = args.batch_size * args.seq_len
@@ -602,8 +609,10 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
         print(f"\nresumed from {par.get('resumed_from') or args.load} at step {start} (a universal checkpoint: any "
               f"layout loads it; "
               f"{par['load_seconds']:.2f} s on rank 0)")
-    cp = f" cp={args.cp} ({args.cp_method})" if args.cp > 1 else ""
-    print(f"\n3D run ({args.model}): dp={args.dp}{cp} tp={args.tp} pp={args.pp}, zero={args.zero}, {args.schedule}, "
+    sizes = describe(mesh_sizes(args), " ")
+    if args.cp > 1:                           # which attention shards the sequence
+        sizes = sizes.replace(f"cp={args.cp}", f"cp={args.cp} ({args.cp_method})")
+    print(f"\n3D run ({args.model}): {sizes}, zero={args.zero}, {args.schedule}, "
           f"{args.microbatches} microbatches, {args.precision}{_checkpoint_text(args)}: "
           f"{par['tokens_per_s']:,.0f} tokens/s, "
           f"loss {par['losses'][0]:.4f} -> {par['losses'][-1]:.4f}"
@@ -702,8 +711,7 @@ def main(argv=None) -> int:
     world = world_size(args)
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cp = f" x cp={args.cp}" if args.cp > 1 else ""
-    print(f"demo: spawning {world} processes (dp={args.dp}{cp} x tp={args.tp} x pp={args.pp}) over gloo on CPU, "
+    print(f"demo: spawning {world} processes ({describe(mesh_sizes(args))}) over gloo on CPU, "
           f"one thread each", flush=True)
     t0 = time.perf_counter()
     mp.spawn(_worker, args=(world, args, free_port()), nprocs=world, join=True)

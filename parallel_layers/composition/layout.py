@@ -22,30 +22,25 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from ..dimensions import in_reading_order, names, world_size
 from ..models.gpt import GPTConfig
 from .config import DataParallelConfig, PipelineConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One way to run: the mesh sizes and the Parallel3D settings that go with them."""
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero: int = 0
-    schedule: str = "1f1b"
-    num_microbatches: int = 1
-    num_chunks: int = 1
-    checkpoint: bool = False
+class _LayoutMethods:
+    """What a :class:`Layout` computes from its fields."""
+
+    @property
+    def sizes(self) -> dict:
+        """Every parallel dimension's size, in the rank grid's order (``ParallelMesh(**layout.sizes)``)."""
+        return {name: getattr(self, name, 1) for name in names()}
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return world_size(self.sizes)
 
     def name(self) -> str:
-        dims = "x".join(f"{k}{v}" for k, v in (("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("pp", self.pp))
-                        if v > 1) or "dp1"
+        dims = "x".join(f"{n}{v}" for n, v in in_reading_order(self.sizes) if v > 1) or "dp1"
         sched = f" {self.schedule} m{self.num_microbatches}" + (f" v{self.num_chunks}" if self.num_chunks > 1 else "")
         return f"{dims} z{self.zero}{sched if self.pp > 1 else f' m{self.num_microbatches}'}" + \
             (" ckpt" if self.checkpoint else "")
@@ -58,6 +53,19 @@ class Layout:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# One size per parallel dimension (each declared once, in parallel_layers.dimensions: a new one becomes a field
+# here), then the settings that go with them.
+Layout = dataclasses.make_dataclass(
+    "Layout", [(name, int, dataclasses.field(default=1)) for name, _ in in_reading_order({})] + [
+        ("zero", int, dataclasses.field(default=0)), ("schedule", str, dataclasses.field(default="1f1b")),
+        ("num_microbatches", int, dataclasses.field(default=1)), ("num_chunks", int, dataclasses.field(default=1)),
+        ("checkpoint", bool, dataclasses.field(default=False))],
+    bases=(_LayoutMethods,), frozen=True)
+Layout.__module__ = __name__
+Layout.__doc__ = """One way to run: the mesh sizes (``dp``, ``tp``, ``pp``, ``cp``: a field per dimension of
+:data:`~parallel_layers.dimensions.DIMENSIONS`, 1 by default) and the Parallel3D settings that go with them."""
 
 
 def model_from_json(text: Union[str, dict]) -> object:

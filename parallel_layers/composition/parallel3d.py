@@ -89,6 +89,7 @@ import torch.nn as nn
 from ..activations.partitioned_checkpoint import SavedInputs
 from ..amp.clip import clip_grad_norm_
 from ..amp.scaler import DynamicLossScaler
+from ..dimensions import describe
 from ..distributed import collectives as C
 from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
@@ -219,11 +220,10 @@ class Parallel3D:
             from .layout import resolve_layout
             chosen = resolve_layout(layout, model)
             if mesh is None:
-                mesh = ParallelMesh(dp=chosen.dp, tp=chosen.tp, pp=chosen.pp, cp=chosen.cp)
-            elif (mesh.dp, mesh.tp, mesh.pp, getattr(mesh, "cp", 1)) != (chosen.dp, chosen.tp, chosen.pp, chosen.cp):
-                raise ValueError(f"Parallel3D: layout {chosen.name()} does not match the mesh (dp={mesh.dp}, "
-                                 f"tp={mesh.tp}, pp={mesh.pp}, cp={getattr(mesh, 'cp', 1)}); pass mesh=None to "
-                                 f"let the layout build it")
+                mesh = ParallelMesh(**chosen.sizes)
+            elif mesh.sizes != chosen.sizes:
+                raise ValueError(f"Parallel3D: layout {chosen.name()} does not match the mesh "
+                                 f"({describe(mesh.sizes)}); pass mesh=None to let the layout build it")
             data_parallel = dataclasses.replace(data_parallel, zero=chosen.zero)
             pipeline = dataclasses.replace(pipeline, schedule=chosen.schedule, num_microbatches=chosen.num_microbatches,
                                            num_chunks=chosen.num_chunks, checkpoint=chosen.checkpoint)
@@ -255,9 +255,9 @@ class Parallel3D:
         self.ignore_index = ignore_index
         # context parallelism: the dp x cp ranks of a (pp, tp) coordinate hold the same parameters, each
         # computes the loss sums of its own tokens, and they reduce their gradients together
-        self.cp = getattr(mesh, "cp", 1) if mesh is not None else 1
-        self.replica_group = mesh.dp_cp_group if self.cp > 1 else (mesh.dp_group if mesh is not None else None)
-        self.replicas = mesh.dp * self.cp if mesh is not None else 1
+        self.cp = mesh.cp if mesh is not None else 1
+        self.replica_group = mesh.replica_group if mesh is not None else None
+        self.replicas = mesh.replicas if mesh is not None else 1
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
         # sequence parallelism (the reference GPT's): a stage's hidden states are sequence shards on every TP rank
         config = model if built_here else getattr(model, "config", None)
@@ -271,7 +271,7 @@ class Parallel3D:
             # what a checkpoint must match: the config (a resumed run may change its fields that leave the
             # weights alone: universal_checkpoint.check_config)
             self.description = dataclasses.asdict(model) if dataclasses.is_dataclass(model) else None
-            options = dict(seed=seed, tp_group=self.tp_group, cp_group=mesh.cp_group if self.cp > 1 else None,
+            options = dict(seed=seed, tp_group=self.tp_group, cp_group=mesh.cp_group,
                            cp_method=cp_method, dtype=dtype)
             # built on meta first (its structure: which modules this rank's stages hold), then for real,
             # holding only those: a rank's memory is its own stages, never the whole model
@@ -327,15 +327,17 @@ class Parallel3D:
         """This replica's slice (dim 0) of a global batch."""
         if t is None:
             return None
-        dp, m = self.mesh.dp, self.num_microbatches
+        # the rows split over the dimensions that split the batch (dp)
+        dp, m, rank = self.mesh.batch_shards, self.num_microbatches, self.mesh.batch_rank
         if t.shape[0] % (dp * m):
             below, above = t.shape[0] // (dp * m) * dp * m, -(-t.shape[0] // (dp * m)) * dp * m
-            raise ValueError(f"Parallel3D: a global batch of {t.shape[0]} rows does not split into dp={dp} replicas "
+            dims = " x ".join(f"{n}={self.mesh.sizes[n]}" for n in self.mesh.batch_dims)
+            raise ValueError(f"Parallel3D: a global batch of {t.shape[0]} rows does not split into {dims} replicas "
                              f"x num_microbatches={m} equal micro-batches; the global batch must be a multiple of "
-                             f"dp x num_microbatches = {dp * m} (e.g. "
+                             f"{' x '.join(self.mesh.batch_dims)} x num_microbatches = {dp * m} (e.g. "
                              f"{f'{below} or {above}' if below else above}), or change num_microbatches")
         per = t.shape[0] // dp
-        return t[self.mesh.dp_rank * per:(self.mesh.dp_rank + 1) * per]
+        return t[rank * per:(rank + 1) * per]
 
     def _this_ranks_batch(self, inputs, targets, side):
         """This replica's rows of the global batch and, with cp > 1, this cp rank's tokens of them."""
@@ -558,12 +560,8 @@ class Parallel3D:
 
     def _checkpoint_layout(self) -> dict:
         m, e = self.mesh, self.engine
-        layout = {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "rank (dp, tp, pp)": [m.dp_rank, m.tp_rank, m.pp_rank],
-                  "zero": self.zero, "schedule chunks": e.num_chunks, "dtype": str(self.dtype),
-                  "config": self.description}
-        if self.cp > 1:
-            layout["cp (size, rank)"] = [self.cp, m.cp_rank]
-        return layout
+        return {"mesh": dict(m.sizes), "rank": dict(m.coordinates), "zero": self.zero,
+                "schedule chunks": e.num_chunks, "dtype": str(self.dtype), "config": self.description}
 
     # ------------------------------------------------------------------ inspection
     def dense_state_dict(self) -> dict:

@@ -193,7 +193,7 @@ def dense_states(model) -> Tuple[Dict[str, Dict[str, torch.Tensor]], int]:
 
 def _layout(model) -> dict:
     m, e = model.mesh, model.engine
-    return {"mesh (dp, tp, pp)": [m.dp, m.tp, m.pp], "zero": model.zero, "schedule": e.schedule,
+    return {"mesh": dict(m.sizes), "zero": model.zero, "schedule": e.schedule,
             "chunks per rank": e.num_chunks, "dtype": str(model.dtype)}
 
 
@@ -310,8 +310,9 @@ class UniversalSnapshot:
 
 
 def is_stage_writer(mesh) -> bool:
-    """Whether this rank writes its pipeline stage's file: one per pipeline rank (dp 0, tp 0, cp 0)."""
-    return mesh.dp_rank == 0 and mesh.tp_rank == 0 and getattr(mesh, "cp_rank", 0) == 0
+    """Whether this rank writes its pipeline stage's file: one per pipeline rank (index 0 along every other
+    dimension)."""
+    return all(index == 0 for name, index in mesh.coordinates.items() if name != "pp")
 
 
 def snapshot_universal(model, iteration: Optional[int] = None, resume: Optional[dict] = None) -> UniversalSnapshot:

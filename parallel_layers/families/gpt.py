@@ -1,9 +1,6 @@
 """The reference GPT (:class:`parallel_layers.models.gpt.GPT`) as any other model: its recipe and its loss (a
-``GPTConfig`` handed to ``Parallel3D`` becomes the model by :meth:`GPTConfig.build`).
-
-(``parallel_layers.models.gpt_stages`` still builds this GPT directly as pipeline stages, a lower-level
-builder the pipeline tests and benchmarks use; ``Parallel3D`` cuts it through the generic path, with this
-recipe.)
+``GPTConfig`` handed to ``Parallel3D`` becomes the model by :meth:`GPTConfig.build`), cut into pipeline stages by
+``split_model`` as a Hugging Face model is: there is no second, GPT-specific way.
 """
 from __future__ import annotations
 

@@ -86,6 +86,9 @@ class ModelStage(nn.Module):
 
     def forward(self, x, targets=None, **side):
         model = self._model[0]
+        # the model is not a submodule (its dropped parts stay out): its own flag follows the stage's, for the
+        # methods the recipe calls on it (the reference GPT's embedding dropout reads model.training)
+        model.training = self.training
         self._check_side(model, x, side)
         h = self.recipe.embed(model, x, **side) if self.is_first else x
         ctx = self.recipe.context(model, h, **side)
@@ -238,7 +241,11 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     False when the caller sums the tied gradients itself (``Parallel3D``); ``layout``: ``"v"`` for the ZBV
     schedule (:func:`~parallel_layers.pipeline.stage.stage_ids`; the first and last stage are both on rank
     0, where tied weights stay one module); ``saved_inputs``: how a checkpointed block keeps its input
-    (:class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`; None: whole)."""
+    (:class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`; None: whole); ``loss_fn``: None
+    takes the recipe's own loss where it has one (the reference GPT's ``(sum, count)`` over labels other than
+    -100, torch's ``ignore_index``), else the last stage returns the logits."""
+    if loss_fn is None and recipe.loss is not None:
+        loss_fn = recipe.loss(model, -100)
     blocks, ranges, mine = _plan(model, recipe, pp_rank, pp_size, num_chunks, boundaries, block_costs, layout)
     S = pp_size * num_chunks
     has_first, has_last = 0 in mine, S - 1 in mine

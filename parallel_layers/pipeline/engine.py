@@ -43,7 +43,7 @@ rank`` for ``p`` pipeline ranks; :func:`.schedules.stage_of`): the model must be
 (``layout="v"``), and the turn of the V on the last rank is a local hand-off like every neighbour stage
 on the same rank.
 
-Chunks with a ``finish_grads()`` method (``GPTStage``: tied embeddings, sequence-parallel grads) have it
+Chunks with a ``finish_grads()`` method (``ModelStage``: tied embeddings) have it
 called once after the schedule.
 """
 from __future__ import annotations

@@ -3,12 +3,12 @@ between the first and the last stage.
 
 Layout of virtual stages (Megatron-LM's): with ``p`` pipeline ranks and ``v`` chunks per rank there are
 ``S = p * v`` stages; chunk ``c`` of rank ``r`` is stage ``c * p + r``. With ``v = 1`` a rank holds
-one contiguous slice of the layers. Models are split by :mod:`.any_model` (``Parallel3D``'s reference GPT
-included); :mod:`parallel_layers.models.gpt_stages` builds that GPT directly as stages (a lower-level builder).
+one contiguous slice of the layers. Every model is split by :mod:`.any_model` (``Parallel3D``'s reference GPT
+included).
 
-Tied embeddings: the first stage owns ``wte`` for the embedding; the last stage (when tied) holds its
-own copy, drawn from the same numbers, for the LM head. Their gradients are summed over a group of the
-first and last pipeline rank (:func:`tied_embedding_group`) in :meth:`GPTStage.finish_grads`, so both
+Tied embeddings: the first stage owns the embedding; the last stage (when tied) holds its own copy, made
+equal to the first stage's (:func:`start_tied_equal`), for the LM head. Their gradients are summed over a group
+of the first and last pipeline rank (:func:`tied_embedding_group`) in ``ModelStage.finish_grads``, so both
 copies see the dense model's gradient and stay equal under any optimizer that is deterministic in it.
 When one rank holds both ends (``p = 1``), the chunks share one module.
 """

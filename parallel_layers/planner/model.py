@@ -42,6 +42,7 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from ..composition.layout import Layout
+from ..dimensions import names, replicating, world_size
 from ..pipeline.schedules import SCHEDULE_SPECS, build_all, schedule_spec, simulate, simulate_timing
 from .hardware import Profile
 from .probe import (
@@ -160,11 +161,19 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
 
 
 def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
-    """Whether a group of mesh dimension ``dim`` crosses nodes (ranks (pp, dp, cp, tp), tp fastest)."""
-    stride = {"tp": 1, "cp": layout.tp, "dp": layout.tp * layout.cp, "dp_cp": layout.tp,
-              "pp": layout.tp * layout.cp * layout.dp}[dim]
-    size = {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "pp": layout.pp}[dim]
-    return stride * size > req.devices_per_node if size > 1 else False
+    """Whether a group of mesh dimension ``dim`` (or ``"replicas"``: the replicating dimensions together, dp
+    and cp) crosses nodes: its ranks lie ``stride x size`` apart at most in the declared grid
+    (:mod:`parallel_layers.dimensions`, tp fastest)."""
+    sizes = layout.sizes
+    dims = replicating() if dim == "replicas" else (dim,)
+    if world_size({d: sizes[d] for d in dims}) == 1:
+        return False
+    span, stride = 0, 1
+    for name in reversed(names()):                # innermost first: a dimension's stride is the grid inside it
+        if name in dims and sizes[name] > 1:
+            span = max(span, stride * sizes[name])
+        stride *= sizes[name]
+    return span > req.devices_per_node
 
 
 def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float) -> float:
@@ -228,7 +237,7 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     terms = {"pipeline": sim["step"]}
     sync = max(probes, key=lambda pr: sum(pr.sync.values())).sync
     n_rep = layout.dp * layout.cp
-    inter = _spans_nodes(req, layout, "dp_cp")
+    inter = _spans_nodes(req, layout, "replicas")
     terms["dp_reduce"] = sum(prof.collective_s(k, n_rep, nb, inter) for k, nb in sync.items()
                              if k in ("all_reduce", "reduce_scatter"))
     if any(pr.streamed or pr.per_unit for pr in probes):   # every micro-batch's gradients reduced

@@ -64,7 +64,7 @@ def build_rank(req: Request, layout: Layout, pp_rank: int, device: torch.device 
     from ..composition.config import PrecisionConfig
     from ..composition.parallel3d import Parallel3D
     from ..mesh import ParallelMesh
-    mesh = ParallelMesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, timeout=60)
+    mesh = ParallelMesh(**layout.sizes, timeout=60)
     kw = dict(layout.parallel3d_kwargs(), precision=PrecisionConfig(dtype=req.dtype))
     if callable(getattr(req.model, "build", None)):      # a config Parallel3D builds the model of (GPTConfig)
         return Parallel3D(req.model, mesh, device=device, **kw)
@@ -302,7 +302,7 @@ def _run_forward(chunk, x, y, is_last, side):
 def _cp_side(p3d, b: int, s: int, dev) -> dict:
     """Under cp a stage takes its shard's positions and the sequence's segment ids as side inputs: made by the
     same function ``Parallel3D`` cuts a batch with (the reference GPT ignores them)."""
-    cp = getattr(p3d, "cp", 1)
+    cp = p3d.cp
     if cp == 1:
         return {}
     from ..context_parallel.batch import shard_batch

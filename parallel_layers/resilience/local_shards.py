@@ -104,7 +104,7 @@ def snapshot_local(model) -> LocalShards:
     no collective of its own (a ZeRO optimizer with a delayed offloaded step applies it first, the
     collective its next step would run anyway). Training may change the model once it returns."""
     m = model.mesh
-    holder = m.dp_rank == 0 and getattr(m, "cp_rank", 0) == 0
+    holder = m.replica_rank == 0
     params, shapes, slot_of = _describe(model)
     opt = model.optimizer
     if not model.zero:                               # torch AdamW: every dp rank holds the whole state

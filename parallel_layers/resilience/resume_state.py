@@ -27,8 +27,7 @@ from .per_rank import load_data
 def layout_of(model) -> dict:
     """The layout a rank's random streams belong to: mesh sizes, schedule chunks and the world size."""
     m = model.mesh
-    return {"dp": m.dp, "tp": m.tp, "pp": m.pp, "cp": getattr(m, "cp", 1), "chunks per rank": model.engine.num_chunks,
-            "world": dist.get_world_size()}
+    return {**m.sizes, "chunks per rank": model.engine.num_chunks, "world": dist.get_world_size()}
 
 
 def _encode(obj) -> str:

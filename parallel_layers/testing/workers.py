@@ -269,11 +269,13 @@ class WorkerPool:
 _MESHES: dict = {}
 
 
-def cached_mesh(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
-    """Inside a worker: one ``ParallelMesh`` per shape, reused across test bodies (creating process
-    groups is a collective and costs time on every call)."""
-    key = (dp, tp, pp, cp)
+def cached_mesh(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, **more: int):
+    """Inside a worker: one ``ParallelMesh`` per shape (``ParallelMesh``'s sizes: any dimension of
+    :data:`~parallel_layers.dimensions.DIMENSIONS`, missing ones 1), reused across test bodies (creating
+    process groups is a collective and costs time on every call)."""
+    from ..dimensions import check_sizes
+    key = tuple(check_sizes(dict(dp=dp, tp=tp, pp=pp, cp=cp, **more), "cached_mesh").items())
     if key not in _MESHES:
         from ..mesh import ParallelMesh
-        _MESHES[key] = ParallelMesh(dp=dp, tp=tp, pp=pp, cp=cp)
+        _MESHES[key] = ParallelMesh(**dict(key))
     return _MESHES[key]

@@ -65,7 +65,7 @@ autograd's ``.grad`` when ``reduce_dtype`` is the parameter dtype; else (bf16 pa
 micro-batch's ``.grad`` is added into the unit's ``reduce_dtype`` gradient buffer and dropped (a
 post-accumulate-grad hook), and ``p.grad`` reads that accumulation. Either way :meth:`accumulated_grad` says
 where it is, and code summing gradients before the reduction edits it there in place (a pipeline's tied
-weights, tp-partial and sequence-parallel gradients, e.g. ``GPTStage.finish_grads``). Then
+weights, tp-partial and sequence-parallel gradients, e.g. ``ModelStage.finish_grads``). Then
 ``reduce_scatter_and_free()`` reduces each unit's gradients once (averaged over dp into ``grad_buffer``,
 through the same reduction path as above), drops them, frees every full buffer and turns the hooks back
 on (:meth:`release_gathered` leaves without collectives, after an error). Peak memory is then a whole
