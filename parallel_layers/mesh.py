@@ -84,9 +84,9 @@ class ParallelMesh:
     rank's index in it. ``<dim>_rank``: its coordinates; ``sizes``: every dimension's size, in grid order;
     ``batch_shards``/``batch_rank``: how many slices the batch's rows are cut into (over the dimensions that
     split the batch: dp) and which is this rank's. ``device_type`` defaults to ``"cuda"`` when the default
-    backend is NCCL, else ``"cpu"`` (gloo). ``timeout`` (a ``datetime.timedelta`` or seconds; default: the world group's): how
-    long an operation on any of the mesh's groups waits for a peer before it raises, so a rank that stops
-    answering (hung, stopped, dead) fails the others within it.
+    backend is NCCL, else ``"cpu"`` (gloo). ``timeout`` (a ``datetime.timedelta`` or seconds; default: the world
+    group's): how long an operation on any of the mesh's groups waits for a peer before it raises, so a rank that
+    stops answering (hung, stopped, dead) fails the others within it.
     """
 
     def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, *, device_type: Optional[str] = None,
