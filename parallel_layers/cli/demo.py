@@ -1,9 +1,10 @@
 """``python -m parallel_layers demo``: the reference GPT (or, ``--model llama``, a Hugging Face Llama)
 trained with 3D parallelism, checked against the single-process model.
 
-Launching: without ``RANK``/``WORLD_SIZE`` in the environment the demo spawns ``dp * tp * pp`` processes
-itself (gloo on CPU, one thread each, a free local port). Under ``torchrun`` (those variables set) it
-spawns nothing: it initialises from the environment, with NCCL and one GPU per process
+Launching: without ``RANK``/``WORLD_SIZE`` in the environment the demo starts a process per rank itself
+(gloo on CPU, one thread each, a free local port), forked from a server that imported torch and the demo
+once (:mod:`parallel_layers.distributed.processes`). Under ``torchrun`` (those variables set) it
+starts nothing: it initialises from the environment, with NCCL and one GPU per process
 (``LOCAL_RANK``) when CUDA is available, gloo otherwise. CPU ranks bind their threads to cores of
 their own where the machine has at least one core per local rank (``parallel_layers.cpu_affinity``;
 ``--no-bind-cores`` to keep them free); the demo's default 8 processes on a 2-core machine are not bound.
@@ -53,6 +54,7 @@ from ..cpu_affinity import available_cores, bind_rank_to_cores
 from ..cpu_allocator import retain_freed_memory
 from ..dimensions import describe, dimension, in_reading_order, names
 from ..dimensions import world_size as sizes_world
+from ..distributed.processes import forked_context
 from ..pipeline.schedules import schedule_names, schedule_spec
 from ..testing.compare import worst as worst_error
 from ..testing.workers import free_port
@@ -711,10 +713,12 @@ def main(argv=None) -> int:
     world = world_size(args)
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"demo: spawning {world} processes ({describe(mesh_sizes(args))}) over gloo on CPU, "
+    print(f"demo: starting {world} processes ({describe(mesh_sizes(args))}) over gloo on CPU, "
           f"one thread each", flush=True)
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(world, args, free_port()), nprocs=world, join=True)
+    # the ranks fork from a server that imported torch and the demo once (not a fresh interpreter each)
+    forked_context(("parallel_layers.cli.demo",) + (("transformers",) if args.model != "gpt" else ()))
+    mp.start_processes(_worker, args=(world, args, free_port()), nprocs=world, join=True, start_method="forkserver")
     wall = time.perf_counter() - t0
     part = os.path.join(args.out, "_parallel.json")
     with open(part) as f:
@@ -725,7 +729,7 @@ def main(argv=None) -> int:
     if not args.no_reference and "already_done" not in par:
         print("single-process reference run ...", flush=True)
         ref = train_reference(args, corpus, val, par.get("freeze"))
-    summary = summarize(args, par, ref, corpus.numel(), f"torch.multiprocessing.spawn ({wall:.1f}s)")
+    summary = summarize(args, par, ref, corpus.numel(), f"torch.multiprocessing, forkserver ({wall:.1f}s)")
     return 0 if summary["agree"] in (True, None) else 1
 
 

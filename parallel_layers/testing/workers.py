@@ -1,7 +1,8 @@
 """A pool of ``world_size`` real processes over gloo that runs many test bodies.
 
-Spawning a process and importing torch costs seconds on a small CPU, so the pool is started once and
-each test sends it a function to run on every rank. A body is a module-level
+Starting a process costs time on a small CPU, so the pool is started once (its ranks forked from a server
+that imported torch once: :mod:`parallel_layers.distributed.processes`) and each test sends it a function to
+run on every rank. A body is a module-level
 function ``body(rank, world_size, *args)``; ``pool.run(body, *args)`` returns the list of per-rank
 results, rank order. If any rank raises, ``RankFailure`` carries every failing rank's traceback, and
 the pool is restarted (the other ranks may be stuck in a collective). If a call takes longer than
@@ -25,7 +26,10 @@ import sys
 import traceback
 from typing import Any, Callable, List
 
-import torch.multiprocessing as mp
+from ..distributed.processes import adopt_environment, current_environment, forked_context
+
+# what test bodies import (transformers for the Hugging Face models, when installed)
+PRELOAD = ("parallel_layers.composition.parallel3d", "transformers")
 
 
 class RankFailure(AssertionError):
@@ -137,7 +141,7 @@ def _release_groups_since(before: set) -> None:
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s: float, env: dict,
             bind_cores: bool = False, backend: str = "gloo") -> None:
-    os.environ.update(env)
+    adopt_environment(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
@@ -193,12 +197,15 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        # forked from a server that imported torch, the package and transformers once (15 s -> 1 s for 8 ranks
+        # on two cores); the parent's environment now, then the pool's own variables
+        ctx = forked_context(PRELOAD)
+        env = {**current_environment(), **self.env}
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results,
-                                                         self.pg_timeout_s, self.env, self.bind_cores,
+                                                         self.pg_timeout_s, env, self.bind_cores,
                                                          self.backend),
                                     daemon=True)
                        for r in range(self.world_size)]
