@@ -164,7 +164,7 @@ def body_restore_refuses_code(rank, world, marker):
     from parallel_layers.composition.universal_checkpoint import CheckpointError
     from parallel_layers.resilience import resume_state
     restored = []
-    model = types.SimpleNamespace(mesh=types.SimpleNamespace(dp=world, tp=1, pp=1, cp=1),
+    model = types.SimpleNamespace(mesh=types.SimpleNamespace(sizes={"pp": 1, "dp": world, "cp": 1, "tp": 1}),
                                   engine=types.SimpleNamespace(num_chunks=1), skipped_steps=0,
                                   load_random_state=restored.append)
     good = {"random": {"default": torch.get_rng_state(), "cuda": None, "tracker": None}, "skipped_steps": 3}

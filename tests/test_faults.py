@@ -127,7 +127,10 @@ class _Ranks:
         finally:
             for p in self.procs:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGCONT)
+                    try:                             # it may exit between the check and the signal
+                        os.kill(p.pid, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
                     p.kill()
                 p.join(timeout=5)
             self._drain(got)

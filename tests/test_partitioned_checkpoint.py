@@ -193,4 +193,5 @@ def test_parallel3d_checkpoint_inputs_need_checkpointing():
 def _mesh_stub():
     """A stand-in mesh for an argument check that fails before any group is used."""
     from types import SimpleNamespace
-    return SimpleNamespace(dp=1, tp=1, pp=1, cp=1, tp_group=None, dp_group=None, pp_group=None)
+    return SimpleNamespace(dp=1, tp=1, pp=1, cp=1, tp_group=None, dp_group=None, pp_group=None, cp_group=None,
+                           replica_group=None, replicas=1)

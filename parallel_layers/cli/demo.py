@@ -54,7 +54,7 @@ from ..cpu_affinity import available_cores, bind_rank_to_cores
 from ..cpu_allocator import retain_freed_memory
 from ..dimensions import describe, dimension, in_reading_order, names
 from ..dimensions import world_size as sizes_world
-from ..distributed.processes import forked_context
+from ..distributed.processes import start_context
 from ..pipeline.schedules import schedule_names, schedule_spec
 from ..testing.compare import worst as worst_error
 from ..testing.workers import free_port
@@ -717,8 +717,9 @@ def main(argv=None) -> int:
           f"one thread each", flush=True)
     t0 = time.perf_counter()
     # the ranks fork from a server that imported torch and the demo once (not a fresh interpreter each)
-    forked_context(("parallel_layers.cli.demo",) + (("transformers",) if args.model != "gpt" else ()))
-    mp.start_processes(_worker, args=(world, args, free_port()), nprocs=world, join=True, start_method="forkserver")
+    ctx = start_context(None, ("parallel_layers.cli.demo",) + (("transformers",) if args.model != "gpt" else ()))
+    mp.start_processes(_worker, args=(world, args, free_port()), nprocs=world, join=True,
+                       start_method=ctx.get_start_method())
     wall = time.perf_counter() - t0
     part = os.path.join(args.out, "_parallel.json")
     with open(part) as f:

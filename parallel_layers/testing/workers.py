@@ -26,7 +26,7 @@ import sys
 import traceback
 from typing import Any, Callable, List
 
-from ..distributed.processes import adopt_environment, current_environment, forked_context
+from ..distributed.processes import adopt_environment, current_environment, start_context
 
 # what test bodies import (transformers for the Hugging Face models, when installed)
 PRELOAD = ("parallel_layers.composition.parallel3d", "transformers")
@@ -198,9 +198,10 @@ class WorkerPool:
     # ------------------------------------------------------------------ lifecycle
     def _start(self) -> None:
         # forked from a server that imported torch, the package and transformers once (15 s -> 1 s for 8 ranks
-        # on two cores); the parent's environment now, then the pool's own variables
-        ctx = forked_context(PRELOAD)
+        # on two cores) unless a variable read at start-up differs (then spawned); the parent's environment now,
+        # then the pool's own variables
         env = {**current_environment(), **self.env}
+        ctx = start_context(env, PRELOAD)
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
