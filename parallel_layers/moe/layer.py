@@ -18,7 +18,7 @@ transformers 5.x sparse MoE block with its weights (:mod:`.hf`); ``hf_state_dict
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -27,6 +27,61 @@ from .experts import ACTIVATIONS, BACKENDS, GatedMLP, GroupedExperts
 from .hf import read_hf_block, to_hf_names
 from .permute import permute, unpermute
 from .router import Router, check_routing_options, check_routing_sizes
+
+
+def check_layer_options(name: str, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                        scoring: str, capacity_factor: Optional[float], aux_loss_coef: float, z_loss_coef: float,
+                        num_shared_experts: int, shared_expert_gate: bool, activation: str, backend: str) -> None:
+    """The constructor arguments of an MoE layer (:class:`MoELayer` and the expert-parallel one), else a
+    ValueError naming ``name``, the argument and the fix."""
+    for what, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{name}: {what}={size!r} must be a positive integer")
+    check_routing_sizes(name, num_experts, top_k)
+    check_routing_options(name, scoring, capacity_factor, aux_loss_coef, z_loss_coef)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{name}: activation={activation!r} must be one of {tuple(ACTIVATIONS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{name}: backend={backend!r} must be one of {BACKENDS}")
+    if num_shared_experts < 0:
+        raise ValueError(f"{name}: num_shared_experts={num_shared_experts} must be >= 0")
+    if shared_expert_gate and not num_shared_experts:
+        raise ValueError(f"{name}: shared_expert_gate=True gates the shared experts, but num_shared_experts=0; "
+                         f"set num_shared_experts >= 1 or shared_expert_gate=False")
+
+
+def shared_experts(hidden_size: int, intermediate_size: int, num_shared_experts: int,
+                   shared_intermediate_size: Optional[int], shared_expert_gate: bool, activation: str, **kw
+                   ) -> Tuple[Optional[GatedMLP], Optional[nn.Linear]]:
+    """The shared experts (one dense gated MLP of ``shared_intermediate_size``, default
+    ``num_shared_experts * intermediate_size``) and their per-token gate, or None for each."""
+    if not num_shared_experts:
+        return None, None
+    size = shared_intermediate_size or num_shared_experts * intermediate_size
+    shared = GatedMLP(hidden_size, size, activation=activation, **kw)          # first: the init draws in this order
+    return shared, nn.Linear(hidden_size, 1, bias=False, **kw) if shared_expert_gate else None
+
+
+def add_shared_experts(out: torch.Tensor, tokens: torch.Tensor, shared: Optional[nn.Module],
+                       gate: Optional[nn.Module]) -> torch.Tensor:
+    """``out + shared(tokens)`` (times ``sigmoid(gate(tokens))`` with a gate); ``out`` alone without shared experts."""
+    if shared is None:
+        return out
+    extra = shared(tokens)
+    if gate is not None:
+        extra = torch.sigmoid(gate(tokens)) * extra
+    return out + extra
+
+
+def check_layer_input(name: str, x: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
+    """``x`` is ``[..., hidden_size]`` of the layer's ``dtype`` (any dtype under autocast), else a ValueError."""
+    if x.dim() < 2 or x.shape[-1] != hidden_size:
+        raise ValueError(f"{name}: input must be [..., hidden_size] with hidden_size={hidden_size} (e.g. "
+                         f"[batch, seq, {hidden_size}]); got shape {tuple(x.shape)}. Pass tensors of that "
+                         f"hidden size or build the layer with hidden_size={x.shape[-1] if x.dim() else '?'}")
+    if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise ValueError(f"{name}: input dtype {x.dtype} differs from the layer's {dtype}; cast one to "
+                         f"the other (x.to({dtype}) or layer.to({x.dtype}))")
 
 
 class MoELayer(nn.Module):
@@ -46,21 +101,10 @@ class MoELayer(nn.Module):
                  shared_expert_gate: bool = False, activation: str = "silu", backend: str = "auto",
                  device=None, dtype=None):
         super().__init__()
-        name = type(self).__name__
-        for what, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-                raise ValueError(f"{name}: {what}={size!r} must be a positive integer")
-        check_routing_sizes(name, num_experts, top_k)
-        check_routing_options(name, scoring, capacity_factor, aux_loss_coef, z_loss_coef)
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"{name}: activation={activation!r} must be one of {tuple(ACTIVATIONS)}")
-        if backend not in BACKENDS:
-            raise ValueError(f"{name}: backend={backend!r} must be one of {BACKENDS}")
-        if num_shared_experts < 0:
-            raise ValueError(f"{name}: num_shared_experts={num_shared_experts} must be >= 0")
-        if shared_expert_gate and not num_shared_experts:
-            raise ValueError(f"{name}: shared_expert_gate=True gates the shared experts, but num_shared_experts=0; "
-                             f"set num_shared_experts >= 1 or shared_expert_gate=False")
+        check_layer_options(type(self).__name__, hidden_size, intermediate_size, num_experts, top_k, scoring=scoring,
+                            capacity_factor=capacity_factor, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                            num_shared_experts=num_shared_experts, shared_expert_gate=shared_expert_gate,
+                            activation=activation, backend=backend)
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         kw = dict(device=device, dtype=dtype)
         self.router = Router(hidden_size, num_experts, top_k, scoring=scoring, norm_topk_prob=norm_topk_prob,
@@ -68,37 +112,19 @@ class MoELayer(nn.Module):
                              aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, **kw)
         self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, activation=activation,
                                       backend=backend, **kw)
-        self.shared_expert = self.shared_expert_gate = None
-        if num_shared_experts:
-            size = shared_intermediate_size or num_shared_experts * intermediate_size
-            self.shared_expert = GatedMLP(hidden_size, size, activation=activation, **kw)
-            if shared_expert_gate:
-                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **kw)
+        self.shared_expert, self.shared_expert_gate = shared_experts(
+            hidden_size, intermediate_size, num_shared_experts, shared_intermediate_size, shared_expert_gate,
+            activation, **kw)
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: Dict[str, Optional[torch.Tensor]] = {}
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        name = type(self).__name__
-        if x.dim() < 2 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"{name}: input must be [..., hidden_size] with hidden_size={self.hidden_size} (e.g. "
-                             f"[batch, seq, {self.hidden_size}]); got shape {tuple(x.shape)}. Pass tensors of that "
-                             f"hidden size or build the layer with hidden_size={x.shape[-1] if x.dim() else '?'}")
-        weight = self.router.weight
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise ValueError(f"{name}: input dtype {x.dtype} differs from the layer's {weight.dtype}; cast one to "
-                             f"the other (x.to({weight.dtype}) or layer.to({x.dtype}))")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        check_layer_input(type(self).__name__, x, self.hidden_size, self.router.weight.dtype)
         tokens = x.reshape(-1, self.hidden_size)
         routing = self.router(tokens)
         permuted, order, counts = permute(tokens, routing.experts, self.num_experts)
         out = unpermute(self.experts(permuted, counts), order, routing.weights, tokens.shape[0])
-        if self.shared_expert is not None:
-            shared = self.shared_expert(tokens)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
-            out = out + shared
+        out = add_shared_experts(out, tokens, self.shared_expert, self.shared_expert_gate)
         self.aux_loss = routing.loss
         self.stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "counts": routing.counts,
                       "dropped": routing.dropped}

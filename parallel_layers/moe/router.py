@@ -32,7 +32,7 @@ their weight 0, so the token's other experts (and the residual around the layer)
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -98,13 +98,44 @@ def _keep_within_capacity(experts: torch.Tensor, counts: torch.Tensor, capacity:
     return (rank < capacity).view_as(experts)
 
 
+BatchSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _batch_sums(sum_over_batch: BatchSum, routed: torch.Tensor, p_sum: Optional[torch.Tensor],
+                z_sum: Optional[torch.Tensor], num_tokens: int):
+    """The losses' sums over the whole batch when ranks hold different tokens: ``(f_sum [E], p_sum [E], z_sum,
+    rows)``, the assignments per expert, the probabilities per expert and the squared log-sum-exps summed
+    over every rank's tokens, and the number of those tokens (at least 1), one ``sum_over_batch`` of them all.
+
+    Values are the whole batch's. Gradients are this rank's part of the whole-batch loss's: ``p_sum`` and
+    ``z_sum`` are ``total + (local - local.detach())``, so ``d loss / d local logits`` is the one-process
+    loss's derivative with respect to these tokens' logits (``E * F_i / T^2`` per probability, ``F`` and
+    ``T`` the batch's), no more: summed over the ranks, the replicated router's gradients are the one-process
+    gradient of the whole batch's loss, with no collective in the backward."""
+    E = routed.numel()
+    parts = [routed.to(torch.float64), torch.full((1,), num_tokens, dtype=torch.float64, device=routed.device)]
+    parts += [t.detach().to(torch.float64).reshape(-1) for t in (p_sum, z_sum) if t is not None]
+    total = sum_over_batch(torch.cat(parts))
+    f_sum, rows, rest = total[:E].float(), total[E].clamp(min=1).float(), total[E + 1:].float()
+    if p_sum is not None:
+        p_sum, rest = rest[:E] + (p_sum - p_sum.detach()), rest[E:]
+    if z_sum is not None:
+        z_sum = rest[0] + (z_sum - z_sum.detach())
+    return f_sum, p_sum, z_sum, rows
+
+
 def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", norm_topk_prob: bool = True,
           expert_bias: Optional[torch.Tensor] = None, routed_scaling_factor: float = 1.0,
           capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-          out_dtype: Optional[torch.dtype] = None, layer: str = "route") -> Routing:
+          out_dtype: Optional[torch.dtype] = None, sum_over_batch: Optional[BatchSum] = None,
+          layer: str = "route") -> Routing:
     """Route ``T`` tokens given their router ``logits [T, E]`` (see the module docstring). ``expert_bias [E]``
     (sigmoid scoring only) shifts the choice, not the weights; ``out_dtype`` is the weights' dtype (default:
-    the logits'). The scores, losses and weights are computed in fp32 whatever the logits' dtype."""
+    the logits'). The scores, losses and weights are computed in fp32 whatever the logits' dtype.
+
+    ``sum_over_batch`` (when these ``T`` tokens are one rank's part of a batch split over ranks): a function
+    that sums a detached fp64 vector over those ranks (an all-reduce); the losses then take the whole
+    batch's ``f``, ``P``, z sum and token count (see :func:`_batch_sums`)."""
     if logits.dim() != 2:
         raise ValueError(f"{layer}: logits must be [tokens, num_experts]; got shape {tuple(logits.shape)}")
     num_tokens, num_experts = logits.shape
@@ -129,16 +160,24 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", norm_to
         weights = weights * routed_scaling_factor
 
     routed = _count(experts, num_experts)
-    rows = max(num_tokens, 1)
     loss = logits32.new_zeros(())
     aux = z = None
+    f_sum = routed.to(torch.float32)                 # the numerators of f, P and z, and their denominator
+    p_sum = z_sum = None
+    rows = max(num_tokens, 1)
     if aux_loss_coef > 0:
         p = probs if scoring == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-        aux_value = num_experts * torch.sum((routed.to(torch.float32) / rows) * (p.sum(dim=0) / rows))
+        p_sum = p.sum(dim=0)
+    if z_loss_coef > 0:
+        z_sum = torch.logsumexp(logits32, dim=-1).square().sum()
+    if sum_over_batch is not None and (p_sum is not None or z_sum is not None):
+        f_sum, p_sum, z_sum, rows = _batch_sums(sum_over_batch, routed, p_sum, z_sum, num_tokens)
+    if p_sum is not None:
+        aux_value = num_experts * torch.sum((f_sum / rows) * (p_sum / rows))
         loss = loss + aux_loss_coef * aux_value
         aux = aux_value.detach()
-    if z_loss_coef > 0:
-        z_value = torch.logsumexp(logits32, dim=-1).square().sum() / rows
+    if z_sum is not None:
+        z_value = z_sum / rows
         loss = loss + z_loss_coef * z_value
         z = z_value.detach()
 
@@ -184,11 +223,13 @@ class Router(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, sum_over_batch: Optional[BatchSum] = None) -> Routing:
+        """``sum_over_batch``: as :func:`route` takes it (the losses over a batch that ranks split)."""
         return route(self.logits(x), self.top_k, scoring=self.scoring, norm_topk_prob=self.norm_topk_prob,
                      expert_bias=self.expert_bias, routed_scaling_factor=self.routed_scaling_factor,
                      capacity_factor=self.capacity_factor, aux_loss_coef=self.aux_loss_coef,
-                     z_loss_coef=self.z_loss_coef, out_dtype=x.dtype, layer=type(self).__name__)
+                     z_loss_coef=self.z_loss_coef, out_dtype=x.dtype, sum_over_batch=sum_over_batch,
+                     layer=type(self).__name__)
 
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor, rate: float) -> None:
