@@ -97,6 +97,19 @@ def body_collective_order(rank, world):
     return _caught(lambda: dist.broadcast(t, 0, group=g))
 
 
+def body_uneven_all_to_all(rank, world):
+    g = _fresh_group()
+    sends = [[1, 3], [0, 2]][rank]                 # rank i sends sends[j] rows to rank j: tensors of 4 and 2 rows
+    recv = [[1, 0], [3, 2]][rank]                  # ... and receives what the peers send it: fine
+    x = torch.full((sum(sends), 5), float(rank))
+    out = torch.empty(sum(recv), 5)
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=sends, group=g)
+    assert out[:, 0].tolist() == [0.0] * recv[0] + [1.0] * recv[1]
+    wrong = [[1, 0], [2, 2]][rank]                 # rank 1 expects 2 rows from rank 0, which sends it 3
+    return _caught(lambda: dist.all_to_all_single(torch.empty(sum(wrong), 5), x, output_split_sizes=wrong,
+                                                  input_split_sizes=sends, group=g))
+
+
 def body_device(rank, world):
     nccl_rules.track_host_tensors([__file__])      # this file plays the package's part
     g = _fresh_group()
@@ -148,6 +161,14 @@ def test_collectives_in_the_same_order(pool):
     for msg, _took in pool.run(body_collective_order):
         assert msg is not None and "same collectives in the same order" in msg, msg
         assert "all_reduce" in msg and "broadcast" in msg, msg
+
+
+def test_uneven_all_to_all_agrees_per_pair(pool):
+    """Ranks of an uneven all-to-all send tensors of different sizes (no fingerprint mismatch for that), but
+    each pair must agree on its rows."""
+    for msg, _took in pool.run(body_uneven_all_to_all):
+        assert msg is not None and "agree on the rows of each pair" in msg, msg
+        assert "rank 0 sends 3 rows to rank 1, which expects 2" in msg, msg
 
 
 def test_host_tensors_refused(pool):

@@ -17,7 +17,7 @@ something failed: the success path adds a ``try`` and, for ``async_op=True``, on
 from __future__ import annotations
 
 import datetime
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -205,4 +205,30 @@ def all_to_all_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
         dist.all_to_all_single(out, tensor.contiguous(), group=group)
     except RuntimeError as exc:
         raise _failure("all_to_all", group, exc) from exc
+    return out
+
+
+def all_to_all_uneven(tensor: torch.Tensor, input_split_sizes: Sequence[int], output_split_sizes: Sequence[int],
+                      group) -> torch.Tensor:
+    """Send ``input_split_sizes[j]`` consecutive rows (dim 0) of ``tensor`` to group rank ``j``, and return
+    the rows received, ``output_split_sizes[i]`` from group rank ``i``, in rank order, concatenated along
+    dim 0. The pairs must agree (rank ``i``'s ``input_split_sizes[j]`` is rank ``j``'s
+    ``output_split_sizes[i]``); any size may be 0."""
+    n = world_size(group)
+    ins, outs = [int(s) for s in input_split_sizes], [int(s) for s in output_split_sizes]
+    if len(ins) != n or len(outs) != n or min(ins + outs, default=0) < 0 or sum(ins) != tensor.shape[0]:
+        raise ValueError(f"all_to_all_uneven: input_split_sizes {ins} and output_split_sizes {outs} must be "
+                         f"{n} sizes >= 0 each (one per rank of the group), the input ones summing to dim 0 of the "
+                         f"tensor ({tensor.shape[0]})")
+    if n == 1:
+        if outs != ins:
+            raise ValueError(f"all_to_all_uneven: in a group of one rank the rows sent are the rows received; got "
+                             f"input_split_sizes {ins} and output_split_sizes {outs}")
+        return tensor
+    out = tensor.new_empty((sum(outs),) + tuple(tensor.shape[1:]))
+    try:
+        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=outs, input_split_sizes=ins,
+                               group=group)
+    except RuntimeError as exc:
+        raise _failure("all_to_all_uneven", group, exc) from exc
     return out

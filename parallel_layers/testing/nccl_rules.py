@@ -17,7 +17,9 @@ site, where a program leans on gloo's leniency:
 4. **one Work per batch**: ``dist.batch_isend_irecv`` returns a single Work for the whole batch (NCCL's
    coalescing), and the batch completes when all of its operations have.
 5. **collective order**: all ranks issue the same collectives in the same order; a fingerprint (op,
-   element count, dtype, root) is compared across the group before each one.
+   element count, dtype, root) is compared across the group before each one. An uneven all-to-all
+   (``all_to_all_single`` with split sizes) compares the elements of a row instead, and checks that each
+   pair of ranks agrees on the rows it exchanges.
 6. **device**: communication tensors must live on the device the model trains on. On CPU both are
    "cpu", so :class:`HostTensors` (a ``TorchFunctionMode``) remembers which tensors the watched code
    created without ``device=`` (on a GPU machine: a CPU tensor) and what was computed from those
@@ -469,12 +471,16 @@ class NcclRulesGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ collectives
     def _collective(self, name: str, tensors: Sequence[torch.Tensor], extra: int,
-                    call: Callable[[], dist.Work]) -> RulesWork:
+                    call: Callable[[], dist.Work], numel: Optional[int] = None,
+                    agree: Optional[Callable[[str], None]] = None) -> RulesWork:
+        """``numel``: the element count the ranks must agree on (default: the first tensor's); ``agree(site)``:
+        a further check run on the stream after the fingerprints matched, before the collective."""
         site = _site()
         for t in tensors:
             _check_device(t, name, site)
         t0 = tensors[0] if tensors else torch.empty(0)
-        fingerprint = [zlib.crc32(name.encode()), t0.numel(), _DTYPES.index(t0.dtype) if t0.dtype in _DTYPES else 99,
+        numel = t0.numel() if numel is None else numel
+        fingerprint = [zlib.crc32(name.encode()), numel, _DTYPES.index(t0.dtype) if t0.dtype in _DTYPES else 99,
                        extra]
 
         def run(head: _Head) -> None:
@@ -482,7 +488,7 @@ class NcclRulesGroup(dist.ProcessGroup):
             head.collective = self._collectives
             mine = torch.zeros(8 + _SITE_LEN, dtype=torch.int64)
             mine[:4] = torch.tensor(fingerprint, dtype=torch.int64)
-            _put_text(mine, f"{name} of {t0.numel()} {t0.dtype} at {site}")
+            _put_text(mine, f"{name} of {numel} {t0.dtype} at {site}")
             every = torch.empty(self.size() * mine.numel(), dtype=torch.int64)
             self._inner._allgather_base(every, mine).wait()
             every = every.view(self.size(), -1)
@@ -491,8 +497,10 @@ class NcclRulesGroup(dist.ProcessGroup):
                          for r in range(self.size())]
                 raise RuleViolation("NCCL rule 'every rank issues the same collectives in the same order': "
                                     "the ranks of this group reached different collectives:\n  " + "\n  ".join(lines))
+            if agree is not None:
+                agree(site)
             call().wait()
-        return self._submit(f"{name} of {t0.numel()} {t0.dtype}", site, run)
+        return self._submit(f"{name} of {numel} {t0.dtype}", site, run)
 
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
@@ -525,9 +533,37 @@ class NcclRulesGroup(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._collective("all_to_all_single", [input, output], 0,
-                                lambda: self._inner.alltoall_base(output, input, output_split_sizes,
-                                                                  input_split_sizes, opts or dist.AllToAllOptions()))
+        def call():
+            return self._inner.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                             opts or dist.AllToAllOptions())
+        if not output_split_sizes and not input_split_sizes:
+            return self._collective("all_to_all_single", [input, output], 0, call)
+        # uneven: the ranks' tensors differ in rows, so they agree on a row's size, and each pair on its rows
+        row = 1
+        for size in input.shape[1:]:
+            row *= int(size)
+        sizes = [self._splits(input_split_sizes, input), self._splits(output_split_sizes, output)]
+        return self._collective("all_to_all_single (uneven; elements per row)", [input, output], 0, call, row,
+                                lambda site: self._check_splits(sizes, site))
+
+    def _splits(self, sizes, t: torch.Tensor) -> List[int]:
+        return [int(s) for s in sizes] if sizes else [t.shape[0] // self.size()] * self.size()
+
+    def _check_splits(self, sizes: List[List[int]], site: str) -> None:
+        """Rank ``i`` sends rank ``j`` as many rows as ``j`` expects from ``i``, for every pair: NCCL's
+        all-to-all is a send and a receive per pair, and a pair that disagrees hangs or corrupts memory."""
+        n = self.size()
+        every = torch.empty(n * 2 * n, dtype=torch.int64)
+        self._inner._allgather_base(every, torch.tensor(sizes[0] + sizes[1], dtype=torch.int64)).wait()
+        every = every.view(n, 2, n)
+        sent, expected = every[:, 0, :], every[:, 1, :].t()        # [i, j]: i -> j, and what j expects from i
+        bad = (sent != expected).nonzero().tolist()
+        if bad:
+            pairs = "; ".join(f"rank {i} sends {int(sent[i, j])} rows to rank {j}, which expects "
+                              f"{int(expected[i, j])}" for i, j in bad[:4])
+            raise RuleViolation(f"NCCL rule 'an uneven all-to-all's ranks agree on the rows of each pair': at {site}: "
+                                f"{pairs}. Each rank's input_split_sizes[j] must be rank j's "
+                                f"output_split_sizes[i]: exchange the counts first (an all-to-all of them).")
 
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
