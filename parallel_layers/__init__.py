@@ -5,9 +5,9 @@ with one warning that says why.
 
 The top level holds what a training script builds a run from: ``Parallel3D`` and its four config groups,
 the mesh, the reference GPT and a model family's ``Recipe``, the tensor-parallel layers and
-``parallelize``, data parallelism and ZeRO, the fused optimizers, mixed precision, the pipeline engine
-and checkpoint/resume. Everything else lives in its own module (``parallel_layers.cpu_allocator``,
-``parallel_layers.amp.clip``, ``parallel_layers.tensor_parallel.random``, ...).
+``parallelize``, the mixture-of-experts layers, data parallelism and ZeRO, the fused optimizers, mixed
+precision, the pipeline engine and checkpoint/resume. Everything else lives in its own module
+(``parallel_layers.cpu_allocator``, ``parallel_layers.amp.clip``, ``parallel_layers.tensor_parallel.random``, ...).
 """
 from . import _checkout, ops  # noqa: F401  (_checkout: parallel_layers.triton_kernels in place)
 from .amp import DynamicLossScaler, PrecisionPolicy
@@ -17,6 +17,7 @@ from .data_parallel import DataParallel, SingleProcessDataParallel, SyncBatchNor
 from .families import Recipe
 from .mesh import ParallelMesh
 from .models import GPT, GPTConfig
+from .moe import ExpertParallelMoE, MoELayer
 from .optim import FusedAdamW, FusedSGD
 from .pipeline import PipelineEngine
 from .resilience import AsyncCheckpointer, resume
@@ -32,6 +33,8 @@ __all__ = [
     "GPT", "GPTConfig", "Recipe",
     # tensor parallel
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallelize",
+    # mixture of experts
+    "MoELayer", "ExpertParallelMoE",
     # data parallel and ZeRO
     "DataParallel", "SingleProcessDataParallel", "SyncBatchNorm", "convert_sync_batchnorm",
     "ZeroOptimizer", "ZeroStage3", "ZeroStage3Optimizer",
