@@ -323,3 +323,27 @@ def test_soft_capped_attention_is_refused_under_context_parallelism(dist_pools):
     and dropped it (a different forward, silently); now it refuses by name."""
     for msg in dist_pools(2).run(body_cp_softcap):
         assert "softcap" in msg and "use cp=1" in msg
+
+
+def test_enabling_context_parallel_leaves_the_callers_config_alone():
+    """transformers keeps the config a model was built from: switching it to the cp attention switched every
+    other model of that config too (the planner's next layout, a one-process reference), which then called
+    the cp attention without a cp group."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from parallel_layers.context_parallel.hf import ATTENTION, enable_context_parallel
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    before = cfg._attn_implementation          # what building the model resolved ("sdpa")
+    enable_context_parallel(model)
+    assert cfg._attn_implementation == before
+    held = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    assert held and all(c._attn_implementation == ATTENTION and c is not cfg for c in held)
+    ids = torch.randint(0, VOCAB, (1, 8))
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg)(ids)                 # another model of the same config runs its own attention
+    with pytest.raises(RuntimeError, match="without a cp_context"):
+        model(ids)                             # the switched one calls the cp attention

@@ -12,6 +12,7 @@ function applies causality and segments by position; see :mod:`.layout`), so no 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -62,7 +63,12 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 
 def enable_context_parallel(model: nn.Module) -> None:
-    """Register :func:`hf_attention` with transformers and make ``model``'s attention call it."""
+    """Register :func:`hf_attention` with transformers and make ``model``'s attention call it.
+
+    The model gets its own copy of its config (and of every sub-config its modules hold) first: transformers
+    keeps the config object a model was built from, so switching that one would switch every other model built
+    from it too (the planner builds one per layout from the user's config; a one-process reference model
+    shares it), and those would then call the cp attention without a cp group."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, hf_attention)
@@ -71,11 +77,18 @@ def enable_context_parallel(model: nn.Module) -> None:
         raise ValueError(f"context parallelism: {type(model).__name__} has no Hugging Face config whose attention "
                          f"implementation can be set; its attention must call "
                          f"parallel_layers.context_parallel.context_parallel_attention itself")
-    config._attn_implementation = ATTENTION
-    for sub in model.modules():           # sub-configs held by modules (some families keep their own copy)
+    copies: dict = {}                      # id(config) -> this model's own copy (deepcopy's memo: shared stays shared)
+    own = copy.deepcopy(config, copies)
+    for sub in model.modules():
         cfg = getattr(sub, "config", None)
-        if cfg is not None and cfg is not config and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = ATTENTION
+        if cfg is None or not hasattr(cfg, "_attn_implementation"):
+            continue
+        if cfg is not config and id(cfg) not in copies:     # a sub-config the top one does not hold
+            copies[id(cfg)] = copy.deepcopy(cfg, copies)
+        mine = own if cfg is config else copies[id(cfg)]
+        mine._attn_implementation = ATTENTION
+        sub.config = mine
+    own._attn_implementation = ATTENTION
 
 
 def with_context_parallel(recipe, group, method: str):
