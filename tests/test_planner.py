@@ -462,3 +462,13 @@ def test_predicted_peak_is_the_measured_one_on_gloo_ranks(dist_pools, zero, prec
         assert abs(r["peak_bytes"] - want) <= 0.04 * r["peak_bytes"], (r, pred.memory[0])
         if zero == 2:
             assert pred.memory[0]["gradients"] == r["shard_bytes"] + r["backward_grad_bytes"] + 8, (r, pred.memory[0])
+
+
+def test_asking_only_for_refused_zero_stages_says_why():
+    """``plan --zero 0 --precision bf16`` printed "0 layouts to predict" and exited 1 with no reason."""
+    from parallel_layers.planner.search import candidate_layouts
+    req = Request(GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=8), world=2,
+                  global_batch=8, seq_len=8, memory_bytes=2**30, precision="bf16")
+    with pytest.raises(ValueError, match=r"no ZeRO stage asked for can run bf16: zero=0: .*--zero 1,2,3"):
+        list(candidate_layouts(req, zero=(0,)))
+    assert {lay.zero for lay, _ in candidate_layouts(req, zero=(0, 1))} == {1}

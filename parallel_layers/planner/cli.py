@@ -91,7 +91,10 @@ def main(argv=None) -> int:
     prof = load_profile(args.profile)
     zero = [int(z) for z in args.zero.split(",")]
     ck = [{"off": False, "on": True}[c] for c in args.checkpoint.split(",")]
-    layouts = list(candidate_layouts(req, zero=zero, schedules=args.schedules.split(","), checkpoint=ck))
+    try:
+        layouts = list(candidate_layouts(req, zero=zero, schedules=args.schedules.split(","), checkpoint=ck))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     print(f"{req.describe_model()} on {req.world} ranks ({req.devices_per_node} per node, "
           f"{args.memory_gib:g} GiB each), batch {req.global_batch} x {req.seq_len}, {req.precision}; profile "
           f"{prof.name} ({'measured' if prof.measured else 'assumed efficiencies: ' + prof.notes}); "

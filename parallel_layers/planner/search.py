@@ -47,7 +47,12 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
     dp x tp x pp x cp = world; ZeRO stages the precision allows (:func:`zero_allowed`: fp32 0-3, bf16/fp16
     1-3, which keep fp32 master weights); with pp > 1, every schedule at ``pp x microbatch_factors``
     micro-batches; with pp = 1 one micro-batch; checkpointing off and on."""
-    zeros = [z for z in zero if zero_allowed(req, z) is None]
+    refused = {z: zero_allowed(req, z) for z in zero}
+    zeros = [z for z in zero if refused[z] is None]
+    if not zeros:
+        raise ValueError(f"planner: no ZeRO stage asked for can run {req.precision}: "
+                         + "; ".join(f"zero={z}: {why}" for z, why in refused.items())
+                         + " (ask for other stages, e.g. --zero 1,2,3, or another precision)")
     for dp, tp, pp in itertools.product(divisors(req.world), repeat=3):
         if req.world % (dp * tp * pp):
             continue
