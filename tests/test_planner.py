@@ -472,3 +472,21 @@ def test_asking_only_for_refused_zero_stages_says_why():
     with pytest.raises(ValueError, match=r"no ZeRO stage asked for can run bf16: zero=0: .*--zero 1,2,3"):
         list(candidate_layouts(req, zero=(0,)))
     assert {lay.zero for lay, _ in candidate_layouts(req, zero=(0, 1))} == {1}
+
+
+def test_layout_auto_children_leave_the_launchers_environment(monkeypatch):
+    """Under torchrun, ``layout="auto"``'s calibration child inherited the launcher's variables: its own ranks
+    then joined torchrun's store (TORCHELASTIC_USE_AGENT_STORE) and "did not answer within 600s", and the
+    CalledProcessError hid the child's output. The children get the environment without them, and a failed
+    child's output is in the error."""
+    from parallel_layers.composition import layout as layout_module
+    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_RUN_ID": "job"}
+    kept = layout_module.planner_environment({**torchrun, "PATH": "/bin", "OMP_NUM_THREADS": "1"})
+    assert kept == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    code = "import os, sys; print(sorted(k for k in os.environ if k in {}), file=sys.stderr); sys.exit(3)"
+    with pytest.raises(RuntimeError, match=r"calibrating failed \(exit 3\).*\n.*\n\[\]"):
+        layout_module.run_planner([sys.executable, "-c", code.format(sorted(torchrun))], "calibrating")

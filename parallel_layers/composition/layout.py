@@ -109,6 +109,27 @@ def _defaults(auto: Auto, model, world: int) -> Auto:
     return dataclasses.replace(auto, global_batch=auto.global_batch or 8 * world, seq_len=seq, memory_gib=mem)
 
 
+# what a launcher (torchrun, the test pool) tells its ranks; the planner's children start process groups of
+# their own and must not join the launcher's (TORCHELASTIC_USE_AGENT_STORE: connect to the agent's store)
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def planner_environment(env: Optional[dict] = None) -> dict:
+    """``env`` (default: this process's) without the launcher's variables, for the planner's children."""
+    env = dict(os.environ if env is None else env)
+    return {k: v for k, v in env.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+
+
+def run_planner(cmd: list, what: str) -> subprocess.CompletedProcess:
+    """Run one of the planner's commands in a child without the launcher's variables; its output in the error."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=planner_environment())
+    if proc.returncode != 0:
+        raise RuntimeError(f"Parallel3D(layout='auto'): {what} failed (exit {proc.returncode}): "
+                           f"{' '.join(cmd[1:])}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def plan_in_child(model, world: int, auto: Auto) -> Layout:
     """Run the planner in a child process; the best feasible layout (``ValueError`` when none fits)."""
     auto = _defaults(auto, model, world)
@@ -127,12 +148,11 @@ def plan_in_child(model, world: int, auto: Auto) -> Layout:
         profile = auto.profile or ("h100" if torch.cuda.is_available() else None)
         if profile is None:
             profile = os.path.join(tmp, "profile.json")
-            subprocess.run([sys.executable, "-m", "parallel_layers", "plan", "--calibrate", profile, "--world", "2"],
-                           check=True, capture_output=True, text=True)
-        proc = subprocess.run(cmd + ["--profile", profile], capture_output=True, text=True)
+            run_planner([sys.executable, "-m", "parallel_layers", "plan", "--calibrate", profile, "--world", "2"],
+                         "calibrating this machine's profile")
+        run_planner(cmd + ["--profile", profile], "the planner")
         if not os.path.exists(out):
-            raise RuntimeError(f"Parallel3D(layout='auto'): the planner failed:\n{proc.stdout[-2000:]}\n"
-                               f"{proc.stderr[-3000:]}")
+            raise RuntimeError(f"Parallel3D(layout='auto'): the planner wrote no plan to {out}")
         with open(out) as fh:
             result = json.load(fh)
     if result["best"] is None:
@@ -158,4 +178,5 @@ def resolve_layout(layout: Union[str, Auto, Layout], model) -> Layout:
     return box[0]
 
 
-__all__ = ["Layout", "Auto", "resolve_layout", "plan_in_child", "model_from_json", "model_to_json"]
+__all__ = ["Layout", "Auto", "resolve_layout", "plan_in_child", "planner_environment", "model_from_json",
+           "model_to_json"]
