@@ -490,3 +490,13 @@ def test_layout_auto_children_leave_the_launchers_environment(monkeypatch):
     code = "import os, sys; print(sorted(k for k in os.environ if k in {}), file=sys.stderr); sys.exit(3)"
     with pytest.raises(RuntimeError, match=r"calibrating failed \(exit 3\).*\n.*\n\[\]"):
         layout_module.run_planner([sys.executable, "-c", code.format(sorted(torchrun))], "calibrating")
+
+
+def test_the_search_can_leave_context_parallelism_out():
+    from parallel_layers.planner.search import candidate_layouts
+    req = Request(GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=8), world=4,
+                  global_batch=8, seq_len=8, memory_bytes=2**30)
+    every = {lay.cp for lay, _ in candidate_layouts(req)}
+    assert every == {1, 2, 4}
+    assert {lay.cp for lay, _ in candidate_layouts(req, cp=(1,))} == {1}
+    assert {lay.cp for lay, _ in candidate_layouts(req, cp=(1, 2))} == {1, 2}

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--profile", default="h100", help=f"built-in ({', '.join(BUILTIN)}) or a calibrated JSON file")
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
+    ap.add_argument("--cp", default=None, help="context-parallel sizes to consider, e.g. 1 to leave cp out (each cp "
+                    "layout's probe costs minutes on a large model); default: every size the world allows")
     ap.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES))
     ap.add_argument("--checkpoint", default="off,on", help="activation checkpointing: off, on or off,on")
     ap.add_argument("--top", type=int, default=10, help="feasible layouts to print")
@@ -92,7 +94,9 @@ def main(argv=None) -> int:
     zero = [int(z) for z in args.zero.split(",")]
     ck = [{"off": False, "on": True}[c] for c in args.checkpoint.split(",")]
     try:
-        layouts = list(candidate_layouts(req, zero=zero, schedules=args.schedules.split(","), checkpoint=ck))
+        cp = None if args.cp is None else [int(c) for c in args.cp.split(",")]
+        layouts = list(candidate_layouts(req, zero=zero, schedules=args.schedules.split(","), checkpoint=ck,
+                                         cp=cp))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     print(f"{req.describe_model()} on {req.world} ranks ({req.devices_per_node} per node, "

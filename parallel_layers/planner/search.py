@@ -42,11 +42,13 @@ def zero_allowed(req: Request, zero: int) -> Optional[str]:
 
 def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
                       schedules: Sequence[str] = PLANNED_SCHEDULES,
-                      checkpoint: Sequence[bool] = (False, True), microbatch_factors: Sequence[int] = (1, 2, 4)):
+                      checkpoint: Sequence[bool] = (False, True), microbatch_factors: Sequence[int] = (1, 2, 4),
+                      cp: Optional[Sequence[int]] = None):
     """``(layout, None)`` for every layout to predict and ``(layout, reason)`` for those that cannot run:
     dp x tp x pp x cp = world; ZeRO stages the precision allows (:func:`zero_allowed`: fp32 0-3, bf16/fp16
     1-3, which keep fp32 master weights); with pp > 1, every schedule at ``pp x microbatch_factors``
-    micro-batches; with pp = 1 one micro-batch; checkpointing off and on."""
+    micro-batches; with pp = 1 one micro-batch; checkpointing off and on; ``cp``: the context-parallel sizes
+    to consider (None: every one the world allows; ``(1,)`` leaves context parallelism out)."""
     refused = {z: zero_allowed(req, z) for z in zero}
     zeros = [z for z in zero if refused[z] is None]
     if not zeros:
@@ -56,13 +58,15 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
     for dp, tp, pp in itertools.product(divisors(req.world), repeat=3):
         if req.world % (dp * tp * pp):
             continue
-        cp = req.world // (dp * tp * pp)
+        cp_size = req.world // (dp * tp * pp)
+        if cp is not None and cp_size not in cp:
+            continue
         for sched in (schedules if pp > 1 else ("1f1b",)):
             v = schedule_spec(sched).chunks
-            reason = why_not(req, tp, pp, cp, v)
+            reason = why_not(req, tp, pp, cp_size, v)
             ms = sorted({pp * f for f in microbatch_factors}) if pp > 1 else [1]
             for m, z, ck in itertools.product(ms, zeros, checkpoint):
-                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=z, schedule=sched, num_microbatches=m, num_chunks=v,
+                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp_size, zero=z, schedule=sched, num_microbatches=m, num_chunks=v,
                              checkpoint=ck)
                 r = reason
                 if r is None and req.global_batch % (dp * m):
