@@ -13,7 +13,6 @@ Kills and stops need ranks that may die, so they run in processes of their own (
 from a server that imported torch once, a fraction of a second per rank), not in the shared pools; poisons
 run in the shared pools."""
 import datetime
-import multiprocessing
 import os
 import queue
 import signal
@@ -61,12 +60,11 @@ def _model(mesh, zero, **kw):
 
 # ---------------------------------------------------------------------- kill and stop, in processes of their own
 def _forkserver():
-    """A multiprocessing context whose processes fork from a server that imported torch and the package once."""
-    ctx = multiprocessing.get_context("forkserver")
-    # torch._dynamo: torch.optim imports it at the first optimizer built, over a second of a rank's setup
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed",
-                                "parallel_layers.composition.parallel3d", "pytest"])
-    return ctx
+    """The test pool's context: processes forked from the server that imported torch, torch._dynamo, the
+    package and pytest once (one server per process: whichever starts it first sets what it imports)."""
+    from parallel_layers.distributed.processes import start_context
+    from parallel_layers.testing.workers import PRELOAD
+    return start_context(None, PRELOAD)
 
 
 def _rank_main(rank, world, port, results, fn, args):

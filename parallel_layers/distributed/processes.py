@@ -20,7 +20,8 @@ import multiprocessing
 import os
 from typing import Dict, Mapping, Optional, Sequence
 
-BASE_PRELOAD = ("torch", "torch.distributed", "parallel_layers")
+# torch._dynamo: torch.optim imports it at the first optimizer a rank builds (over a second of its setup)
+BASE_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "parallel_layers")
 READ_AT_START = ("MALLOC_", "LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "PYTHON", "TORCH", "TRITON_", "CUDA_")
 
 # The start-up variables the forkserver was started with. multiprocessing keeps one forkserver per process,

@@ -28,8 +28,8 @@ from typing import Any, Callable, List
 
 from ..distributed.processes import adopt_environment, current_environment, start_context
 
-# what test bodies import (transformers for the Hugging Face models, when installed)
-PRELOAD = ("parallel_layers.composition.parallel3d", "transformers")
+# what test bodies import: the composition, pytest (every test module), transformers (the Hugging Face models)
+PRELOAD = ("parallel_layers.composition.parallel3d", "pytest", "transformers")
 
 
 class RankFailure(AssertionError):
