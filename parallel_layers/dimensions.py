@@ -150,5 +150,14 @@ def coordinates(rank: int, sizes: Mapping[str, int]) -> Dict[str, int]:
     return {name: out[name] for name in DIMENSIONS}
 
 
+def index_within(coords: Mapping[str, int], sizes: Mapping[str, int], dims: Sequence[str]) -> int:
+    """A rank's index among the ranks that differ from it only along ``dims`` (its rank in their group, as
+    :func:`grid_ranks` orders it): its coordinates along ``dims`` read as one mixed-radix number."""
+    index = 0
+    for name in dims:
+        index = index * sizes.get(name, 1) + coords[name]
+    return index
+
+
 __all__ = ["Dimension", "DIMENSIONS", "names", "dimension", "replicating", "check_sizes", "world_size", "describe",
-           "in_reading_order", "grid_ranks", "coordinates"]
+           "in_reading_order", "grid_ranks", "coordinates", "index_within"]

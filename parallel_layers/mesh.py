@@ -24,7 +24,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .dimensions import check_sizes, coordinates, describe, dimension, grid_ranks, replicating, world_size
+from .dimensions import (
+    check_sizes,
+    coordinates,
+    describe,
+    dimension,
+    grid_ranks,
+    index_within,
+    replicating,
+    world_size,
+)
 
 Timeout = Union[datetime.timedelta, float, int]
 
@@ -127,12 +136,9 @@ class ParallelMesh:
         split = [n for n in sizes if dimension(n).batch == "split"]
         self.batch_dims = tuple(split)
         self.batch_shards = world_size({n: sizes[n] for n in split})
-        self.batch_rank = 0
-        for name in split:
-            self.batch_rank = self.batch_rank * sizes[name] + self.coordinates[name]
-        self.replica_rank = 0                 # this rank's index among the ranks that hold its parameters
-        for name in replicating():
-            self.replica_rank = self.replica_rank * sizes[name] + self.coordinates[name]
+        self.batch_rank = index_within(self.coordinates, sizes, split)
+        # this rank's index among the ranks that hold its parameters
+        self.replica_rank = index_within(self.coordinates, sizes, replicating())
 
     def group(self, dim: str):
         """This rank's group of dimension ``dim`` (None where the mesh made none: a size-1 cp)."""
