@@ -9,7 +9,8 @@ record), the planner's ``Layout`` (its sizes and name), the demo's flags and the
 
 The order of :data:`DIMENSIONS` is the rank grid's, outermost first (Megatron-core's): pipeline stages
 outermost, tensor-parallel ranks adjacent (same node, fastest links), context-parallel ranks next to them
-(they exchange keys and values every attention call). ``rank = ((pp_rank * dp + dp_rank) * cp + cp_rank)
+(they exchange keys and values every attention call), expert-parallel ranks between data and context
+parallel ones (an all-to-all per MoE layer). ``rank = (((pp_rank * dp + dp_rank) * ep + ep_rank) * cp + cp_rank)
 * tp + tp_rank``.
 
 Adding a dimension is one :class:`Dimension` here (where it sits in the grid, what it does to parameters
@@ -24,8 +25,8 @@ from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
-PARAMS = ("replicated", "sharded", "staged")
-READING_ORDER = ("dp", "cp", "tp", "pp")
+PARAMS = ("replicated", "sharded", "staged", "experts")
+READING_ORDER = ("dp", "ep", "cp", "tp", "pp")
 BATCH = ("split", "sequence", "whole")
 
 
@@ -34,9 +35,11 @@ class Dimension:
     """One axis of the rank grid.
 
     ``params``: ``"replicated"`` (the ranks along it hold the same parameters and reduce their gradients
-    together: dp, cp), ``"sharded"`` (each holds a slice of a parameter: tp) or ``"staged"`` (each holds other
-    layers: pp). ``batch``: ``"split"`` (each rank its own sequences: dp), ``"sequence"`` (each rank its share of
-    every sequence's tokens: cp) or ``"whole"`` (the ranks see the same tokens: tp, pp). ``always_grouped``: the
+    together: dp, cp), ``"sharded"`` (each holds a slice of a parameter: tp), ``"staged"`` (each holds other
+    layers: pp) or ``"experts"`` (replicated for the dense parameters, while each rank holds its own experts of
+    every Mixture-of-Experts layer: ep). ``batch``: ``"split"`` (each rank its own sequences: dp, ep),
+    ``"sequence"`` (each rank its share of every sequence's tokens: cp) or ``"whole"`` (the ranks see the same
+    tokens: tp, pp). ``always_grouped``: the
     mesh makes its group even at size 1 (the layers that take it expect one); otherwise only when it is used.
     ``title`` and ``help`` name it in errors and in the demo's ``--<name>`` flag."""
     name: str
@@ -53,7 +56,12 @@ class Dimension:
 
     @property
     def replicates(self) -> bool:
-        """Whether the ranks along it hold the same parameters (their gradients are reduced over it)."""
+        """Whether the ranks along it hold the same dense parameters (their gradients are reduced over it)."""
+        return self.params in ("replicated", "experts")
+
+    @property
+    def replicates_experts(self) -> bool:
+        """Whether the ranks along it hold the same experts (the experts' gradients are reduced over it)."""
         return self.params == "replicated"
 
 
@@ -63,6 +71,10 @@ DIMENSIONS: Mapping[str, Dimension] = MappingProxyType({d.name: d for d in (
               "pipeline-parallel size: the model's layers cut into pp stages, micro-batches flowing through"),
     Dimension("dp", "data parallel", "replicated", "split",
               "data-parallel size: replicas (or ZeRO shards) of the model, each on its own sequences"),
+    Dimension("ep", "expert parallel", "experts", "split",
+              "expert-parallel size: every MoE layer's experts split over ep ranks, each on its own sequences "
+              "(tokens sent to their experts by all-to-all); the dense layers replicated as over dp",
+              always_grouped=False),
     Dimension("cp", "context parallel", "replicated", "sequence",
               "context-parallel size: every sequence's tokens split over cp ranks (ring or Ulysses attention)",
               always_grouped=False),
@@ -85,10 +97,11 @@ def dimension(name: str) -> Dimension:
     return dim
 
 
-def replicating() -> Tuple[str, ...]:
+def replicating(experts: bool = False) -> Tuple[str, ...]:
     """The dimensions whose ranks hold the same parameters, in grid order: their ranks together are a
-    parameter's replicas (the gradient reduction's and ZeRO's group)."""
-    return tuple(d.name for d in DIMENSIONS.values() if d.replicates)
+    parameter's replicas (the gradient reduction's and ZeRO's group). ``experts=True``: those of an expert's
+    parameters (ep left out: its ranks hold different experts)."""
+    return tuple(d.name for d in DIMENSIONS.values() if (d.replicates_experts if experts else d.replicates))
 
 
 def check_sizes(sizes: Mapping[str, object], who: str) -> Dict[str, int]:

@@ -83,24 +83,26 @@ def _new_dim_group(ranks_of_dim: List[List[int]], dim: str, timeout: datetime.ti
 
 
 class ParallelMesh:
-    """Process groups for ``dp`` x ``cp`` x ``tp`` x ``pp`` ranks (every dimension of
+    """Process groups for ``dp`` x ``ep`` x ``cp`` x ``tp`` x ``pp`` ranks (every dimension of
     :data:`~parallel_layers.dimensions.DIMENSIONS`: a declared one beyond these four is a keyword too).
 
-    ``<dim>_group`` (``dp_group``, ``cp_group``, ``tp_group``, ``pp_group``): this rank's group of each
-    dimension (None for a dimension not always grouped, like cp, at size 1); ``replica_group``: the ranks that
-    hold the same parameters (the replicating dimensions together, dp and cp: the gradient reduction's and
-    ZeRO's group; the dp group itself when the others are 1), ``replicas`` its size and ``replica_rank`` this
-    rank's index in it. ``<dim>_rank``: its coordinates; ``sizes``: every dimension's size, in grid order;
+    ``<dim>_group`` (``dp_group``, ``ep_group``, ``cp_group``, ``tp_group``, ``pp_group``): this rank's group of
+    each dimension (None for a dimension not always grouped, like ep and cp, at size 1); ``replica_group``: the
+    ranks that hold the same parameters (the replicating dimensions together, dp, ep and cp: the gradient
+    reduction's and ZeRO's group; the dp group itself when the others are 1), ``replicas`` its size and
+    ``replica_rank`` this rank's index in it; ``expert_replica_group``, ``expert_replicas`` and
+    ``expert_replica_rank``: the same for an expert's parameters (dp and cp: ep ranks hold different experts).
+    ``<dim>_rank``: its coordinates; ``sizes``: every dimension's size, in grid order;
     ``batch_shards``/``batch_rank``: how many slices the batch's rows are cut into (over the dimensions that
-    split the batch: dp) and which is this rank's. ``device_type`` defaults to ``"cuda"`` when the default
+    split the batch: dp and ep) and which is this rank's. ``device_type`` defaults to ``"cuda"`` when the default
     backend is NCCL, else ``"cpu"`` (gloo). ``timeout`` (a ``datetime.timedelta`` or seconds; default: the world
     group's): how long an operation on any of the mesh's groups waits for a peer before it raises, so a rank that
     stops answering (hung, stopped, dead) fails the others within it.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, *, device_type: Optional[str] = None,
-                 timeout: Optional[Timeout] = None, **more: int):
-        sizes = check_sizes({"dp": dp, "tp": tp, "pp": pp, "cp": cp, **more}, "ParallelMesh")
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *,
+                 device_type: Optional[str] = None, timeout: Optional[Timeout] = None, **more: int):
+        sizes = check_sizes({"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, **more}, "ParallelMesh")
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh: call torch.distributed.init_process_group first "
                                "(torchrun sets up the environment it needs)")
@@ -132,13 +134,20 @@ class ParallelMesh:
         for name, index in self.coordinates.items():
             setattr(self, f"{name}_rank", index)
         assert dist.get_rank(self.tp_group) == self.tp_rank, "mesh layout differs from the declared grid"
-        # the batch's rows are split over the dimensions that split it (dp), in grid order
+        # the batch's rows are split over the dimensions that split it (dp, ep), in grid order
         split = [n for n in sizes if dimension(n).batch == "split"]
         self.batch_dims = tuple(split)
         self.batch_shards = world_size({n: sizes[n] for n in split})
         self.batch_rank = index_within(self.coordinates, sizes, split)
         # this rank's index among the ranks that hold its parameters
         self.replica_rank = index_within(self.coordinates, sizes, replicating())
+        # an expert's replicas: the replicas above but ep (ep ranks hold different experts); the same group
+        # when ep is 1
+        self.expert_replicas = world_size({n: sizes[n] for n in replicating(experts=True)})
+        self.expert_replica_rank = index_within(self.coordinates, sizes, replicating(experts=True))
+        self.expert_replica_group = (self.replica_group if sizes.get("ep", 1) == 1 else
+                                     _new_dim_group(grid_ranks(sizes, replicating(experts=True)),
+                                                    "+".join(replicating(experts=True)), self.timeout))
 
     def group(self, dim: str):
         """This rank's group of dimension ``dim`` (None where the mesh made none: a size-1 cp)."""

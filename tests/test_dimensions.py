@@ -26,12 +26,13 @@ from parallel_layers.dimensions import (
 
 
 def test_the_declared_grid():
-    assert names() == ("pp", "dp", "cp", "tp") and replicating() == ("dp", "cp")
-    assert [DIMENSIONS[n].params for n in names()] == ["staged", "replicated", "replicated", "sharded"]
-    assert [DIMENSIONS[n].batch for n in names()] == ["whole", "split", "sequence", "whole"]
+    assert names() == ("pp", "dp", "ep", "cp", "tp") and replicating() == ("dp", "ep", "cp")
+    assert replicating(experts=True) == ("dp", "cp")          # ep ranks hold different experts
+    assert [DIMENSIONS[n].params for n in names()] == ["staged", "replicated", "experts", "replicated", "sharded"]
+    assert [DIMENSIONS[n].batch for n in names()] == ["whole", "split", "split", "sequence", "whole"]
     with pytest.raises(TypeError):
-        DIMENSIONS["ep"] = DIMENSIONS["dp"]                    # the registry is read-only
-    with pytest.raises(ValueError, match="unknown parallel dimension 'xp'; the dimensions are pp, dp, cp, tp"):
+        DIMENSIONS["xp"] = DIMENSIONS["dp"]                    # the registry is read-only
+    with pytest.raises(ValueError, match="unknown parallel dimension 'xp'; the dimensions are pp, dp, ep, cp, tp"):
         dimensions.dimension("xp")
     with pytest.raises(TypeError, match=r"ParallelMesh: unknown parallel dimension\(s\) 'xp'"):
         check_sizes({"dp": 2, "xp": 2}, "ParallelMesh")
@@ -67,9 +68,9 @@ def test_every_consumer_reads_the_declaration():
     for name in names():
         assert flags[name].help == DIMENSIONS[name].help and f"--{name} N" in entry.USAGE
     args = parser.parse_args(["--cp", "2"])
-    assert demo.mesh_sizes(args) == {"pp": 2, "dp": 2, "cp": 2, "tp": 2} and demo.world_size(args) == 16
+    assert demo.mesh_sizes(args) == {"pp": 2, "dp": 2, "ep": 1, "cp": 2, "tp": 2} and demo.world_size(args) == 16
     layout = Layout(dp=2, cp=2, pp=2, schedule="gpipe", num_microbatches=2)
-    assert layout.sizes == {"pp": 2, "dp": 2, "cp": 2, "tp": 1} and layout.world == 8
+    assert layout.sizes == {"pp": 2, "dp": 2, "ep": 1, "cp": 2, "tp": 1} and layout.world == 8
     assert layout.name() == "dp2xcp2xpp2 z0 gpipe m2"
     assert set(names()) <= set(layout.as_dict())
 
@@ -121,7 +122,7 @@ def body_toy_dimension(rank, world):
 
 def test_a_toy_dimension_is_one_declaration(dist_pools):
     for rank, out in enumerate(dist_pools(4).run(body_toy_dimension)):
-        assert out["sizes"] == {"hp": 2, "pp": 1, "dp": 2, "cp": 1, "tp": 1}, out
+        assert out["sizes"] == {"hp": 2, "pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 1}, out
         assert out["coords"]["hp"] == rank // 2 and out["coords"]["dp"] == rank % 2
         assert out["hp_ranks"] == [rank % 2, rank % 2 + 2]
         assert out["replicas"] == 4 and out["replica_ranks"] == [0, 1, 2, 3]

@@ -147,6 +147,27 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
     return chunks, tied, duplicates, (tied_group if tied else None)
 
 
+def _experts_over_mesh(model: nn.Module, mesh: ParallelMesh, num_microbatches: int) -> list:
+    """The model's Mixture-of-Experts layers set up for the mesh: with ``ep > 1`` each holds this rank's experts
+    (:func:`~parallel_layers.moe.expert_parallel.shard_experts`); the router's losses take the statistics of
+    the whole micro-batch over the replicas (dp x ep x cp), and their gradient reaches the router through
+    the layer's backward weighted ``replicas / num_microbatches`` (the gradients are averaged over the
+    replicas, and each micro-batch's losses count ``1 / num_microbatches``, as gradient accumulation over
+    the same micro-batches in one process counts them)."""
+    from ..moe.expert_parallel import moe_layers, shard_experts
+    ep = mesh.sizes.get("ep", 1)
+    group = mesh.replica_group if mesh.replicas > 1 else None
+    if ep > 1 and not shard_experts(model, mesh.ep_group, group) and not moe_layers(model):
+        raise ValueError(f"Parallel3D: ep={ep} splits the experts of Mixture-of-Experts layers, but "
+                         f"{type(model).__name__} has none (parallel_layers.moe.MoELayer; e.g. "
+                         f"GPTConfig(num_experts=...)); use ep=1 or a model with MoE layers")
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.aux_loss_group = group
+        layer.aux_loss_scale = mesh.replicas / num_microbatches
+    return layers
+
+
 def _default_loss(ignore_index: Optional[int]) -> Callable:
     """The loss of a model given without ``loss_fn``: token cross entropy as ``(sum, count)``."""
     def token_loss(logits, targets):
@@ -296,6 +317,7 @@ class Parallel3D:
             recipe = with_context_parallel(recipe, mesh.cp_group, cp_method)
         if loss_fn is None:
             loss_fn = recipe.loss(model, ignore_index) if recipe.loss is not None else _default_loss(ignore_index)
+        self.moe_layers = _experts_over_mesh(model, mesh, pipeline.num_microbatches)
         chunks, tied, duplicates, self.tied_group = _model_stages(
             model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
             boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
@@ -310,7 +332,8 @@ class Parallel3D:
         self.mode = replica_mode(self.model, self.replica_group, tied, duplicates, self.tied_group,
                                  optimizer_config=optimizer, data_parallel=data_parallel, tp_group=self.tp_group,
                                  stream_grads=mesh.pp == 1 and len(self.chunks) == 1
-                                 and (schedule == "1f1b" or pipeline.num_microbatches == 1))
+                                 and (schedule == "1f1b" or pipeline.num_microbatches == 1),
+                                 expert_group=mesh.expert_replica_group, ep=mesh.sizes.get("ep", 1))
         self.replica_check = ReplicaCheck.default() if replica_check == "default" else replica_check
         self.steps_taken = 0
         self.optimizer = self.mode.optimizer
@@ -414,9 +437,12 @@ class Parallel3D:
         if self.tp_group is not None:
             groups.append(("tp replicas", self.tp_group, [(names.get(id(p), "?"), t) for p, t, _ in held
                                                           if getattr(p, "partition_dim", None) is None]))
+        experts = [(names.get(id(p), "?"), t) for p, t, _ in held if getattr(p, "expert_parallel", False)]
+        dense = [(names.get(id(p), "?"), t) for p, t, _ in held if not getattr(p, "expert_parallel", False)]
         if self.replicas > 1 and self.mode.replicated_over_dp:
-            groups.append(("data-parallel replicas", self.replica_group,
-                           [(names.get(id(p), "?"), t) for p, t, _ in held]))
+            groups.append(("data-parallel replicas", self.replica_group, dense))
+        if experts and self.mesh.expert_replicas > 1 and self.mode.replicated_over_dp:
+            groups.append(("expert replicas", self.mesh.expert_replica_group, experts))
         if self.tied_group is not None:
             tied = []
             for p in self.mode.tied:
@@ -493,10 +519,18 @@ class Parallel3D:
         if self.scaler is not None:
             kw["inv_scale"] = self.scaler.inv_scale
         groups = [self.mesh.pp_group] if self.mesh.pp > 1 else []
-        if self.mode.shards_grads and self.replicas > 1:
+        pieces = self.mode.norm_pieces()
+        if self.mesh.sizes.get("ep", 1) > 1:
+            # the experts differ over ep: every piece is summed over all the replicas, each replicated one
+            # counted on one rank of the ranks that hold it
+            if not self.mode.shards_grads:
+                m = self.mesh
+                pieces = [p for p in pieces if (m.expert_replica_rank if getattr(p, "expert_parallel", False)
+                                                else m.replica_rank) == 0]
             groups = [self.replica_group] + groups
-        return clip_grad_norm_(self.mode.norm_pieces(), max_norm, groups=groups, tp_group=self.tp_group,
-                               apply=False, **kw)
+        elif self.mode.shards_grads and self.replicas > 1:
+            groups = [self.replica_group] + groups
+        return clip_grad_norm_(pieces, max_norm, groups=groups, tp_group=self.tp_group, apply=False, **kw)
 
     # ------------------------------------------------------------------ checkpoints (resume)
     def _rng_tracker(self):
@@ -579,9 +613,14 @@ class Parallel3D:
     def _dense_state_dict(self) -> dict:
         from ..tensor_parallel.parallelize import gather_partition, tp_partitions
         out = {}
+        ep_group = self.mesh.group("ep") if "ep" in self.mesh.sizes else None
         for chunk in self.chunks:
             parts = tp_partitions(chunk)
             for n, t in chunk.state_dict(keep_vars=True).items():
+                if ep_group is not None and getattr(t, "expert_parallel", False):
+                    t = C.all_gather_dim0(t.detach().contiguous(), ep_group)     # every expert, in order
+                    out[chunk.dense_name(n)] = chunk.dense_tensor(n, t)
+                    continue
                 t = gather_partition(t.detach(), *parts[n]) if n in parts else t.detach().clone()
                 out[chunk.dense_name(n)] = chunk.dense_tensor(n, t)
         return out

@@ -9,6 +9,14 @@ mode                   gradients over dp           optimizer
 :class:`ShardedParams` reduce-scatter (ZeRO 3)     :class:`~parallel_layers.zero.ZeroStage3Optimizer`
 =====================  ==========================  ======================================================
 
+Expert parallelism (``ep > 1``): the experts of each MoE layer (parameters flagged ``expert_parallel``) are
+held by the ranks of one expert-data-parallel group (``expert_group``: dp x cp, ep left out), the dense
+parameters by the whole replica group (dp x ep x cp). The bucketed modes keep two gradient buffers, one per
+group: the experts' in their own ``DataParallel`` (``expert_dp``), reduced (or ZeRO-sharded, their optimizer
+state with them) over the expert group, each expert's reduced gradient then divided by ``ep`` (it holds the
+tokens of all ``ep`` ranks' micro-batches, each already weighted for an average over dp x ep x cp). ZeRO-3 with experts
+is refused (:func:`replica_mode`).
+
 A step, as ``Parallel3D`` drives it: :meth:`begin_step`; the pipeline runs inside :meth:`accumulating`
 (every microbatch's backward only accumulates); :meth:`reduce` sums the tp-partial gradients of
 replicated parameters over tp (per-head q/k norms: :func:`~parallel_layers.tensor_parallel.partial_grads`),
@@ -46,6 +54,72 @@ def _torch_adamw_groups(model: nn.Module, weight_decay: float, no_decay) -> list
         if p.requires_grad:
             (plain if no_decay(name, p) else decay).append(p)
     return [{"params": decay}, {"params": plain, "weight_decay": 0.0}]
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` is an expert's parameter, held by its expert-parallel rank only."""
+    return bool(getattr(p, "expert_parallel", False))
+
+
+class _Subset(nn.Module):
+    """Some of a module's parameters (and, with ``buffers``, all its buffers), as a module whose
+    ``named_parameters`` lists only those: what a ``DataParallel`` over one kind of parameter wraps."""
+
+    def __init__(self, module: nn.Module, keep, buffers: bool):
+        super().__init__()
+        self._kept = [(n, p) for n, p in module.named_parameters() if keep(p)]
+        self._kept_buffers = list(module.buffers()) if buffers else []
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return iter([(prefix + n, p) for n, p in self._kept])
+
+    def parameters(self, recurse: bool = True):
+        return iter([p for _, p in self._kept])
+
+    def buffers(self, recurse: bool = True):
+        return iter(self._kept_buffers)
+
+
+class _Joint:
+    """Two ZeRO optimizers (the dense parameters' and the experts') driven as one: the step, the clip
+    coefficient and the skip flag reach both; ``param_groups`` lists both's groups (an LR scheduler sets
+    each); the state dict holds both."""
+
+    def __init__(self, dense, experts):
+        self.parts = (dense, experts)
+
+    @property
+    def param_groups(self) -> list:
+        return [g for o in self.parts for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for o in self.parts for k, v in o.state.items()}
+
+    def zero_grad(self, *args, **kwargs) -> None:
+        for o in self.parts:
+            o.zero_grad(*args, **kwargs)
+
+    def step(self, **kwargs) -> None:
+        for o in self.parts:
+            o.step(**kwargs)
+
+    def state_dict(self) -> dict:
+        return {"dense": self.parts[0].state_dict(), "experts": self.parts[1].state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.parts[0].load_state_dict(state["dense"])
+        self.parts[1].load_state_dict(state["experts"])
+
+    def memory_report(self) -> dict:
+        reports = [o.memory_report() for o in self.parts]
+        same = ("stage", "dp_size", "dp_rank")        # the dense optimizer's; the sizes add up
+        return {k: reports[0][k] + reports[1][k] if k not in same and isinstance(reports[0][k], (int, float))
+                else reports[0][k] for k in reports[0]}
+
+    def close_offload(self) -> None:
+        for o in self.parts:
+            getattr(o, "close_offload", lambda: None)()
 
 
 class ReplicaMode:
@@ -141,13 +215,26 @@ class _Bucketed(ReplicaMode):
     gradients (fp32 main grads) are summed and the buffer reduced over dp once."""
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, reduce_op: str, bucket_cap_mb: float,
-                 tp_group=None):
+                 tp_group=None, expert_group=None, ep: int = 1):
         super().__init__(model, dp_group, tied, duplicates, tied_group, tp_group)
-        self.dp = DataParallel(model, dp_group, reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb,
-                               first_bucket_cap_mb=min(1.0, bucket_cap_mb))
+        kw = dict(reduce_op=reduce_op, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=min(1.0, bucket_cap_mb))
+        self.ep, self.expert_dp = ep, None
+        if ep > 1 and any(is_expert(p) for p in model.parameters()):
+            self.dp = DataParallel(_Subset(model, lambda p: not is_expert(p), buffers=True), dp_group, **kw)
+            self.expert_dp = DataParallel(_Subset(model, is_expert, buffers=False), expert_group, **kw)
+        else:
+            self.dp = DataParallel(model, dp_group, **kw)
+
+    @property
+    def buffers(self) -> list:
+        """The gradient buffers: the dense parameters' (and the experts')."""
+        return [self.dp] + ([self.expert_dp] if self.expert_dp is not None else [])
 
     def accumulating(self):
-        return self.dp.no_sync()
+        stack = contextlib.ExitStack()
+        for dp in self.buffers:
+            stack.enter_context(dp.no_sync())
+        return stack
 
     def _grad_of(self, p):
         return p.main_grad
@@ -156,6 +243,13 @@ class _Bucketed(ReplicaMode):
         self.sum_partial_grads()
         self.sum_tied_grads()
         self.dp.sync_gradients()
+        if self.expert_dp is not None:
+            self.expert_dp.sync_gradients()
+            torch._foreach_mul_(self._reduced_expert_grads(), 1.0 / self.ep)
+
+    def _reduced_expert_grads(self) -> List[torch.Tensor]:
+        """Where the experts' reduced gradients are (the whole gradients here; the shard under ZeRO)."""
+        return [p.main_grad for p in self.expert_dp.buffer.params]
 
 
 class Replicated(_Bucketed):
@@ -163,24 +257,26 @@ class Replicated(_Bucketed):
     zero = 0
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: DataParallelConfig, tp_group=None):
+                 data_parallel: DataParallelConfig, tp_group=None, expert_group=None, ep: int = 1):
         super().__init__(model, dp_group, tied, duplicates, tied_group, "all_reduce", data_parallel.bucket_cap_mb,
-                         tp_group)
+                         tp_group, expert_group, ep)
         o = optimizer_config
         self.optimizer = torch.optim.AdamW(_torch_adamw_groups(model, o.weight_decay, o.no_decay), lr=o.lr,
                                            betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False)
 
     def begin_step(self) -> None:
         self.optimizer.zero_grad()
-        self.dp.zero_grad()
+        for dp in self.buffers:
+            dp.zero_grad()
 
     def norm_pieces(self) -> List[torch.Tensor]:
-        return [p for p in self.dp.buffer.params if id(p) not in self.duplicates]
+        return [p for dp in self.buffers for p in dp.buffer.params if id(p) not in self.duplicates]
 
     def step(self, clip_coef=None, grad_scale=None, found_inf=None) -> None:
         if clip_coef is not None:
             # every gradient is scaled, the last stage's tied copy included (only left out of the norm)
-            torch._foreach_mul_([p.main_grad for p in self.dp.buffer.params], clip_coef.to(self.dp.buffer.grad_dtype))
+            for dp in self.buffers:
+                torch._foreach_mul_([p.main_grad for p in dp.buffer.params], clip_coef.to(dp.buffer.grad_dtype))
         if found_inf is None or not bool(found_inf.item()):
             self.optimizer.step()
 
@@ -197,13 +293,16 @@ class ShardedGrads(_Bucketed):
     shards_grads = True
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: DataParallelConfig, tp_group=None, stream_grads: bool = False):
+                 data_parallel: DataParallelConfig, tp_group=None, stream_grads: bool = False, expert_group=None,
+                 ep: int = 1):
         super().__init__(model, dp_group, tied, duplicates, tied_group, "reduce_scatter", data_parallel.bucket_cap_mb,
-                         tp_group)
+                         tp_group, expert_group, ep)
         self.zero = data_parallel.zero
-        self.optimizer = ZeroOptimizer(self.dp, stage=self.zero, **optimizer_config.adamw_options(),
-                                       **optimizer_config.zero_options())
-        self.streams = stream_grads and self.zero == 2 and not self.tied and not self.partial
+        optimizers = [ZeroOptimizer(dp, stage=self.zero, **optimizer_config.adamw_options(),
+                                    **optimizer_config.zero_options()) for dp in self.buffers]
+        self.optimizer = optimizers[0] if len(optimizers) == 1 else _Joint(*optimizers)
+        self.streams = (stream_grads and self.zero == 2 and not self.tied and not self.partial
+                        and self.expert_dp is None)
 
     def begin_step(self) -> None:
         self.optimizer.zero_grad()
@@ -215,13 +314,17 @@ class ShardedGrads(_Bucketed):
         if not self.streams:
             super().reduce()
 
+    def _reduced_expert_grads(self) -> List[torch.Tensor]:
+        return [self.expert_dp.bucket_grad_shard(b) for b in self.expert_dp.buffer.buckets]
+
     def norm_pieces(self) -> List[torch.Tensor]:
         items = []
-        for b in self.dp.buffer.buckets:
-            shard = self.dp.bucket_grad_shard(b)
-            for p, _, start, n in b.param_shard_overlaps(self.dp.dp_rank):
-                if id(p) not in self.duplicates:
-                    items.append(_flagged(shard[start:start + n], p))
+        for dp in self.buffers:
+            for b in dp.buffer.buckets:
+                shard = dp.bucket_grad_shard(b)
+                for p, _, start, n in b.param_shard_overlaps(dp.dp_rank):
+                    if id(p) not in self.duplicates:
+                        items.append(_flagged(shard[start:start + n], p))
         return items
 
     def step(self, clip_coef=None, grad_scale=None, found_inf=None) -> None:
@@ -315,13 +418,22 @@ class ShardedParams(ReplicaMode):
 
 
 def replica_mode(model: nn.Module, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: DataParallelConfig, tp_group=None, stream_grads: bool = False) -> ReplicaMode:
+                 data_parallel: DataParallelConfig, tp_group=None, stream_grads: bool = False, expert_group=None,
+                 ep: int = 1) -> ReplicaMode:
     """The mode for ``data_parallel.zero`` (0: plain data parallelism). ``stream_grads``: the step's
     backwards are whole and each follows its own forward (one pipeline stage, 1F1B), so ZeRO-2 may reduce
-    each as it runs (:class:`ShardedGrads`) and ZeRO-3 gather and reduce unit by unit (:class:`ShardedParams`)."""
+    each as it runs (:class:`ShardedGrads`) and ZeRO-3 gather and reduce unit by unit (:class:`ShardedParams`).
+    ``expert_group`` and ``ep``: where the experts' gradients are reduced, and over how many ranks the experts
+    are split (see the module docstring)."""
     mode = {0: Replicated, 1: ShardedGrads, 2: ShardedGrads, 3: ShardedParams}[data_parallel.zero]
+    if ep > 1 and mode is ShardedParams:
+        raise ValueError(f"Parallel3D: ZeRO-3 with expert parallelism (ep={ep}) is not supported yet (the experts "
+                         f"would need their own ZeRO-3 group); use zero=1 or 2, which shard the experts' optimizer "
+                         f"state over their own data-parallel group, or ep=1")
     extra = ({"stream_grads": stream_grads} if mode is ShardedGrads else
              {"per_unit": stream_grads} if mode is ShardedParams else {})
+    if mode is not ShardedParams:
+        extra.update(expert_group=expert_group, ep=ep)
     return mode(model, dp_group, tied, duplicates, tied_group, optimizer_config=optimizer_config,
                 data_parallel=data_parallel, tp_group=tp_group, **extra)
 

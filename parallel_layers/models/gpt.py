@@ -80,10 +80,33 @@ class GPTConfig:
     bias: bool = True                   # biases of the linear layers
     init_std: float = 0.02              # std of the token and position embeddings
     seed: int = 1234                    # seed of the tensor-parallel dropout stream
+    # Mixture of experts (0: every block's MLP is dense): each block's MLP becomes an MoELayer of num_experts
+    # SwiGLU experts of moe_d_ff (default d_ff // moe_top_k: about the dense MLP's FLOPs per token), moe_top_k
+    # per token, plus num_shared_experts always on; the router's losses weighted by the coefficients
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_d_ff: Optional[int] = None
+    num_shared_experts: int = 0
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.0
+    moe_capacity_factor: Optional[float] = None
 
     def __post_init__(self):
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
+        if self.num_experts and self.moe_d_ff is None:
+            self.moe_d_ff = max(1, self.d_ff // self.moe_top_k)
+        if self.num_experts:
+            from ..moe.layer import check_layer_options
+            check_layer_options("GPTConfig", self.d_model, self.moe_d_ff, self.num_experts, self.moe_top_k,
+                                scoring="softmax", capacity_factor=self.moe_capacity_factor,
+                                aux_loss_coef=self.moe_aux_loss_coef, z_loss_coef=self.moe_z_loss_coef,
+                                num_shared_experts=self.num_shared_experts, shared_expert_gate=False,
+                                activation="silu", backend="auto")
+            if self.sequence_parallel:
+                raise ValueError("GPTConfig: num_experts > 0 with sequence_parallel=True is not supported (the "
+                                 "experts are replicated over tp and route whole sequences); set "
+                                 "sequence_parallel=False")
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -248,15 +271,29 @@ class MLP(nn.Module):
         return self.fc2(self.fc(x))
 
 
+def moe_mlp(config: GPTConfig, tp: ParallelContext) -> nn.Module:
+    """A block's Mixture-of-Experts MLP: the same whole layer on every tensor-parallel rank (its experts are
+    not split over tp; expert parallelism splits them, ``Parallel3D`` with ``ep > 1``). Its auxiliary losses
+    train through the output's backward (``aux_loss_scale = 1``: one forward, one loss)."""
+    from ..moe.layer import MoELayer
+    layer = MoELayer(config.d_model, config.moe_d_ff, config.num_experts, config.moe_top_k,
+                     capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef,
+                     z_loss_coef=config.moe_z_loss_coef, num_shared_experts=config.num_shared_experts,
+                     **tp.factory)
+    layer.aux_loss_scale = 1.0
+    return layer
+
+
 class Block(nn.Module):
-    """Pre-LN transformer block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
+    """Pre-LN transformer block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))`` (the MLP a
+    Mixture-of-Experts layer when ``config.num_experts``)."""
 
     def __init__(self, config: GPTConfig, tp: ParallelContext):
         super().__init__()
         self.ln1 = tp.layer_norm(config.d_model, config.layer_norm_eps)
         self.attn = Attention(config, tp)
         self.ln2 = tp.layer_norm(config.d_model, config.layer_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = moe_mlp(config, tp) if config.num_experts else MLP(config, tp)
         self.dropout = config.dropout
         self._tp = tp
 

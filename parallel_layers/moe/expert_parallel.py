@@ -47,7 +47,14 @@ import torch.nn as nn
 
 from ..distributed import collectives as C
 from .experts import GroupedExperts
-from .layer import MoELayer, add_shared_experts, check_layer_input, check_layer_options, shared_experts
+from .layer import (
+    MoELayer,
+    add_shared_experts,
+    attach_aux_loss,
+    check_layer_input,
+    check_layer_options,
+    shared_experts,
+)
 from .permute import permute, unpermute
 from .router import Router
 
@@ -141,6 +148,7 @@ class ExpertParallelMoE(nn.Module):
             hidden_size, intermediate_size, num_shared_experts, shared_intermediate_size, shared_expert_gate,
             activation, **kw)
         self.aux_loss: Optional[torch.Tensor] = None
+        self.aux_loss_scale: Optional[float] = None
         self.stats: Dict[str, Optional[torch.Tensor]] = {}
 
     def _mark_experts(self) -> None:
@@ -185,6 +193,7 @@ class ExpertParallelMoE(nn.Module):
         ep.load_state_dict(state)
         for mine, theirs in zip(ep.parameters(), layer.parameters()):
             mine.requires_grad_(theirs.requires_grad)
+        ep.aux_loss_scale = layer.aux_loss_scale
         return ep
 
     # ------------------------------------------------------------------ forward
@@ -200,6 +209,7 @@ class ExpertParallelMoE(nn.Module):
         expert_out, received = self._run_experts(permuted, counts)
         out = unpermute(expert_out, order, routing.weights, tokens.shape[0])
         out = add_shared_experts(out, tokens, self.shared_expert, self.shared_expert_gate)
+        out = attach_aux_loss(out, routing.loss, self.aux_loss_scale)
         self.aux_loss = routing.loss
         self.stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "counts": routing.counts,
                       "dropped": routing.dropped, "received": received}
@@ -255,3 +265,21 @@ class ExpertParallelMoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts} ({self.num_local_experts} on this "
                 f"rank of ep={self.ep_size}: {self.first_expert}..{self.first_expert + self.num_local_experts - 1})"
                 f", top_k={self.top_k}")
+
+
+def moe_layers(model: nn.Module) -> List[nn.Module]:
+    """Every Mixture-of-Experts layer of ``model`` (:class:`MoELayer` or :class:`ExpertParallelMoE`)."""
+    return [m for m in model.modules() if isinstance(m, (MoELayer, ExpertParallelMoE))]
+
+
+def shard_experts(model: nn.Module, ep_group, aux_loss_group) -> int:
+    """Replace every :class:`MoELayer` of ``model`` (in place) by its :class:`ExpertParallelMoE` over
+    ``ep_group``: this rank's experts only. Layers on the meta device (another pipeline stage's) are left
+    alone. Returns how many were replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, MoELayer) and child.router.weight.device.type != "meta":
+                setattr(parent, name, ExpertParallelMoE.from_dense(child, ep_group, aux_loss_group=aux_loss_group))
+                replaced += 1
+    return replaced

@@ -9,7 +9,9 @@ outputs back. Shared experts (Qwen2-MoE, DeepSeek) are one dense gated MLP of ``
 every token passes through; Qwen2-MoE scales its output per token by ``sigmoid(shared_expert_gate(x))``.
 
 After each forward, ``layer.aux_loss`` is the router's weighted losses (a scalar with gradient: add it to the
-training loss; zero when both coefficients are 0) and ``layer.stats`` holds detached values for logging:
+training loss; zero when both coefficients are 0; or set ``layer.aux_loss_scale = s`` and the backward of the
+layer's output adds ``s * d aux_loss`` itself, as Megatron-core's auxiliary-loss scaler does: what the
+reference GPT and ``Parallel3D`` do) and ``layer.stats`` holds detached values for logging:
 ``aux_loss``, ``z_loss`` (None when off), ``counts`` (assignments per expert) and ``dropped`` (assignments
 over capacity).
 
@@ -73,6 +75,30 @@ def add_shared_experts(out: torch.Tensor, tokens: torch.Tensor, shared: Optional
     return out + extra
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the layer's output; its backward also sends ``scale`` into the auxiliary loss, so the
+    router's losses train with whatever backward the output's loss runs (a pipeline stage's included), with
+    no term added to that loss."""
+
+    @staticmethod
+    def forward(ctx, out, aux_loss, scale: float):
+        ctx.scale, ctx.aux = scale, (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def attach_aux_loss(out: torch.Tensor, aux_loss: torch.Tensor, scale: Optional[float]) -> torch.Tensor:
+    """``out``, whose backward adds ``scale * d aux_loss`` (None: nothing attached; the caller adds
+    ``layer.aux_loss`` to its loss itself)."""
+    if scale is None or not torch.is_grad_enabled() or not aux_loss.requires_grad:
+        return out
+    return _AttachAuxLoss.apply(out, aux_loss, float(scale))
+
+
 def check_layer_input(name: str, x: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
     """``x`` is ``[..., hidden_size]`` of the layer's ``dtype`` (any dtype under autocast), else a ValueError."""
     if x.dim() < 2 or x.shape[-1] != hidden_size:
@@ -116,15 +142,25 @@ class MoELayer(nn.Module):
             hidden_size, intermediate_size, num_shared_experts, shared_intermediate_size, shared_expert_gate,
             activation, **kw)
         self.aux_loss: Optional[torch.Tensor] = None
+        self.aux_loss_scale: Optional[float] = None
+        # the group the batch is split over (data-parallel replicas): the losses then take the whole batch's
+        # statistics (:func:`~.router.route`'s ``sum_over_batch``); None: this process's tokens only
+        self.aux_loss_group = None
         self.stats: Dict[str, Optional[torch.Tensor]] = {}
+
+    def _sum_over_batch(self, stats: torch.Tensor) -> torch.Tensor:
+        from ..distributed import collectives as C
+        C.all_reduce(stats, self.aux_loss_group)
+        return stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(type(self).__name__, x, self.hidden_size, self.router.weight.dtype)
         tokens = x.reshape(-1, self.hidden_size)
-        routing = self.router(tokens)
+        routing = self.router(tokens, None if self.aux_loss_group is None else self._sum_over_batch)
         permuted, order, counts = permute(tokens, routing.experts, self.num_experts)
         out = unpermute(self.experts(permuted, counts), order, routing.weights, tokens.shape[0])
         out = add_shared_experts(out, tokens, self.shared_expert, self.shared_expert_gate)
+        out = attach_aux_loss(out, routing.loss, self.aux_loss_scale)
         self.aux_loss = routing.loss
         self.stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "counts": routing.counts,
                       "dropped": routing.dropped}

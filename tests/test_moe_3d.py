@@ -1,0 +1,122 @@
+"""Expert parallelism as a mesh dimension: the reference MoE GPT in ``Parallel3D`` at ep 2 and 4, dp x ep,
+dp x ep x pp, tp x ep, with ZeRO 0-2, against one process training the same model on the same micro-batches.
+
+Compared on every rank: the losses, the routers' auxiliary losses (each layer's, on the last micro-batch: the
+whole micro-batch's value over all ranks), and every parameter (the experts gathered over ep), within 1e-5;
+the replica check (on by default for the first steps) holds the dense parameters bit-identical over dp x ep
+and each expert over its own replicas.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# bias=False as in test_3d: the key bias's gradient is zero up to rounding, which Adam turns into full steps
+CONFIG = dict(vocab_size=64, n_layer=2, n_head=2, d_model=16, max_seq_len=8, bias=False, num_experts=4,
+              moe_top_k=2, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)
+LR, STEPS, ROWS = 1e-2, 3, 8
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, CONFIG["vocab_size"], (ROWS, 9), generator=g) for _ in range(STEPS)]
+
+
+def _moe_aux(modules) -> dict:
+    """``{router weight's dense name: the layer's last auxiliary loss}`` for ``(dense_name, module)`` pairs."""
+    from parallel_layers.moe.expert_parallel import moe_layers
+    return {name: float(layer.stats["aux_loss"]) for name, m in modules for layer in moe_layers(m)}
+
+
+def one_process(shards: int, microbatches: int):
+    """The plain GPT trained on the global batches, gradient accumulation over the micro-batches the mesh
+    runs (micro-batch m: the m-th slice of every replica's rows), AdamW and clipping as Parallel3D's."""
+    import torch.nn.functional as F
+
+    from parallel_layers.models.gpt import GPTConfig
+    from parallel_layers.moe.expert_parallel import moe_layers
+    model = GPTConfig(**CONFIG).build(seed=0)
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = 1.0 / microbatches
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False)
+    per = ROWS // shards
+    mb = per // microbatches
+    losses = []
+    for b in _batches():
+        x, y = b[:, :-1], b[:, 1:]
+        total = 0.0
+        for m in range(microbatches):
+            rows = torch.cat([torch.arange(r * per + m * mb, r * per + (m + 1) * mb) for r in range(shards)])
+            logits, _ = model(x[rows])
+            loss = F.cross_entropy(logits.flatten(0, 1), y[rows].flatten(), reduction="sum") / y.numel()
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    aux = {f"blocks.{i}.mlp.router.weight": float(layer.stats["aux_loss"])
+           for i, layer in enumerate(moe_layers(model))}
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}, aux
+
+
+def body_moe_parity(rank, world, sizes, zero, schedule, microbatches):
+    from parallel_layers import DataParallelConfig, OptimizerConfig, Parallel3D, PipelineConfig
+    from parallel_layers.models.gpt import GPTConfig
+    from parallel_layers.moe import ExpertParallelMoE
+    from parallel_layers.testing import cached_mesh
+
+    mesh = cached_mesh(**sizes)
+    p3d = Parallel3D(GPTConfig(**CONFIG), mesh, seed=0, optimizer=OptimizerConfig(lr=LR),
+                     pipeline=PipelineConfig(schedule=schedule, num_microbatches=microbatches),
+                     data_parallel=DataParallelConfig(zero=zero))
+    sharded = [m for c in p3d.chunks for m in c.modules() if isinstance(m, ExpertParallelMoE)]
+    losses = [p3d.train_step(b[:, :-1], b[:, 1:])["loss"] for b in _batches()]
+    state = p3d.dense_state_dict()
+    aux = _moe_aux([(c.dense_name(n + ".router.weight"), m) for c in p3d.chunks for n, m in c.named_modules()
+                    if n.endswith("mlp")])
+    ref_losses, ref_state, ref_aux = one_process(mesh.batch_shards, microbatches)
+    out = {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+           "param": max((state[k] - ref_state[k]).abs().max().item() for k in state),
+           "aux": max(abs(aux[k] - ref_aux[k]) for k in aux), "layers": len(aux), "params": len(state),
+           "local_experts": sorted({m.num_local_experts for m in sharded}),
+           "worst": sorted(((state[k] - ref_state[k]).abs().max().item(), k) for k in state)[-4:]}
+    return out
+
+
+CASES = {
+    "ep2": (2, dict(ep=2), 0, "1f1b", 1),
+    "ep4": (4, dict(ep=4), 0, "1f1b", 1),
+    "dp2ep2-zero1": (4, dict(dp=2, ep=2), 1, "1f1b", 1),
+    "tp2ep2-zero2": (4, dict(tp=2, ep=2), 2, "1f1b", 2),
+    "dp2ep2pp2-zero1": (8, dict(dp=2, ep=2, pp=2), 1, "1f1b", 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_gpt_trains_like_one_process(case, dist_pools):
+    world, sizes, zero, schedule, m = CASES[case]
+    ep = sizes["ep"]
+    for rank, out in enumerate(dist_pools(world).run(body_moe_parity, sizes, zero, schedule, m)):
+        assert out["local_experts"] == ([CONFIG["num_experts"] // ep] if out["layers"] else []), (rank, out)
+        assert out["loss"] < 1e-5 and out["aux"] < 1e-5 and out["param"] < 1e-5, (case, rank, out["worst"], out)
+        assert out["layers"] >= 1 and out["params"] >= 1, out
+
+
+def body_refusals(rank, world):
+    from parallel_layers import DataParallelConfig, Parallel3D
+    from parallel_layers.models.gpt import GPTConfig
+    from parallel_layers.testing import cached_mesh
+    errors = {}
+    for what, cfg, zero in (("dense", dict(CONFIG, num_experts=0), 0), ("zero3", CONFIG, 3)):
+        try:
+            Parallel3D(GPTConfig(**cfg), cached_mesh(ep=2), seed=0, data_parallel=DataParallelConfig(zero=zero))
+        except ValueError as e:
+            errors[what] = str(e)
+    return errors
+
+
+def test_expert_parallel_refusals_name_the_fix(dist_pools):
+    for errors in dist_pools(2).run(body_refusals):
+        assert "has none" in errors["dense"] and "GPTConfig(num_experts" in errors["dense"], errors
+        assert "ZeRO-3 with expert parallelism" in errors["zero3"], errors
