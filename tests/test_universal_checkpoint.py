@@ -148,7 +148,7 @@ def test_universal_checkpoint_resumes_on_another_mesh(dist_pools, tmp_path, case
     dense, opt = _reference(saving[3])
     ref = _train(dense, opt, _batches()[:SAVED_AT])
     ckpt = read_universal(path)
-    saved_mesh = dict(zip(("dp", "tp", "pp", "cp"), (*saving[0], 1)))
+    saved_mesh = dict(zip(("dp", "tp", "pp", "cp", "ep"), (*saving[0], 1, 1)))
     assert ckpt["step"] == SAVED_AT and ckpt["saved from"]["mesh"] == saved_mesh, ckpt["saved from"]
     # the checkpoint is the single-process model after 2 steps: weights and both moments, every parameter
     names = [n for n, _ in dense.named_parameters()]

@@ -10,6 +10,8 @@ Modules:
   bucket.py        pack_bucket / unpack_bucket on top of the scaled copy
   unscale_norm.py  unscale + inf/nan check + deterministic global L2 norm
   optimizer.py     flat-buffer AdamW and SGD steps
+  moe.py           Mixture-of-Experts router top-k, permutation index, row gathers and sums
+  grouped_mm.py    grouped (per-expert) matrix product and its weight gradient
 
 On CPU tensors these run only under ``TRITON_INTERPRET=1`` (set before this package is imported);
 ``_interpreter_compat`` keeps triton 3.6's interpreter working with numpy >= 2.4.
@@ -17,7 +19,11 @@ On CPU tensors these run only under ``TRITON_INTERPRET=1`` (set before this pack
 from . import _interpreter_compat  # noqa: F401  (first: it patches triton 3.6's interpreter on import)
 from .bucket import pack_bucket, unpack_bucket
 from .cast import multi_tensor_cast
+from .grouped_mm import grouped_mm, grouped_mm_weight_grad
+from .moe import moe_gather_rows, moe_permute_backward, moe_permute_index, moe_unpermute, router_topk
 from .optimizer import adamw_step, sgd_step
 from .unscale_norm import unscale_and_norm
 
-__all__ = ["adamw_step", "sgd_step", "unscale_and_norm", "multi_tensor_cast", "pack_bucket", "unpack_bucket"]
+__all__ = ["adamw_step", "sgd_step", "unscale_and_norm", "multi_tensor_cast", "pack_bucket", "unpack_bucket",
+           "router_topk", "moe_permute_index", "moe_gather_rows", "moe_unpermute", "moe_permute_backward",
+           "grouped_mm", "grouped_mm_weight_grad"]

@@ -34,6 +34,22 @@ void register_cpu_ops(pybind11::module_& m) {
   m.def("cpu_unpack_bucket", &pl_cpu::unpack_bucket,
         "Unpack (or accumulate) a flat bucket into tensors (see parallel_layers.ops.bucket)",
         "bucket"_a, "dsts"_a, "offsets"_a, "scale"_a, "accumulate"_a);
+  m.def("cpu_router_topk", &pl_cpu::router_topk,
+        "Router scores, top-k, normalisation and per-expert counts in one pass (see parallel_layers.ops.moe_routing)",
+        "logits"_a, "bias"_a, "top_k"_a, "sigmoid"_a, "norm"_a, "scale"_a, "weights"_a, "experts"_a, "counts"_a,
+        release_gil());
+  m.def("cpu_moe_permute_index", &pl_cpu::moe_permute_index,
+        "Counts and stable positions of the (token, slot) pairs by expert (see parallel_layers.ops.moe_permute)",
+        "experts"_a, "num_experts"_a, "counts"_a, "positions"_a, "order"_a, release_gil());
+  m.def("cpu_moe_gather_rows", &pl_cpu::moe_gather_rows,
+        "Rows of tokens gathered by pair order, optionally scaled (see parallel_layers.ops.moe_permute)",
+        "src"_a, "order"_a, "top_k"_a, "scale"_a, "out"_a, release_gil());
+  m.def("cpu_moe_unpermute", &pl_cpu::moe_unpermute,
+        "Weighted slot-order sum of expert rows back to tokens (see parallel_layers.ops.moe_permute)",
+        "expert_out"_a, "positions"_a, "weights"_a, "top_k"_a, "out"_a, release_gil());
+  m.def("cpu_moe_permute_backward", &pl_cpu::moe_permute_backward,
+        "Rows summed back to their tokens in position order (see parallel_layers.ops.moe_permute)",
+        "grad"_a, "positions"_a, "top_k"_a, "out"_a, release_gil());
   m.def("cpu_isa", []() { return std::string(pl_cpu::isa_name(pl_cpu::cpu_isa())); },
         "The instruction set the CPU kernels dispatch to (avx512, avx2 or default)");
   pybind11::class_<pl_cpu::GradViewChecker>(m, "GradViewChecker",

@@ -30,4 +30,14 @@ void pack_bucket(std::vector<at::Tensor> srcs, at::Tensor bucket, std::vector<in
 void unpack_bucket(at::Tensor bucket, std::vector<at::Tensor> dsts, std::vector<int64_t> offsets, at::Tensor scale,
                    bool accumulate);
 
+// moe.cpp
+void router_topk(at::Tensor logits, std::optional<at::Tensor> bias, int64_t top_k, bool sigmoid, bool norm,
+                 double scale, at::Tensor weights, at::Tensor experts, at::Tensor counts);
+void moe_permute_index(at::Tensor experts, int64_t num_experts, at::Tensor counts, at::Tensor positions,
+                       at::Tensor order);
+void moe_gather_rows(at::Tensor src, at::Tensor order, int64_t top_k, std::optional<at::Tensor> scale,
+                     at::Tensor out);
+void moe_unpermute(at::Tensor expert_out, at::Tensor positions, at::Tensor weights, int64_t top_k, at::Tensor out);
+void moe_permute_backward(at::Tensor grad, at::Tensor positions, int64_t top_k, at::Tensor out);
+
 }  // namespace pl_cpu

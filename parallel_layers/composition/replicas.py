@@ -85,8 +85,24 @@ class _Joint:
     coefficient and the skip flag reach both; ``param_groups`` lists both's groups (an LR scheduler sets
     each); the state dict holds both."""
 
-    def __init__(self, dense, experts):
+    def __init__(self, dense, experts, names):
         self.parts = (dense, experts)
+        self.names = names              # each part's parameter names (those its full state dict uses)
+
+    @property
+    def steps_taken(self) -> int:
+        return self.parts[0].steps_taken
+
+    def full_state_dict(self) -> dict:
+        """Both parts' full state dicts as one (collectives over each part's group): ``state`` by parameter
+        name, the step count."""
+        dense, experts = (o.full_state_dict() for o in self.parts)
+        return {**dense, "state": {**dense["state"], **experts["state"]}}
+
+    def load_full_state_dict(self, state: dict) -> None:
+        for o, names in zip(self.parts, self.names):
+            o.load_full_state_dict({"step": state["step"],
+                                    "state": {n: v for n, v in state["state"].items() if n in names}})
 
     @property
     def param_groups(self) -> list:
@@ -300,7 +316,8 @@ class ShardedGrads(_Bucketed):
         self.zero = data_parallel.zero
         optimizers = [ZeroOptimizer(dp, stage=self.zero, **optimizer_config.adamw_options(),
                                     **optimizer_config.zero_options()) for dp in self.buffers]
-        self.optimizer = optimizers[0] if len(optimizers) == 1 else _Joint(*optimizers)
+        self.optimizer = optimizers[0] if len(optimizers) == 1 else _Joint(
+            *optimizers, [{n for n, _ in dp.module.named_parameters()} for dp in self.buffers])
         self.streams = (stream_grads and self.zero == 2 and not self.tied and not self.partial
                         and self.expert_dp is None)
 

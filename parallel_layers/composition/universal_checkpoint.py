@@ -178,12 +178,16 @@ def dense_states(model) -> Tuple[Dict[str, Dict[str, torch.Tensor]], int]:
     and the step count. A collective over the dp and tp groups."""
     local, step = _local_states(model)
     out = {}
+    ep_group = model.mesh.group("ep") if "ep" in model.mesh.sizes else None
     for chunk in model.chunks:
         parts = tp_partitions(chunk)
         for name, p in chunk.named_parameters():
             if id(p) in model.duplicate_ids:         # the last stage's tied embedding: the first saves it
                 continue
             states = local[id(p)]
+            if ep_group is not None and getattr(p, "expert_parallel", False):
+                # every rank's experts, in order: the layer's whole [num_experts, ...] tensors
+                states = {k: C.all_gather_dim0(t.contiguous(), ep_group) for k, t in states.items()}
             if name in parts:
                 states = {k: gather_partition(t, *parts[name]) for k, t in states.items()}
             # the dense model's layout (vocabulary padding dropped, Conv1D / fused sections restored)
@@ -557,10 +561,15 @@ def check_config(config, meta: dict, directory: str) -> None:
                          + ". Build the resuming run with the saved config (meta.json, 'config')")
 
 
-def _local_slice(chunk, name: str, p: nn.Parameter, dense: torch.Tensor, parts: dict) -> torch.Tensor:
+def _local_slice(chunk, name: str, p: nn.Parameter, dense: torch.Tensor, parts: dict,
+                 ep: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """This rank's TP slice of a dense tensor (a copy: the file is memory-mapped), in the shape of ``p``
-    (vocabulary padding: zero rows)."""
+    (vocabulary padding: zero rows); an expert's parameter, this rank's experts of it (``ep``: its rank
+    and size)."""
     dense = chunk.local_tensor(name, dense)      # the parallel layer's layout (Conv1D, fused sections)
+    if getattr(p, "expert_parallel", False) and ep is not None:
+        rank, _ = ep                             # this rank's experts: rows [rank * n, (rank + 1) * n)
+        dense = dense.narrow(0, rank * p.shape[0], p.shape[0])
     if name in parts:
         dim, group, _ = parts[name]
         tp = C.world_size(group)
@@ -586,11 +595,13 @@ def _read_local(model, directory: str) -> Tuple[dict, Dict[int, tuple]]:
     files = sorted({meta["tensors"][chunk.dense_name(n)]["file"] for chunk, n, _ in mine})
     tensors = _read_files(directory, meta, files)
     local = {}
+    sizes = model.mesh.sizes
+    ep = (model.mesh.coordinates["ep"], sizes["ep"]) if sizes.get("ep", 1) > 1 else None
     for chunk in model.chunks:
         parts = tp_partitions(chunk)
         for name, p in chunk.named_parameters():
             dn = chunk.dense_name(name)
-            local[id(p)] = (p, {k: _local_slice(chunk, name, p, tensors[k][dn], parts) for k in STATES})
+            local[id(p)] = (p, {k: _local_slice(chunk, name, p, tensors[k][dn], parts, ep) for k in STATES})
     return meta, local
 
 

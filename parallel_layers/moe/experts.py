@@ -12,9 +12,14 @@ The input is :func:`~.permute.permute`'s: rows grouped by expert, ``counts[e]`` 
   It takes fp32, bf16 and fp16 with row strides that are multiples of 16 bytes; on CUDA it needs compute
   capability 8.0 or newer. torch's CPU kernel exists too, but its backward checks the gradient's strides
   only when it runs (too late to fall back), so ``"auto"`` uses it on CUDA only.
+- ``"triton"``: the Triton grouped kernel of :mod:`parallel_layers.ops.grouped_mm`, one launch for all experts
+  (tiles mapped to (expert, row tile, column tile) on the device, no host sync), fp32/bf16/fp16 of one dtype;
+  CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (how its tests run). Its sums run in tile order:
+  equal to the loop to float32 rounding, not bit for bit.
 - ``"loop"``: one ``F.linear`` per expert over its contiguous block (the CPU path, and any dtype).
 
-``"auto"`` (the default) picks the grouped kernel where it qualifies and the loop elsewhere.
+``"auto"`` (the default) picks ``torch._grouped_mm`` where it qualifies, else on CUDA the Triton kernel when
+Triton can run, else the loop (always the loop on CPU).
 :func:`grouped_mm_reference` (row by row) is the oracle both are tested against.
 """
 from __future__ import annotations
@@ -26,7 +31,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "grouped_mm", "loop")
+from ..ops import resolve_backend
+from ..ops.grouped_mm import BACKENDS as TRITON_BACKENDS
+from ..ops.grouped_mm import DTYPES as TRITON_DTYPES
+from ..ops.grouped_mm import OP as TRITON_OP
+from ..ops.grouped_mm import grouped_mm as triton_grouped_mm
+
+BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,15 +75,42 @@ def _grouped_kernel(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor)
     return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
 
 
+def _triton_unsupported(x: torch.Tensor, weights) -> str:
+    """Why the Triton grouped kernel cannot take these tensors, or '' when it can."""
+    if any(w.dtype != x.dtype for w in weights) or x.dtype not in TRITON_DTYPES:
+        return f"it takes fp32, bf16 or fp16 inputs of one dtype; got {x.dtype} and {[str(w.dtype) for w in weights]}"
+    try:
+        resolve_backend(TRITON_OP, x.device, "triton", TRITON_BACKENDS)
+    except (RuntimeError, ValueError) as err:
+        return str(err)
+    return ""
+
+
 def _choose(backend: str, x: torch.Tensor, weights) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"grouped_mm: backend={backend!r} must be one of {BACKENDS}")
     if backend == "loop":
         return "loop"
+    if backend == "triton":
+        why = _triton_unsupported(x, weights)
+        if why:
+            raise ValueError(f"grouped_mm: backend='triton' cannot run here: {why}; use backend='auto' or 'loop'")
+        return "triton"
     why = next((w for w in (grouped_mm_unsupported(x, wt, cpu=backend == "grouped_mm") for wt in weights) if w), "")
     if backend == "grouped_mm" and why:
         raise ValueError(f"grouped_mm: backend='grouped_mm' cannot run here: {why}; use backend='auto' or 'loop'")
-    return "loop" if why else "grouped_mm"
+    if not why:
+        return "grouped_mm"
+    if x.device.type == "cuda" and not _triton_unsupported(x, weights):
+        return "triton"
+    return "loop"
+
+
+def _product(choice: str, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """One grouped product by a device-side backend (no host sync)."""
+    if choice == "grouped_mm":
+        return _grouped_kernel(x, weight, counts)
+    return triton_grouped_mm(x, weight, counts, backend="triton")
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -81,8 +119,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, back
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or counts.shape != weight.shape[:1]:
         raise ValueError(f"grouped_mm: x must be [N, in], weight [E, out, in] and counts [E]; got x "
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}, counts {tuple(counts.shape)}")
-    if _choose(backend, x, [weight]) == "grouped_mm":
-        return _grouped_kernel(x, weight, counts)
+    choice = _choose(backend, x, [weight])
+    if choice != "loop":
+        return _product(choice, x, weight, counts)
     return _loop_mm(x, weight, counts.tolist())
 
 
@@ -135,10 +174,11 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"{type(self).__name__}: counts must be [num_experts={self.num_experts}]; got "
                              f"{tuple(counts.shape)}")
         act = ACTIVATIONS[self.activation]
-        if _choose(self.backend, permuted, [self.gate_proj, self.down_proj]) == "grouped_mm":
-            gate = _grouped_kernel(permuted, self.gate_proj, counts)
-            up = _grouped_kernel(permuted, self.up_proj, counts)
-            return _grouped_kernel(act(gate) * up, self.down_proj, counts)
+        choice = _choose(self.backend, permuted, [self.gate_proj, self.down_proj])
+        if choice != "loop":
+            gate = _product(choice, permuted, self.gate_proj, counts)
+            up = _product(choice, permuted, self.up_proj, counts)
+            return _product(choice, act(gate) * up, self.down_proj, counts)
         sizes = counts.tolist()                            # one host sync for the three products
         hidden = act(_loop_mm(permuted, self.gate_proj, sizes)) * _loop_mm(permuted, self.up_proj, sizes)
         return _loop_mm(hidden, self.down_proj, sizes)

@@ -12,53 +12,33 @@ so autograd carries the gradient to the hidden states, the expert outputs and th
 scatter-add of rows onto one token), so the result is deterministic on every device; it accumulates in
 fp32 at least (a bf16 model's ``k`` expert outputs are added in fp32, then rounded once).
 
-:func:`permute_reference` and :func:`unpermute_reference` are the loops the tests hold them to.
+:func:`permute_reference` and :func:`unpermute_reference` are the loops the tests hold them to. The work is
+done by the fused ops of :mod:`parallel_layers.ops.moe_permute` (C++ on CPU, Triton on CUDA, bit-identical in
+fp32 to their torch reference, plain indexing that autograd differentiates, which runs where no kernel does).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
+from ..ops.moe_permute import permute_tokens, unpermute_tokens
 
-def permute(hidden: torch.Tensor, experts: torch.Tensor, num_experts: int
+
+def permute(hidden: torch.Tensor, experts: torch.Tensor, num_experts: int, *, backend: Optional[str] = None
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hidden [T, H]`` and the router's ``experts [T, k]`` (``-1``: dropped) -> ``(permuted [N, H], order [N],
     counts [E])``: the ``N`` kept pairs' hidden states grouped by expert, each row's flat (token, slot) index,
-    and the rows of each expert (int64). One host sync (``N`` sizes the output)."""
-    if hidden.dim() != 2 or experts.dim() != 2 or experts.shape[0] != hidden.shape[0]:
-        raise ValueError(f"permute: hidden must be [T, H] and experts [T, k] with the same T; got hidden "
-                         f"{tuple(hidden.shape)} and experts {tuple(experts.shape)}")
-    top_k = experts.shape[1]
-    flat = experts.reshape(-1)
-    kept = flat >= 0
-    n_kept, largest = torch.stack([kept.sum(), flat.max() if flat.numel() else flat.new_zeros(())]).tolist()
-    if largest >= num_experts:
-        raise ValueError(f"permute: experts holds index {largest} but there are num_experts={num_experts}; the "
-                         f"router and the experts must agree on the number of experts")
-    key = torch.where(kept, flat, num_experts)              # dropped pairs sort last, then are cut off
-    order = torch.argsort(key, stable=True)[:n_kept]
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, key, torch.ones_like(key))[:num_experts]
-    return hidden.index_select(0, order // top_k), order, counts
+    and the rows of each expert (int64). One host sync (``N`` sizes the output). ``backend``: as the fused
+    ops take it (default automatic: the C++ kernels on CPU, Triton on CUDA, else the torch reference)."""
+    return permute_tokens(hidden, experts, num_experts, backend=backend)
 
 
-def unpermute(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int
-              ) -> torch.Tensor:
+def unpermute(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int, *,
+              backend: Optional[str] = None) -> torch.Tensor:
     """``expert_out [N, H]`` (rows in :func:`permute`'s order), ``weights [T, k]`` -> ``[T, H]`` in
     ``expert_out``'s dtype: ``out[t] = sum_j weights[t, j] * expert_out[position of (t, j)]``."""
-    if weights.dim() != 2 or weights.shape[0] != num_tokens:
-        raise ValueError(f"unpermute: weights must be [num_tokens, k] = [{num_tokens}, k]; got "
-                         f"{tuple(weights.shape)}")
-    if expert_out.dim() != 2 or expert_out.shape[0] != order.shape[0]:
-        raise ValueError(f"unpermute: expert_out must be [N, H] with N = len(order) = {order.shape[0]}; got "
-                         f"{tuple(expert_out.shape)}")
-    top_k, hidden = weights.shape[1], expert_out.shape[1]
-    acc = torch.promote_types(torch.promote_types(expert_out.dtype, weights.dtype), torch.float32)
-    w = weights.reshape(-1).index_select(0, order).to(acc)
-    rows = expert_out.to(acc) * w.unsqueeze(-1)
-    slots = rows.new_zeros(num_tokens * top_k, hidden).index_copy(0, order, rows)
-    return slots.view(num_tokens, top_k, hidden).sum(dim=1).to(expert_out.dtype)
+    return unpermute_tokens(expert_out, order, weights, num_tokens, backend=backend)
 
 
 def permute_reference(hidden: torch.Tensor, experts: torch.Tensor, num_experts: int

@@ -32,11 +32,15 @@ their weight 0, so the token's other experts (and the residual around the layer)
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..ops import ENV_VAR
+from ..ops.moe_routing import router_topk
 
 SCORINGS = ("softmax", "sigmoid")
 DROPPED = -1  # the expert index of an assignment dropped for capacity
@@ -81,11 +85,14 @@ def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_exp
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
-def _count(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Assignments per expert, ``[E]`` int64, by a scatter-add (no host sync, unlike ``bincount`` on CUDA)."""
-    flat = experts.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
+def route_backend(backend: Optional[str] = None) -> str:
+    """The backend :func:`route` runs its top-k on: ``backend`` if given, else the one
+    ``PARALLEL_LAYERS_BACKEND`` names, else ``"torch"``. Not the automatic fused choice: the fused kernels'
+    softmax/sigmoid use their own ``exp`` and row sums, so their weights differ from ATen's by float32 ulps
+    (the choice and counts agree), and the default keeps the bit-identity with transformers' routers."""
+    if backend is not None:
+        return backend
+    return os.environ.get(ENV_VAR, "").strip() or "torch"
 
 
 def _keep_within_capacity(experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -128,14 +135,17 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", norm_to
           expert_bias: Optional[torch.Tensor] = None, routed_scaling_factor: float = 1.0,
           capacity_factor: Optional[float] = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
           out_dtype: Optional[torch.dtype] = None, sum_over_batch: Optional[BatchSum] = None,
-          layer: str = "route") -> Routing:
+          layer: str = "route", backend: Optional[str] = None) -> Routing:
     """Route ``T`` tokens given their router ``logits [T, E]`` (see the module docstring). ``expert_bias [E]``
     (sigmoid scoring only) shifts the choice, not the weights; ``out_dtype`` is the weights' dtype (default:
     the logits'). The scores, losses and weights are computed in fp32 whatever the logits' dtype.
 
     ``sum_over_batch`` (when these ``T`` tokens are one rank's part of a batch split over ranks): a function
     that sums a detached fp64 vector over those ranks (an all-reduce); the losses then take the whole
-    batch's ``f``, ``P``, z sum and token count (see :func:`_batch_sums`)."""
+    batch's ``f``, ``P``, z sum and token count (see :func:`_batch_sums`).
+
+    ``backend``: who computes scores, top-k, weights and counts (:func:`~parallel_layers.ops.moe_routing.router_topk`);
+    see :func:`route_backend` for the default."""
     if logits.dim() != 2:
         raise ValueError(f"{layer}: logits must be [tokens, num_experts]; got shape {tuple(logits.shape)}")
     num_tokens, num_experts = logits.shape
@@ -144,29 +154,19 @@ def route(logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", norm_to
     if expert_bias is not None and scoring != "sigmoid":
         raise ValueError(f"{layer}: expert_bias steers only scoring='sigmoid' (DeepSeek-V3); got scoring={scoring!r}")
     logits32 = logits.float()
-    if scoring == "softmax":
-        probs = torch.softmax(logits32, dim=-1)
-        weights, experts = torch.topk(probs, top_k, dim=-1)
-        if norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    else:
-        scores = torch.sigmoid(logits32)
-        choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
-        experts = torch.topk(choice, top_k, dim=-1).indices
-        weights = scores.gather(1, experts)
-        if norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    if routed_scaling_factor != 1.0:
-        weights = weights * routed_scaling_factor
-
-    routed = _count(experts, num_experts)
+    weights, experts, routed = router_topk(logits, top_k, scoring, norm_topk_prob, expert_bias,
+                                           routed_scaling_factor, backend=route_backend(backend))
     loss = logits32.new_zeros(())
     aux = z = None
     f_sum = routed.to(torch.float32)                 # the numerators of f, P and z, and their denominator
     p_sum = z_sum = None
     rows = max(num_tokens, 1)
     if aux_loss_coef > 0:
-        p = probs if scoring == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        if scoring == "softmax":
+            p = torch.softmax(logits32, dim=-1)
+        else:
+            scores = torch.sigmoid(logits32)
+            p = scores / scores.sum(dim=-1, keepdim=True)
         p_sum = p.sum(dim=0)
     if z_loss_coef > 0:
         z_sum = torch.logsumexp(logits32, dim=-1).square().sum()

@@ -10,9 +10,12 @@ from .block_attention import block_attention_backward, block_attention_forward
 from .bucket import pack_bucket, unpack_bucket
 from .cast import multi_tensor_cast
 from .linear import fused_linear, fused_linear_backend
+from .moe_permute import permute_tokens, unpermute_tokens
+from .moe_routing import router_topk
 from .optimizer_step import adamw_step, sgd_step
 from .unscale_norm import unscale_and_norm
 
 __all__ = ["BACKENDS", "ENV_VAR", "resolve_backend", "adamw_step", "sgd_step", "unscale_and_norm",
            "multi_tensor_cast", "pack_bucket", "unpack_bucket", "fused_linear", "fused_linear_backend",
-           "block_attention_forward", "block_attention_backward", "batch_stats", "backend_kernel", "scalar_tensor"]
+           "block_attention_forward", "block_attention_backward", "batch_stats", "backend_kernel", "scalar_tensor",
+           "router_topk", "permute_tokens", "unpermute_tokens"]
