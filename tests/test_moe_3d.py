@@ -163,3 +163,34 @@ def test_universal_checkpoint_reshards_experts_across_ep_sizes(saving, resuming,
         assert max(abs(a - b) for a, b in zip(before + after, ref_losses)) < 1e-5, (r, before, after, ref_losses)
         worst = max((state[k] - ref_state[k]).abs().max().item() for k in state)
         assert worst < 1e-5, (r, worst)
+
+
+def test_demo_trains_the_moe_gpt_with_expert_parallelism(tmp_path):
+    """``demo --model moe --ep 2``: the MoE GPT at ep2 x pp2 with ZeRO-1 agrees with one process (which
+    accumulates the same micro-batches), and its universal checkpoint holds every expert."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out, save = tmp_path / "demo", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "parallel_layers", "demo", "--model", "moe", "--ep", "2", "--dp", "1", "--tp", "1",
+           "--pp", "2", "--zero", "1", "--steps", "3", "--n-layer", "2", "--d-model", "16", "--n-head", "2",
+           "--seq-len", "16", "--batch-size", "8", "--microbatches", "2", "--corpus-bytes", "200000",
+           "--eval-interval", "0", "--out", str(out), "--no-progress", "--save", str(save)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3D run (moe): dp=1 ep=2 tp=1 pp=2, zero=1" in proc.stdout and "losses and validation losses agree" in \
+        proc.stdout, proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["agree"] is True and len(summary["losses"]["parallel"]) == 3
+    meta = json.loads((save / "iter_0000003" / "meta.json").read_text())
+    assert meta["tensors"]["blocks.1.mlp.experts.down_proj"]["shape"][0] == 4, meta["tensors"]
+
+
+def test_demo_refuses_ep_without_experts():
+    from parallel_layers.cli import demo
+    args = demo.build_parser().parse_args(["--ep", "2"])
+    with pytest.raises(SystemExit, match="--ep 2 splits the experts of an MoE model: use --model moe"):
+        demo.check_args(args)

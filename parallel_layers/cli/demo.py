@@ -58,7 +58,7 @@ from ..distributed.processes import start_context
 from ..pipeline.schedules import schedule_names, schedule_spec
 from ..testing.compare import worst as worst_error
 from ..testing.workers import free_port
-from .demo_models import MODELS, lm_loss, model_description, parallel_model, reference
+from .demo_models import MODELS, lm_loss, model_description, parallel_model, reference, reference_microbatches
 
 FP32_RTOL = 1e-4          # per-step relative loss agreement in fp32 (rounding only)
 BF16_RTOL = 5e-2          # bf16 model (fp32 master weights) against the fp32 reference
@@ -143,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train the reference GPT with dp x tp x pp parallelism on the "
                                             "Python standard library's sources and compare with one process.")
     p.add_argument("--model", default="gpt", choices=MODELS,
-                   help="gpt: the reference GPT; llama: transformers' LlamaForCausalLM of the same sizes")
+                   help="gpt: the reference GPT; moe: the reference GPT with Mixture-of-Experts MLPs (--experts, "
+                        "--top-k; split over --ep); llama: transformers' LlamaForCausalLM of the same sizes")
+    p.add_argument("--experts", type=int, default=4, help="with --model moe: experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2, help="with --model moe: experts each token goes to")
     for name, _ in in_reading_order({}):        # a flag per parallel dimension (parallel_layers.dimensions)
         p.add_argument(f"--{name}", type=int, default=DEFAULT_SIZES.get(name, 1), help=dimension(name).help)
     p.add_argument("--cp-method", default="ring", choices=("ring", "ulysses"),
@@ -228,13 +231,26 @@ def world_size(args) -> int:
     return sizes_world(mesh_sizes(args))
 
 
+def batch_shards(args) -> int:
+    """Into how many replicas' rows the global batch is cut (the dimensions that split it: dp, ep)."""
+    return sizes_world({n: getattr(args, n) for n in names() if dimension(n).batch == "split"})
+
+
 def check_args(args) -> None:
     world = world_size(args)
     chunks = schedule_spec(args.schedule).chunks
     errs = []
-    if args.batch_size % (args.dp * args.microbatches):
-        errs.append(f"--batch-size {args.batch_size} must be a multiple of dp x microbatches = "
-                    f"{args.dp * args.microbatches}")
+    shards = batch_shards(args)
+    if args.batch_size % (shards * args.microbatches):
+        errs.append(f"--batch-size {args.batch_size} must be a multiple of dp x ep x microbatches = "
+                    f"{shards * args.microbatches}")
+    if args.ep > 1 and args.model != "moe":
+        errs.append(f"--ep {args.ep} splits the experts of an MoE model: use --model moe")
+    if args.model == "moe" and (args.experts % args.ep or not 1 <= args.top_k <= args.experts):
+        errs.append(f"--experts {args.experts} must be a multiple of --ep {args.ep}, and --top-k {args.top_k} "
+                    f"between 1 and --experts")
+    if args.model == "moe" and args.zero == 3 and args.ep > 1:
+        errs.append("--zero 3 with --ep > 1 is not supported yet: use --zero 1 or 2")
     if args.n_head % args.tp or (4 * args.d_model) % args.tp or 256 % args.tp:
         errs.append(f"--n-head {args.n_head} and 4 x d_model must divide by --tp {args.tp}")
     if args.n_layer < args.pp * chunks or (chunks > 1 and args.n_layer % (args.pp * chunks)):
@@ -518,9 +534,15 @@ def _worker(rank: int, world: int, args, port: int) -> None:
 
 
 # ---------------------------------------------------------------------- the reference
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss.detach()
+
+
 def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = None, freeze=None):
     """The single-process run: ``(losses, val_losses)`` (``[[step, loss], ...]``, empty without ``val``).
     ``freeze``: the parallel run's layout changes (``--freeze``), whose freezes it replays."""
+    from ..moe.expert_parallel import moe_layers
     from .demo_support import freeze_steps, replay_freeze
     freezes = freeze_steps(freeze)
     model, loss_of = reference(args)
@@ -528,11 +550,18 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
                             weight_decay=args.weight_decay, foreach=False)
     losses, val_losses = [], []
     evals, val_batches = validation_plan(val, args)
+    microbatches = reference_microbatches(args, batch_shards(args))
+    if microbatches is not None:            # the router losses over each micro-batch, as the parallel run
+        for layer in moe_layers(model):
+            layer.aux_loss_scale = 1.0 / len(microbatches)
     for step in range(args.steps):
         x, y = get_batch(corpus, step, args.batch_size, args.seq_len, args.seed)
         replay_freeze(model, freezes, step)
-        loss = loss_of(model, x, y)
-        loss.backward()
+        if microbatches is None:
+            loss = loss_of(model, x, y)
+            loss.backward()
+        else:                               # gradient accumulation: each micro-batch's mean, weighted by its rows
+            loss = sum(_backward(loss_of(model, x[rows], y[rows]) * (len(rows) / len(x))) for rows in microbatches)
         if args.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
@@ -717,7 +746,7 @@ def main(argv=None) -> int:
           f"one thread each", flush=True)
     t0 = time.perf_counter()
     # the ranks fork from a server that imported torch and the demo once (not a fresh interpreter each)
-    ctx = start_context(None, ("parallel_layers.cli.demo",) + (("transformers",) if args.model != "gpt" else ()))
+    ctx = start_context(None, ("parallel_layers.cli.demo",) + (("transformers",) if args.model == "llama" else ()))
     mp.start_processes(_worker, args=(world, args, free_port()), nprocs=world, join=True,
                        start_method=ctx.get_start_method())
     wall = time.perf_counter() - t0

@@ -40,10 +40,11 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from ..composition.universal_checkpoint import CheckpointError, iteration_dir, write_universal
+from ..composition.universal_checkpoint import CheckpointError, iteration_dir, snapshot_universal, write_universal
 from .local_shards import groups_to_mirror
-from .local_snapshot import assemble_universal, snapshot_local_universal
+from .local_snapshot import LocalUniversalSnapshot, assemble_universal, snapshot_local_universal
 from .per_rank import snapshot_per_rank, write_per_rank
+from .resume_state import capture
 from .run_dir import prune
 from .writer_groups import WriterGroups
 
@@ -101,7 +102,11 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         self.wait()
         t1 = time.perf_counter()
-        if self.format == "universal":
+        if self.format == "universal" and _experts_split(self.model):
+            # the experts are gathered over ep on the model's groups, in this thread (the assembly from local
+            # pieces knows dp, cp and tp only); the writer thread then only writes
+            snap = snapshot_universal(self.model, iteration, capture(self.model, data))
+        elif self.format == "universal":
             snap = snapshot_local_universal(self.model, iteration, data)
         else:
             snap = snapshot_per_rank(self.model, iteration, data)
@@ -144,9 +149,10 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         try:
             if self.format == "universal":
-                t_gather = time.perf_counter()
-                snap = assemble_universal(snap, self.groups, rec.path)
-                rec.gather_s = time.perf_counter() - t_gather
+                if isinstance(snap, LocalUniversalSnapshot):
+                    t_gather = time.perf_counter()
+                    snap = assemble_universal(snap, self.groups, rec.path)
+                    rec.gather_s = time.perf_counter() - t_gather
                 write_universal(snap, rec.path, self.group, latest_root=self.root)
             else:
                 write_per_rank(snap, rec.path, self.group, latest_root=self.root)
@@ -156,6 +162,11 @@ class AsyncCheckpointer:
             rec.error = f"{type(exc).__name__}: {exc}"
         finally:
             rec.write_s = time.perf_counter() - t0
+
+
+def _experts_split(model) -> bool:
+    """Whether ``model`` (a ``Parallel3D``) holds experts split over ep ranks."""
+    return model.mesh.sizes.get("ep", 1) > 1
 
 
 def bandwidth(rec: SaveRecord) -> Optional[float]:
