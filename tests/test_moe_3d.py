@@ -23,9 +23,11 @@ def _batches():
 
 
 def _moe_aux(modules) -> dict:
-    """``{router weight's dense name: the layer's last auxiliary loss}`` for ``(dense_name, module)`` pairs."""
+    """``{router weight's dense name: (the layer's last auxiliary loss, its tokens' experts)}`` for
+    ``(dense_name, module)`` pairs."""
     from parallel_layers.moe.expert_parallel import moe_layers
-    return {name: float(layer.stats["aux_loss"]) for name, m in modules for layer in moe_layers(m)}
+    return {name: (float(layer.stats["aux_loss"]), layer.stats["experts"]) for name, m in modules
+            for layer in moe_layers(m)}
 
 
 def one_process(shards: int, microbatches: int):
@@ -55,7 +57,7 @@ def one_process(shards: int, microbatches: int):
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    aux = {f"blocks.{i}.mlp.router.weight": float(layer.stats["aux_loss"])
+    aux = {f"blocks.{i}.mlp.router.weight": (float(layer.stats["aux_loss"]), layer.stats["experts"])
            for i, layer in enumerate(moe_layers(model))}
     return losses, {k: v.detach() for k, v in model.state_dict().items()}, aux
 
@@ -76,9 +78,16 @@ def body_moe_parity(rank, world, sizes, zero, schedule, microbatches):
     aux = _moe_aux([(c.dense_name(n + ".router.weight"), m) for c in p3d.chunks for n, m in c.named_modules()
                     if n.endswith("mlp")])
     ref_losses, ref_state, ref_aux = one_process(mesh.batch_shards, microbatches)
+    # routing decisions, token by token: this rank's tokens of the last micro-batch are the batch_rank-th
+    # slice of the one-process micro-batch's
+    same_routes = []
+    for k, (_, experts) in aux.items():
+        n = experts.shape[0]
+        same_routes.append(torch.equal(experts, ref_aux[k][1][mesh.batch_rank * n:(mesh.batch_rank + 1) * n]))
     out = {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
            "param": max((state[k] - ref_state[k]).abs().max().item() for k in state),
-           "aux": max(abs(aux[k] - ref_aux[k]) for k in aux), "layers": len(aux), "params": len(state),
+           "aux": max(abs(aux[k][0] - ref_aux[k][0]) for k in aux), "layers": len(aux), "params": len(state),
+           "same_routes": same_routes,
            "local_experts": sorted({m.num_local_experts for m in sharded}),
            "worst": sorted(((state[k] - ref_state[k]).abs().max().item(), k) for k in state)[-4:]}
     return out
@@ -100,7 +109,7 @@ def test_expert_parallel_gpt_trains_like_one_process(case, dist_pools):
     for rank, out in enumerate(dist_pools(world).run(body_moe_parity, sizes, zero, schedule, m)):
         assert out["local_experts"] == ([CONFIG["num_experts"] // ep] if out["layers"] else []), (rank, out)
         assert out["loss"] < 1e-5 and out["aux"] < 1e-5 and out["param"] < 1e-5, (case, rank, out["worst"], out)
-        assert out["layers"] >= 1 and out["params"] >= 1, out
+        assert out["layers"] >= 1 and out["params"] >= 1 and all(out["same_routes"]), out
 
 
 def body_refusals(rank, world):

@@ -212,7 +212,7 @@ class ExpertParallelMoE(nn.Module):
         out = attach_aux_loss(out, routing.loss, self.aux_loss_scale)
         self.aux_loss = routing.loss
         self.stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "counts": routing.counts,
-                      "dropped": routing.dropped, "received": received}
+                      "dropped": routing.dropped, "experts": routing.experts, "received": received}
         return out.reshape(x.shape)
 
     def _run_experts(self, permuted: torch.Tensor, counts: torch.Tensor):

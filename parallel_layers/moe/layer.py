@@ -12,8 +12,8 @@ After each forward, ``layer.aux_loss`` is the router's weighted losses (a scalar
 training loss; zero when both coefficients are 0; or set ``layer.aux_loss_scale = s`` and the backward of the
 layer's output adds ``s * d aux_loss`` itself, as Megatron-core's auxiliary-loss scaler does: what the
 reference GPT and ``Parallel3D`` do) and ``layer.stats`` holds detached values for logging:
-``aux_loss``, ``z_loss`` (None when off), ``counts`` (assignments per expert) and ``dropped`` (assignments
-over capacity).
+``aux_loss``, ``z_loss`` (None when off), ``counts`` (assignments per expert), ``dropped`` (assignments
+over capacity) and ``experts`` (each token's chosen experts, ``[tokens, k]``, -1 where dropped).
 
 ``from_hf_mixtral``, ``from_hf_qwen2_moe``, ``from_hf_qwen3_moe`` and ``from_hf_olmoe`` build the layer from a
 transformers 5.x sparse MoE block with its weights (:mod:`.hf`); ``hf_state_dict`` names tensors back.
@@ -163,7 +163,7 @@ class MoELayer(nn.Module):
         out = attach_aux_loss(out, routing.loss, self.aux_loss_scale)
         self.aux_loss = routing.loss
         self.stats = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "counts": routing.counts,
-                      "dropped": routing.dropped}
+                      "dropped": routing.dropped, "experts": routing.experts}
         return out.reshape(x.shape)
 
     # ------------------------------------------------------------------ transformers blocks
