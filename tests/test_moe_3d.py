@@ -99,6 +99,8 @@ CASES = {
     "dp2ep2-zero1": (4, dict(dp=2, ep=2), 1, "1f1b", 1),
     "tp2ep2-zero2": (4, dict(tp=2, ep=2), 2, "1f1b", 2),
     "dp2ep2pp2-zero1": (8, dict(dp=2, ep=2, pp=2), 1, "1f1b", 2),
+    "dp2ep2-zero3": (4, dict(dp=2, ep=2), 3, "1f1b", 2),
+    "ep2pp2-zero3": (4, dict(ep=2, pp=2), 3, "1f1b", 2),
 }
 
 
@@ -117,7 +119,7 @@ def body_refusals(rank, world):
     from parallel_layers.models.gpt import GPTConfig
     from parallel_layers.testing import cached_mesh
     errors = {}
-    for what, cfg, zero in (("dense", dict(CONFIG, num_experts=0), 0), ("zero3", CONFIG, 3)):
+    for what, cfg, zero in (("dense", dict(CONFIG, num_experts=0), 0),):
         try:
             Parallel3D(GPTConfig(**cfg), cached_mesh(ep=2), seed=0, data_parallel=DataParallelConfig(zero=zero))
         except ValueError as e:
@@ -128,7 +130,6 @@ def body_refusals(rank, world):
 def test_expert_parallel_refusals_name_the_fix(dist_pools):
     for errors in dist_pools(2).run(body_refusals):
         assert "has none" in errors["dense"] and "GPTConfig(num_experts" in errors["dense"], errors
-        assert "ZeRO-3 with expert parallelism" in errors["zero3"], errors
 
 
 # ---------------------------------------------------------------------- universal checkpoints across ep sizes
@@ -156,12 +157,13 @@ def body_resume_moe(rank, world, sizes, zero, path):
     return losses, model.dense_state_dict()
 
 
-@pytest.mark.parametrize("saving,resuming", [((dict(ep=2), 1), (dict(ep=4), 0))], ids=["ep2-zero1-to-ep4"])
+@pytest.mark.parametrize("saving,resuming", [((dict(ep=2), 1), (dict(ep=4), 0)), ((dict(ep=2), 3), (dict(dp=2), 1))],
+                         ids=["ep2-zero1-to-ep4", "ep2-zero3-to-dp2-zero1"])
 def test_universal_checkpoint_reshards_experts_across_ep_sizes(saving, resuming, dist_pools, tmp_path):
     from parallel_layers.composition.universal_checkpoint import read_universal
     from parallel_layers.testing import WorkerPool
     path = str(tmp_path / "ckpt")
-    world = lambda sizes: sizes["ep"] * sizes.get("dp", 1)          # noqa: E731
+    world = lambda sizes: sizes.get("ep", 1) * sizes.get("dp", 1)          # noqa: E731
     saved = dist_pools(world(saving[0])).run(body_save_moe, *saving, path)
     with WorkerPool(world(resuming[0])) as pool:                     # new processes, another ep size
         resumed = pool.run(body_resume_moe, *resuming, path)

@@ -249,8 +249,6 @@ def check_args(args) -> None:
     if args.model == "moe" and (args.experts % args.ep or not 1 <= args.top_k <= args.experts):
         errs.append(f"--experts {args.experts} must be a multiple of --ep {args.ep}, and --top-k {args.top_k} "
                     f"between 1 and --experts")
-    if args.model == "moe" and args.zero == 3 and args.ep > 1:
-        errs.append("--zero 3 with --ep > 1 is not supported yet: use --zero 1 or 2")
     if args.n_head % args.tp or (4 * args.d_model) % args.tp or 256 % args.tp:
         errs.append(f"--n-head {args.n_head} and 4 x d_model must divide by --tp {args.tp}")
     if args.n_layer < args.pp * chunks or (chunks > 1 and args.n_layer % (args.pp * chunks)):

@@ -14,8 +14,8 @@ held by the ranks of one expert-data-parallel group (``expert_group``: dp x cp, 
 parameters by the whole replica group (dp x ep x cp). The bucketed modes keep two gradient buffers, one per
 group: the experts' in their own ``DataParallel`` (``expert_dp``), reduced (or ZeRO-sharded, their optimizer
 state with them) over the expert group, each expert's reduced gradient then divided by ``ep`` (it holds the
-tokens of all ``ep`` ranks' micro-batches, each already weighted for an average over dp x ep x cp). ZeRO-3 with experts
-is refused (:func:`replica_mode`).
+tokens of all ``ep`` ranks' micro-batches, each already weighted for an average over dp x ep x cp). ZeRO-3
+shards the experts with a second ``ZeroStage3`` over the expert group (the first ``ignore``s them).
 
 A step, as ``Parallel3D`` drives it: :meth:`begin_step`; the pipeline runs inside :meth:`accumulating`
 (every microbatch's backward only accumulates); :meth:`reduce` sums the tp-partial gradients of
@@ -366,27 +366,53 @@ class ShardedParams(ReplicaMode):
     replicated_over_dp = False
 
     def __init__(self, model, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
-                 data_parallel: Optional[DataParallelConfig] = None, tp_group=None, per_unit: bool = False):
+                 data_parallel: Optional[DataParallelConfig] = None, tp_group=None, per_unit: bool = False,
+                 expert_group=None, ep: int = 1):
         super().__init__(model, dp_group, tied, duplicates, tied_group, tp_group)
-        self.per_unit = bool(per_unit) and not self.tied and len(model) == 1
+        experts = [m for m in model.modules() if any(is_expert(p) for p in m.parameters(recurse=False))]
+        self.ep = ep if experts else 1
+        self.per_unit = bool(per_unit) and not self.tied and len(model) == 1 and self.ep == 1
         # one wrapper over all of this rank's stages: units = every block, root = the rest (no gradient
         # buckets: data_parallel's bucket_cap_mb does not apply); gradients reduced in its default reduce_dtype,
         # fp32 for every model dtype Parallel3D allows with ZeRO-3. Per unit it wraps the stage itself, whose
-        # forward (the pipeline engine calls it) gathers the root.
-        self.z = ZeroStage3(model[0] if self.per_unit else model, dp_group, prefetch=self.per_unit)
-        self.optimizer = ZeroStage3Optimizer(self.z, **optimizer_config.adamw_options(),
-                                             **optimizer_config.zero_options())
+        # forward (the pipeline engine calls it) gathers the root. With experts split over ep, a second wrapper
+        # shards them over their own group (each expert module a unit), the first leaves them alone.
+        options = dict(**optimizer_config.adamw_options(), **optimizer_config.zero_options())
+        self.z = ZeroStage3(model[0] if self.per_unit else model, dp_group, prefetch=self.per_unit,
+                            ignore=is_expert if self.ep > 1 else None)
+        self.expert_z = None
+        if self.ep > 1:
+            self.expert_z = ZeroStage3(nn.ModuleList(experts), expert_group, prefetch=False)
+            self.optimizer = _Joint(ZeroStage3Optimizer(self.z, **options),
+                                    ZeroStage3Optimizer(self.expert_z, **options),
+                                    [{n for n, _ in z.managed_named_parameters()} for z in self.wrappers])
+        else:
+            self.optimizer = ZeroStage3Optimizer(self.z, **options)
+
+    @property
+    def wrappers(self) -> list:
+        """The ZeRO-3 wrappers: the dense parameters' (and the experts')."""
+        return [self.z] + ([self.expert_z] if self.expert_z is not None else [])
+
+    def _pieces(self):
+        """``(wrapper, param, offset, start, numel)`` of every piece of this rank's shards."""
+        opts = self.optimizer.parts if self.expert_z is not None else (self.optimizer,)
+        return [(z, p, offset, start, n) for z, opt in zip(self.wrappers, opts)
+                for p, offset, start, n in opt.shard_pieces()]
 
     def begin_step(self) -> None:
         self.optimizer.zero_grad()                 # frees the gradient shard
         if not self.per_unit:
-            self.z.gather_all()                    # once per step, kept for every microbatch
+            for z in self.wrappers:
+                z.gather_all()                     # once per step, kept for every microbatch
 
     def abandon_step(self) -> None:
-        self.z.release_gathered()                  # no collective: the other ranks may never get there
+        for z in self.wrappers:
+            z.release_gathered()                   # no collective: the other ranks may never get there
 
     def _grad_of(self, p):
         return self.z.accumulated_grad(p)          # fp32 for a bf16 model, not autograd's bf16 .grad
+                                                   # (the tp-partial and tied ones are never experts)
 
     def _tied_grad(self, p):
         return self.z.accumulated_grad(p, create=True)   # zeros where one end did not use the weight this step
@@ -401,37 +427,51 @@ class ShardedParams(ReplicaMode):
         self.sum_partial_grads()                   # on the full gradients
         self.sum_tied_grads()
         self.z.reduce_scatter_and_free()           # once per step, over dp; reshard
+        if self.expert_z is not None:
+            self.expert_z.reduce_scatter_and_free()
+            self.expert_z.grad_buffer.mul_(1.0 / self.ep)     # see the module docstring
 
     def norm_pieces(self) -> List[torch.Tensor]:
-        return [_flagged(self.z.grad_buffer[start:start + n], p)
-                for p, _, start, n in self.optimizer.shard_pieces() if id(p) not in self.duplicates]
+        return [_flagged(z.grad_buffer[start:start + n], p)
+                for z, p, _, start, n in self._pieces() if id(p) not in self.duplicates]
 
     def step(self, clip_coef=None, grad_scale=None, found_inf=None) -> None:
         self.optimizer.step(clip_coef=clip_coef, grad_scale=grad_scale, found_inf=found_inf)
 
     @contextlib.contextmanager
     def forward_only(self):
-        self.z.gather_all()
+        for z in self.wrappers:
+            z.gather_all()
         try:
             yield
         finally:
-            self.z.release_gathered()              # nothing to reduce: free the gathered parameters
+            for z in self.wrappers:
+                z.release_gathered()               # nothing to reduce: free the gathered parameters
 
+    @contextlib.contextmanager
     def full_parameters(self):
-        return self.z.summon_full_params()
+        with contextlib.ExitStack() as stack:
+            for z in self.wrappers:
+                stack.enter_context(z.summon_full_params())
+            yield
 
     def optimizer_names(self) -> dict:
-        return {id(p): n for n, p in self.z.module.named_parameters()}
+        return {id(p): n for z in self.wrappers for n, p in z.managed_named_parameters()}
 
     def held_tensors(self) -> List[tuple]:
-        return [(p, self.z.shard_buffer[start:start + n], offset)
-                for p, offset, start, n in self.optimizer.shard_pieces()]
+        return [(p, z.shard_buffer[start:start + n], offset) for z, p, offset, start, n in self._pieces()]
 
     def model_state_dict(self) -> dict:
-        return self.z.state_dict()
+        if self.expert_z is None:
+            return self.z.state_dict()
+        return {"dense": self.z.state_dict(), "experts": self.expert_z.state_dict()}
 
     def load_model_state_dict(self, state: dict) -> None:
-        self.z.load_state_dict(state)
+        if self.expert_z is None:
+            self.z.load_state_dict(state)
+        else:
+            self.z.load_state_dict(state["dense"])
+            self.expert_z.load_state_dict(state["experts"])
 
 
 def replica_mode(model: nn.Module, dp_group, tied, duplicates, tied_group, *, optimizer_config: OptimizerConfig,
@@ -443,14 +483,9 @@ def replica_mode(model: nn.Module, dp_group, tied, duplicates, tied_group, *, op
     ``expert_group`` and ``ep``: where the experts' gradients are reduced, and over how many ranks the experts
     are split (see the module docstring)."""
     mode = {0: Replicated, 1: ShardedGrads, 2: ShardedGrads, 3: ShardedParams}[data_parallel.zero]
-    if ep > 1 and mode is ShardedParams:
-        raise ValueError(f"Parallel3D: ZeRO-3 with expert parallelism (ep={ep}) is not supported yet (the experts "
-                         f"would need their own ZeRO-3 group); use zero=1 or 2, which shard the experts' optimizer "
-                         f"state over their own data-parallel group, or ep=1")
     extra = ({"stream_grads": stream_grads} if mode is ShardedGrads else
              {"per_unit": stream_grads} if mode is ShardedParams else {})
-    if mode is not ShardedParams:
-        extra.update(expert_group=expert_group, ep=ep)
+    extra.update(expert_group=expert_group, ep=ep)
     return mode(model, dp_group, tied, duplicates, tied_group, optimizer_config=optimizer_config,
                 data_parallel=data_parallel, tp_group=tp_group, **extra)
 

@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -136,6 +136,8 @@ class ZeroStage3(nn.Module):
     viewing them has been used (counted by saved-tensor hooks around the forward). Pass False when the
     root's parameters are used inside an activation-checkpointed region (the checkpoint's own hooks hide
     those saves, and its recomputation would read freed parameters).
+    ``ignore(p)``: parameters left alone (not sharded, not reduced; another wrapper's, e.g. experts sharded
+    over their own expert-data-parallel group).
     ``find_unused_parameters``: ranks may differ in which parameters get a gradient (a data-dependent
     branch inside a unit every rank runs); the optimizer's step then agrees on it with one small all-reduce.
     After backward, this rank's averaged gradient shards are in ``grad_buffer`` (accumulated across
@@ -170,7 +172,8 @@ class ZeroStage3(nn.Module):
                  wrap: Wrap = None, min_unit_numel: int = MIN_UNIT_NUMEL,
                  param_dtype: Optional[torch.dtype] = None, prefetch: bool = True, broadcast_from_rank0: bool = True,
                  free_root_early: bool = True, find_unused_parameters: bool = False,
-                 grad_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None):
+                 grad_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 ignore: Optional[Callable[[nn.Parameter], bool]] = None):
         super().__init__()
         self.module, self.dp_group, self.prefetch = module, dp_group, bool(prefetch)
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -178,7 +181,8 @@ class ZeroStage3(nn.Module):
         self._seen_before_held: set = set()
         self._sync = True              # False inside no_sync(): gradients accumulate, unreduced
         self._full_names = {id(p): n for n, p in module.named_parameters()}
-        already = [n for n, p in module.named_parameters() if is_sharded(p)]
+        self._ignored = ignore or (lambda p: False)
+        already = [n for n, p in self.managed_named_parameters() if is_sharded(p)]
         if already:
             raise ValueError(f"ZeroStage3: parameter {already[0]!r} already belongs to another ZeroStage3; wrap "
                              f"each module once")
@@ -187,7 +191,9 @@ class ZeroStage3(nn.Module):
         if min_unit_numel < 0:
             raise ValueError(f"ZeroStage3: min_unit_numel={min_unit_numel}; pass a number of elements >= 0 (0 keeps "
                              f"every wrapped module a unit of its own)")
-        plan = merge_small(module, assign_params(module, choose_modules(module, wrap)), min_unit_numel)
+        owned = [(m, [(n, p) for n, p in named if not self._ignored(p)])
+                 for m, named in assign_params(module, choose_modules(module, wrap))]
+        plan = merge_small(module, owned, min_unit_numel)
         params = [p for _, _, named in plan for _, p in named]
         if not params:
             raise ValueError("ZeroStage3: the module has no parameters")
@@ -772,6 +778,10 @@ class ZeroStage3(nn.Module):
             self.grad_buffer.zero_()
             for u in self.units:
                 u.grad_valid = True
+
+    def managed_named_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """The module's parameters this wrapper shards (all of them but those ``ignore`` names), by name."""
+        return [(n, p) for n, p in self.module.named_parameters() if not self._ignored(p)]
 
     def has_grads(self) -> bool:
         return self.grad_buffer.untyped_storage().nbytes() > 0

@@ -110,7 +110,7 @@ class ZeroStage3Optimizer(ShardedAdamW):
         self._h_reduced = ReducedUnits(z)
         poll = weak_hook(self, lambda opt, p: opt._host_poll())
 
-        for p in z.module.parameters():
+        for _, p in z.managed_named_parameters():
             if p.requires_grad:       # after ZeroStage3's own hooks: they reduce the unit before it
                 p.register_post_accumulate_grad_hook(poll)
         return HostState(self._owner, host, fetch_grads=self._fetch_host_grads, upload=self._upload_targets)
@@ -136,7 +136,7 @@ class ZeroStage3Optimizer(ShardedAdamW):
 
     # ------------------------------------------------------------------ what ShardedAdamW asks
     def _module_named_params(self):
-        return list(self.z.module.named_parameters())
+        return self.z.managed_named_parameters()
 
     def _shard_pieces_raw(self):
         out, pos = [], 0
@@ -203,7 +203,7 @@ class ZeroStage3Optimizer(ShardedAdamW):
         self._storage.state_written()
 
     def _named_params(self) -> List[Tuple[str, torch.nn.Parameter]]:
-        return list(self.z.module.named_parameters())
+        return self.z.managed_named_parameters()
 
     def state_dict(self) -> dict:
         """This rank's optimizer shard (clones), ``param_groups`` (parameters by name) and every
