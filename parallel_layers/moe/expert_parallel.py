@@ -55,6 +55,7 @@ from .layer import (
     check_layer_options,
     shared_experts,
 )
+from .meta import balanced
 from .permute import permute, unpermute
 from .router import Router
 
@@ -190,7 +191,8 @@ class ExpertParallelMoE(nn.Module):
         ep._mark_experts()
         lo, hi = ep.first_expert, ep.first_expert + ep.num_local_experts
         state = {k: v[lo:hi] if k.startswith("experts.") else v for k, v in layer.state_dict().items()}
-        ep.load_state_dict(state)
+        if weight.device.type != "meta":                           # meta: shapes only, nothing to copy
+            ep.load_state_dict(state)
         for mine, theirs in zip(ep.parameters(), layer.parameters()):
             mine.requires_grad_(theirs.requires_grad)
         ep.aux_loss_scale = layer.aux_loss_scale
@@ -223,8 +225,11 @@ class ExpertParallelMoE(nn.Module):
             return self.experts(permuted, counts), counts
         sent = counts.view(ep, local)
         got = C.all_to_all_dim0(sent.contiguous(), self.ep_group)       # [source rank, local expert]
-        sizes = torch.cat([sent.sum(1), got.sum(1)]).tolist()          # the one host sync: the rows per peer
-        send, recv = sizes[:ep], sizes[ep:]
+        if permuted.is_meta:                                           # the planner's probe: balanced load
+            send = recv = balanced(permuted.shape[0], ep)
+        else:
+            sizes = torch.cat([sent.sum(1), got.sum(1)]).tolist()      # the one host sync: the rows per peer
+            send, recv = sizes[:ep], sizes[ep:]
         rows = all_to_all_rows(permuted, send, recv, self.ep_group)
         received = got.sum(0)
         if local == 1:                                                 # one expert: already contiguous
@@ -274,12 +279,12 @@ def moe_layers(model: nn.Module) -> List[nn.Module]:
 
 def shard_experts(model: nn.Module, ep_group, aux_loss_group) -> int:
     """Replace every :class:`MoELayer` of ``model`` (in place) by its :class:`ExpertParallelMoE` over
-    ``ep_group``: this rank's experts only. Layers on the meta device (another pipeline stage's) are left
-    alone. Returns how many were replaced."""
+    ``ep_group``: this rank's experts only (on the meta device too: the planner's probe, or another
+    pipeline stage's layer, dropped later). Returns how many were replaced."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, MoELayer) and child.router.weight.device.type != "meta":
+            if isinstance(child, MoELayer):
                 setattr(parent, name, ExpertParallelMoE.from_dense(child, ep_group, aux_loss_group=aux_loss_group))
                 replaced += 1
     return replaced

@@ -36,6 +36,7 @@ from ..ops.grouped_mm import BACKENDS as TRITON_BACKENDS
 from ..ops.grouped_mm import DTYPES as TRITON_DTYPES
 from ..ops.grouped_mm import OP as TRITON_OP
 from ..ops.grouped_mm import grouped_mm as triton_grouped_mm
+from .meta import sizes_of
 
 BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
@@ -122,7 +123,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, back
     choice = _choose(backend, x, [weight])
     if choice != "loop":
         return _product(choice, x, weight, counts)
-    return _loop_mm(x, weight, counts.tolist())
+    return _loop_mm(x, weight, sizes_of(counts, x.shape[0]))
 
 
 def grouped_mm_reference(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -179,7 +180,7 @@ class GroupedExperts(nn.Module):
             gate = _product(choice, permuted, self.gate_proj, counts)
             up = _product(choice, permuted, self.up_proj, counts)
             return _product(choice, act(gate) * up, self.down_proj, counts)
-        sizes = counts.tolist()                            # one host sync for the three products
+        sizes = sizes_of(counts, permuted.shape[0])       # one host sync for the three products
         hidden = act(_loop_mm(permuted, self.gate_proj, sizes)) * _loop_mm(permuted, self.up_proj, sizes)
         return _loop_mm(hidden, self.down_proj, sizes)
 

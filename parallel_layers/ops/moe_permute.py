@@ -164,7 +164,10 @@ def permute_tokens(hidden: torch.Tensor, experts: torch.Tensor, num_experts: int
                          f"{experts.device}; convert with experts.to({hidden.device!s}, torch.int64)")
     flat = experts.reshape(-1)
     kept = flat >= 0
-    n_kept, largest = torch.stack([kept.sum(), flat.max() if flat.numel() else flat.new_zeros(())]).tolist()
+    if flat.is_meta:                 # the planner's probe: no values to read; every pair kept (moe.meta)
+        n_kept, largest = flat.numel(), 0
+    else:
+        n_kept, largest = torch.stack([kept.sum(), flat.max() if flat.numel() else flat.new_zeros(())]).tolist()
     if largest >= num_experts:
         raise ValueError(f"{op}: experts holds index {largest} but there are num_experts={num_experts}; the "
                          f"router and the experts must agree on the number of experts")

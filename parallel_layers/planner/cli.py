@@ -30,7 +30,8 @@ def _cores() -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_layers plan", description=__doc__.splitlines()[0])
     model = ap.add_mutually_exclusive_group()
-    model.add_argument("--gpt", help="the reference GPT: n_layer,d_model,n_head,vocab (d_ff = 4 d_model)")
+    model.add_argument("--gpt", help="the reference GPT: n_layer,d_model,n_head,vocab (d_ff = 4 d_model), or "
+                       "n_layer,d_model,n_head,vocab,experts,top_k for its Mixture-of-Experts form")
     model.add_argument("--hf-config", help="a Hugging Face config.json (a causal LM's)")
     model.add_argument("--model-json", help="a model as composition.layout.model_to_json writes it (GPTConfig or HF)")
     ap.add_argument("--world", type=int, default=8, help="ranks (default 8)")
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
     ap.add_argument("--cp", default=None, help="context-parallel sizes to consider, e.g. 1 to leave cp out (each cp "
                     "layout's probe costs minutes on a large model); default: every size the world allows")
+    ap.add_argument("--ep", default=None, help="expert-parallel sizes to consider for an MoE model, e.g. 1,2; "
+                    "default: every size that divides the world and the experts")
     ap.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES))
     ap.add_argument("--checkpoint", default="off,on", help="activation checkpointing: off, on or off,on")
     ap.add_argument("--top", type=int, default=10, help="feasible layouts to print")
@@ -65,8 +68,13 @@ def request_of(args) -> Request:
             model = model_from_json(fh.read())
     else:
         from ..models.gpt import GPTConfig
-        n_layer, d, h, v = (int(x) for x in (args.gpt or "4,64,4,256").split(","))
-        model = GPTConfig(vocab_size=v, n_layer=n_layer, n_head=h, d_model=d, max_seq_len=args.seq_len)
+        sizes = [int(x) for x in (args.gpt or "4,64,4,256").split(",")]
+        if len(sizes) not in (4, 6):
+            raise SystemExit(f"plan: --gpt {args.gpt!r}: expected n_layer,d_model,n_head,vocab or "
+                             f"n_layer,d_model,n_head,vocab,experts,top_k")
+        n_layer, d, h, v = sizes[:4]
+        moe = dict(num_experts=sizes[4], moe_top_k=sizes[5]) if len(sizes) == 6 else {}
+        model = GPTConfig(vocab_size=v, n_layer=n_layer, n_head=h, d_model=d, max_seq_len=args.seq_len, **moe)
     return Request(model, world=args.world, global_batch=args.global_batch, seq_len=args.seq_len,
                    memory_bytes=args.memory_gib * 2**30, devices_per_node=args.devices_per_node,
                    precision=args.precision)
@@ -95,8 +103,9 @@ def main(argv=None) -> int:
     ck = [{"off": False, "on": True}[c] for c in args.checkpoint.split(",")]
     try:
         cp = None if args.cp is None else [int(c) for c in args.cp.split(",")]
+        ep = None if args.ep is None else [int(e) for e in args.ep.split(",")]
         layouts = list(candidate_layouts(req, zero=zero, schedules=args.schedules.split(","), checkpoint=ck,
-                                         cp=cp))
+                                         cp=cp, ep=ep))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     print(f"{req.describe_model()} on {req.world} ranks ({req.devices_per_node} per node, "

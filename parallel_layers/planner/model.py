@@ -121,9 +121,9 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
     tp, pp, cp, chunks, checkpointing, the micro-batch size and whether ZeRO-3 keeps full gradients;
     probed on a mesh with dp 1, since data parallelism does not change a micro-batch)."""
     cache = {} if cache is None else cache
-    b = req.global_batch // (layout.dp * layout.num_microbatches)
+    b = req.global_batch // (layout.dp * layout.ep * layout.num_microbatches)     # rows split over dp and ep
     # a streaming ZeRO-2 rank (pp 1) runs a backward for its bucket order: checkpointing is part of its key
-    skey = ("static", layout.dp, layout.tp, layout.pp, layout.cp, layout.zero, layout.num_chunks,
+    skey = ("static", layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.num_chunks,
             layout.checkpoint if layout.zero == 2 and layout.pp == 1 else None)
     if skey not in cache:
         ranks = []
@@ -140,7 +140,8 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
         cache[skey] = ranks
     z3 = layout.zero == 3
     probe_schedule = _probe_schedule(layout)
-    akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.num_chunks, probe_schedule, layout.checkpoint, b, z3)
+    akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.ep, layout.num_chunks, probe_schedule,
+            layout.checkpoint, b, z3)
     if akey not in cache:
         # dp 1; ZeRO 0 (1 for bf16/fp16, which need fp32 master weights) or 3: a micro-batch is the same
         plain = 0 if req.precision == "fp32" else 1
@@ -185,6 +186,9 @@ def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: 
         if kind is None:
             continue                              # a receive: its send is charged
         dim, n = ("cp", layout.cp) if kind in ("send", "all_to_all") else ("tp", layout.tp)
+        if kind == "all_to_all" and layout.ep > 1:
+            # an MoE layer's dispatch and combine (not told apart from Ulysses' all-to-alls when both are on)
+            dim, n = "ep", layout.ep
         if kind == "send":
             n = 2
         t += sum(prof.collective_s(kind, n, nb, _spans_nodes(req, layout, dim)) for nb in sizes)
@@ -236,7 +240,7 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     sim = simulate_timing(streams, v, latency=latency, durations=durations, layout=placement)
     terms = {"pipeline": sim["step"]}
     sync = max(probes, key=lambda pr: sum(pr.sync.values())).sync
-    n_rep = layout.dp * layout.cp
+    n_rep = world_size({d: layout.sizes[d] for d in replicating()})    # the dense parameters' replicas
     inter = _spans_nodes(req, layout, "replicas")
     terms["dp_reduce"] = sum(prof.collective_s(k, n_rep, nb, inter) for k, nb in sync.items()
                              if k in ("all_reduce", "reduce_scatter"))
@@ -253,10 +257,10 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     terms["optimizer"] = opt_bytes / prof.mem_bw * slow
     step = sum(terms.values())
     tokens = req.global_batch * req.seq_len
-    model_flops = sum((cc.flops_f + cc.flops_b) for pr in probes for cc in pr.chunks) * m \
-        * layout.dp * layout.cp * layout.tp
+    per_stage = layout.world // layout.pp          # the ranks of one pipeline stage, each its share of the work
+    model_flops = sum((cc.flops_f + cc.flops_b) for pr in probes for cc in pr.chunks) * m * per_stage
     if layout.checkpoint:      # the recomputed forward is not model work
-        model_flops -= sum(cc.flops_f for pr in probes for cc in pr.chunks) * m * layout.dp * layout.cp * layout.tp
+        model_flops -= sum(cc.flops_f for pr in probes for cc in pr.chunks) * m * per_stage
     peak_rate = prof.peak_flops.get(req.precision) or prof.peak_flops["fp32"]
     mfu = model_flops / (step * layout.world * peak_rate) if step > 0 else 0.0
     pred = Prediction(layout=layout, memory=memory, peak_bytes=peak, step_s=step, time_terms=terms,

@@ -75,8 +75,8 @@ def build_rank(req: Request, layout: Layout, pp_rank: int, device: torch.device 
 
 
 def global_rank(layout: Layout, pp_rank: int) -> int:
-    """The global rank at (pp_rank, dp 0, cp 0, tp 0): the mesh is (pp, dp, cp, tp), tp fastest."""
-    return pp_rank * layout.dp * layout.cp * layout.tp
+    """The global rank at pipeline rank ``pp_rank`` and index 0 along every other dimension (pp is outermost)."""
+    return pp_rank * (layout.world // layout.pp)
 
 
 def _keys(tensors) -> set:
@@ -225,10 +225,11 @@ def static_terms(p3d, seq_len: Optional[int] = None, buckets: Optional[dict] = N
     p3d.mode.begin_step()
     params = [p for p in p3d.model.parameters()] + list(p3d.model.buffers())
     wrapper = getattr(p3d.mode, "dp", None) or getattr(p3d.mode, "z", None)
-    if getattr(wrapper, "shard_buffer", None) is not None:
-        params.append(wrapper.shard_buffer)
+    # with experts split over ep, a second wrapper holds theirs (replicas.py: ``buffers`` / ``wrappers``)
+    wrappers = getattr(p3d.mode, "buffers", None) or getattr(p3d.mode, "wrappers", None) or [wrapper]
+    params += [w.shard_buffer for w in wrappers if getattr(w, "shard_buffer", None) is not None]
     pkeys = _keys(params)
-    grads = [t for t in tensors_reachable([wrapper]) if t.untyped_storage()._cdata not in pkeys]
+    grads = [t for t in tensors_reachable(wrappers) if t.untyped_storage()._cdata not in pkeys]
     taken = pkeys | _keys(grads)
     optim = [t for t in tensors_reachable([p3d.optimizer]) if t.untyped_storage()._cdata not in taken]
     out = {"parameters": held_bytes(params), "gradients": held_bytes(grads), "optimizer": held_bytes(optim)}

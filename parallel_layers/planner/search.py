@@ -43,22 +43,29 @@ def zero_allowed(req: Request, zero: int) -> Optional[str]:
 def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
                       schedules: Sequence[str] = PLANNED_SCHEDULES,
                       checkpoint: Sequence[bool] = (False, True), microbatch_factors: Sequence[int] = (1, 2, 4),
-                      cp: Optional[Sequence[int]] = None):
+                      cp: Optional[Sequence[int]] = None, ep: Optional[Sequence[int]] = None):
     """``(layout, None)`` for every layout to predict and ``(layout, reason)`` for those that cannot run:
-    dp x tp x pp x cp = world; ZeRO stages the precision allows (:func:`zero_allowed`: fp32 0-3, bf16/fp16
+    dp x ep x tp x pp x cp = world; ZeRO stages the precision allows (:func:`zero_allowed`: fp32 0-3, bf16/fp16
     1-3, which keep fp32 master weights); with pp > 1, every schedule at ``pp x microbatch_factors``
     micro-batches; with pp = 1 one micro-batch; checkpointing off and on; ``cp``: the context-parallel sizes
-    to consider (None: every one the world allows; ``(1,)`` leaves context parallelism out)."""
+    to consider (None: every one the world allows; ``(1,)`` leaves context parallelism out); ``ep``: the
+    expert-parallel sizes (None: for an MoE model every one that divides both the world and its experts; a
+    dense model has ep 1)."""
     refused = {z: zero_allowed(req, z) for z in zero}
     zeros = [z for z in zero if refused[z] is None]
     if not zeros:
         raise ValueError(f"planner: no ZeRO stage asked for can run {req.precision}: "
                          + "; ".join(f"zero={z}: {why}" for z, why in refused.items())
                          + " (ask for other stages, e.g. --zero 1,2,3, or another precision)")
-    for dp, tp, pp in itertools.product(divisors(req.world), repeat=3):
-        if req.world % (dp * tp * pp):
+    experts = req.experts()
+    ep_sizes = [e for e in divisors(req.world) if experts and experts % e == 0] if experts else [1]
+    if ep is not None:
+        ep_sizes = [e for e in ep_sizes if e in ep]
+    for dp, tp, pp, ep_size in itertools.product(divisors(req.world), divisors(req.world), divisors(req.world),
+                                                 ep_sizes):
+        if req.world % (dp * tp * pp * ep_size):
             continue
-        cp_size = req.world // (dp * tp * pp)
+        cp_size = req.world // (dp * tp * pp * ep_size)
         if cp is not None and cp_size not in cp:
             continue
         for sched in (schedules if pp > 1 else ("1f1b",)):
@@ -66,11 +73,12 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
             reason = why_not(req, tp, pp, cp_size, v)
             ms = sorted({pp * f for f in microbatch_factors}) if pp > 1 else [1]
             for m, z, ck in itertools.product(ms, zeros, checkpoint):
-                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp_size, zero=z, schedule=sched, num_microbatches=m, num_chunks=v,
-                             checkpoint=ck)
+                lay = Layout(dp=dp, ep=ep_size, tp=tp, pp=pp, cp=cp_size, zero=z, schedule=sched,
+                             num_microbatches=m, num_chunks=v, checkpoint=ck)
                 r = reason
-                if r is None and req.global_batch % (dp * m):
-                    r = f"the global batch ({req.global_batch}) does not split into dp={dp} x {m} micro-batches"
+                if r is None and req.global_batch % (dp * ep_size * m):
+                    r = (f"the global batch ({req.global_batch}) does not split into dp={dp} x ep={ep_size} x {m} "
+                         f"micro-batches")
                 yield lay, r
 
 
@@ -92,7 +100,8 @@ def probe_in_parallel(req: Request, layouts: Sequence[Layout], jobs: int, cache:
     import multiprocessing
     groups: Dict[tuple, List[Layout]] = {}
     for lay in layouts:
-        key = (lay.tp, lay.pp, lay.cp, lay.num_chunks, lay.checkpoint, lay.num_microbatches * lay.dp, lay.zero == 3)
+        key = (lay.tp, lay.pp, lay.cp, lay.ep, lay.num_chunks, lay.checkpoint, lay.num_microbatches * lay.dp,
+               lay.zero == 3)
         groups.setdefault(key, []).append(lay)
     ctx = multiprocessing.get_context("spawn")     # a fresh interpreter: no process group, no forked threads
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:

@@ -54,6 +54,11 @@ class Request:
     def hidden(self) -> int:
         return self.model.hidden_size
 
+    def experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model): ``GPTConfig.num_experts``, or a Hugging Face
+        config's ``num_local_experts`` (Mixtral) / ``num_experts`` (Qwen-MoE, OLMoE)."""
+        return int(getattr(self.model, "num_local_experts", None) or getattr(self.model, "num_experts", None) or 0)
+
     def describe_model(self) -> str:
         return (f"{type(self.model).__name__.replace('Config', '')} L{self.n_layer()} d{self.hidden()} "
                 f"h{self.heads()} V{self.vocab()}")
