@@ -35,6 +35,7 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("demo", ("demo_layouts", "torch_native_3d", "freeze_training", "replica_check")),
     ("scaling", ("scaling",)),
     ("cp", ("context_parallel",)),
+    ("moe", ("moe",)),
     ("resilience", ("checkpoint",)),
     ("plan", ("planner",)),
 ])

@@ -149,6 +149,7 @@ SLOW = {
     "test_bench_dp_zero.py": "*",
     "test_bench_scaling.py": "*",
     "test_bench_context_parallel.py": "*",
+    "test_bench_moe.py": "*",
     "test_sync_batchnorm.py": ("test_benchmark_smoke_rows", "test_inside_data_parallel_trains_like_one_process"),
     "test_checkpoint_policy.py": ("test_benchmark_smoke",),
     "test_single_process_dp.py": ("test_benchmark_smoke_rows",

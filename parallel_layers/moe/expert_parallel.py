@@ -18,9 +18,19 @@ rank passes its own tokens (ranks hold different tokens, as data-parallel ranks 
    shared experts.
 
 Per forward: one all-to-all of ``ep * E/ep`` counts, two uneven all-to-alls of rows, one host sync for their
-sizes, and one all-reduce of ``2E + 2`` numbers when the load-balancing or z loss is on and ``aux_loss_group``
-is set. Per backward: two uneven all-to-alls (:func:`all_to_all_rows`' backward is the reverse all-to-all of
-the gradient), nothing else.
+sizes, and one all-reduce of at most ``2E + 2`` fp64 numbers when the load-balancing or z loss is on and
+``aux_loss_group`` is set (``E + 1``, plus ``E`` with the load-balancing loss, plus 1 with the z loss). Per
+backward: two uneven all-to-alls (:func:`all_to_all_rows`' backward is the reverse all-to-all of the gradient),
+nothing else.
+
+Bytes rank ``r`` sends to other ranks per forward (rows for its own experts stay on it): the counts, ``E/ep``
+int64 to each of the ``ep - 1`` peers; the dispatch, ``n_out * H * s`` bytes, ``n_out`` the assignments of
+``r``'s tokens (those kept after capacity) to other ranks' experts, ``H`` the hidden size and ``s`` the element
+size; the combine, ``n_in * H * s``, ``n_in`` the other ranks' assignments to ``r``'s experts. The backward
+sends the same two again, swapped (the combine's gradient ``n_out`` rows, the dispatch's ``n_in``). Over all
+ranks ``sum n_out == sum n_in``: dispatch and combine move the same bytes, though a rank whose experts are
+popular sends more in the combine than in the dispatch. ``benchmarks/moe.py`` prints these counted beside the
+formula; ``tests/test_moe_bytes.py`` holds the layer to it.
 
 Capacity (``capacity_factor``) is applied on each rank's own tokens, as the one-process layer applies it to
 the tokens it is given. The losses: in one process the load-balancing loss of a batch takes ``f`` and ``P``
