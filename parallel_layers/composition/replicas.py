@@ -325,7 +325,7 @@ class ShardedGrads(_Bucketed):
         self.optimizer.zero_grad()
 
     def accumulating(self):
-        return contextlib.nullcontext() if self.streams else self.dp.no_sync()
+        return contextlib.nullcontext() if self.streams else super().accumulating()
 
     def reduce(self) -> None:
         if not self.streams:
