@@ -161,12 +161,19 @@ def test_cli_json_and_png(tmp_path):
     assert feasible[0]["name"] in proc.stdout
 
 
+# layout="auto" plans in a child that predicts every candidate layout: 2 blocks and a batch of 2 leave it 40 of
+# them to predict (GPT at batch 8: 96), each found, chosen and agreed on the same way
+AUTO_GPT, AUTO_BATCH = GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, max_seq_len=64), 2
+
+
 def _auto_body(rank, world):
     from parallel_layers.composition.layout import Auto
     from parallel_layers.composition.parallel3d import Parallel3D
-    p3d = Parallel3D(GPT, None, layout=Auto(global_batch=8, seq_len=64, memory_gib=0.006, profile="h100"))
+    p3d = Parallel3D(AUTO_GPT, None, layout=Auto(global_batch=AUTO_BATCH, seq_len=64, memory_gib=0.006,
+                                                 profile="h100"))
     gen = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, 256, (8, 64), generator=gen), torch.randint(0, 256, (8, 64), generator=gen)
+    x, y = (torch.randint(0, 256, (AUTO_BATCH, 64), generator=gen),
+            torch.randint(0, 256, (AUTO_BATCH, 64), generator=gen))
     out = p3d.train_step(x, y)
     m = p3d.mesh
     return p3d.layout, (m.dp, m.tp, m.pp, getattr(m, "cp", 1)), p3d.zero, p3d.engine.num_microbatches, out["loss"]

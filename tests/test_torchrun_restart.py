@@ -45,33 +45,50 @@ def _env():
                 TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
-def _demo(*args, timeout=900):
-    proc = subprocess.run([sys.executable, "-m", "parallel_layers", "demo", *TINY, *args], capture_output=True,
-                          text=True, timeout=timeout, env=_env(), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
+def _start(cmd, log):
+    """``cmd`` started with its output (stdout and stderr) going to the file ``log``: a process never waits
+    on a pipe nobody reads while the test waits on another."""
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
 
 
-def _two_agents(demo_args, timeout=900):
+def _finish(procs, logs, timeout=900, tail=6000):
+    """Waits for ``procs`` (each killed if it outlives ``timeout`` or the test fails); their joined output,
+    each asserted to have exited 0."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = []
+    for log in logs:
+        with open(log) as f:
+            outs.append(f.read())
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-tail:]
+    return "\n".join(outs)
+
+
+def _start_demo(log, *args):
+    """``python -m parallel_layers demo`` (ranks it starts itself), running; :func:`_finish` waits for it."""
+    return _start([sys.executable, "-m", "parallel_layers", "demo", *TINY, *args], log)
+
+
+def _demo(log, *args, timeout=900):
+    return _finish([_start_demo(log, *args)], [log], timeout, tail=8000)
+
+
+def _two_agents(demo_args, logs, timeout=900):
     """Two torchrun agents of 4 workers each, one c10d rendezvous on localhost; their joined output."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"issue35-{port}",
            "--max-restarts", "2", "--monitor-interval", "0.5",
            "-m", "parallel_layers", "demo", *TINY, *demo_args]
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)
-              for _ in range(2)]
-    outs = []
-    try:
-        for a in agents:
-            outs.append(a.communicate(timeout=timeout)[0])
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-    for a, out in zip(agents, outs):
-        assert a.returncode == 0, out[-6000:]
-    return "\n".join(outs)
+    return _finish([_start(cmd, log) for log in logs], logs, timeout)
 
 
 def _same_checkpoint(a, b):
@@ -99,8 +116,19 @@ def killed_twice_then_shrink(tmp_path, zero: int) -> dict:
           f"step {kills[1][0]})"
     layout = ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", str(zero), "--steps", str(STEPS)]
     killed, plain = tmp_path / "killed", tmp_path / "plain"
-    out = _two_agents([*layout, "--save", str(killed / "ckpt"), "--out", str(killed / "out"),
-                       *[a for step, rank in kills for a in ("--inject-kill", f"{step}:{rank}")]])
+    # the uninterrupted run of the same layout runs beside the killed one: on its own directories, in the
+    # time the agents' processes spend waiting (rendezvous, restarts, a dead rank noticed)
+    uninterrupted = _start_demo(tmp_path / "plain.log", *layout, "--save", str(plain / "ckpt"),
+                                "--out", str(plain / "out"), "--no-reference")
+    try:
+        out = _two_agents([*layout, "--save", str(killed / "ckpt"), "--out", str(killed / "out"),
+                           *[a for step, rank in kills for a in ("--inject-kill", f"{step}:{rank}")]],
+                          [tmp_path / "agent0.log", tmp_path / "agent1.log"])
+    except BaseException:
+        uninterrupted.kill()
+        uninterrupted.wait()
+        raise
+    _finish([uninterrupted], [tmp_path / "plain.log"], tail=8000)
     assert out.count("demo: injected failure") == 2, why + out[-6000:]
     # every attempt says where it started: the first and each restart (from no checkpoint yet: iteration 0)
     started = sorted(int(n) for n in re.findall(r"demo: (?:resumed from \S+|no complete checkpoint under \S+: "
@@ -109,7 +137,6 @@ def killed_twice_then_shrink(tmp_path, zero: int) -> dict:
     resumed = started[1:]
     for (step, _), it in zip(kills, resumed):      # the work lost per failure
         assert step - INTERVAL <= it <= step, (why, resumed)
-    _demo(*layout, "--save", str(plain / "ckpt"), "--out", str(plain / "out"), "--no-reference")
 
     a = json.loads((killed / "out" / "summary.json").read_text())
     b = json.loads((plain / "out" / "summary.json").read_text())
@@ -119,8 +146,8 @@ def killed_twice_then_shrink(tmp_path, zero: int) -> dict:
     _same_checkpoint(str(killed / "ckpt" / f"iter_{STEPS:07d}"), str(plain / "ckpt" / f"iter_{STEPS:07d}"))
 
     # shrink: 4 ranks of another layout continue the killed run's directory by themselves
-    shrunk = _demo("--dp", "4", "--tp", "1", "--pp", "1", "--zero", "2", "--steps", str(STEPS + 2),
-                   "--save", str(killed / "ckpt"), "--out", str(tmp_path / "shrunk"))
+    shrunk = _demo(tmp_path / "shrunk.log", "--dp", "4", "--tp", "1", "--pp", "1", "--zero", "2",
+                   "--steps", str(STEPS + 2), "--save", str(killed / "ckpt"), "--out", str(tmp_path / "shrunk"))
     assert f"at iteration {STEPS} (random streams not restored: another layout)" in shrunk, shrunk
     s = json.loads((tmp_path / "shrunk" / "summary.json").read_text())
     assert s["first_step"] == STEPS + 1 and len(s["losses"]["parallel"]) == 2 and s["agree"] is True, shrunk

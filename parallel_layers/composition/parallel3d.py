@@ -19,7 +19,9 @@ Two ways in, one training path:
   (attention masks, position ids, token types) are passed to :meth:`train_step` by keyword; every stage
   rebuilds what its blocks need from them, so one tensor travels between stages. Weights tied between
   the first and last stage stay tied. ``loss_fn(logits, targets)`` is yours (default: token cross
-  entropy, :func:`~parallel_layers.pipeline.token_loss.token_cross_entropy`).
+  entropy, :func:`~parallel_layers.pipeline.token_loss.token_cross_entropy`). transformers' sparse MoE
+  blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) are first replaced by ``MoELayer``, so ``ep`` shards their
+  experts, and ``output_router_logits=True`` adds the model's router loss (:mod:`parallel_layers.moe.hf_swap`).
 
 The loss is torch's: the mean over the labels of the whole GLOBAL batch that are not ``ignore_index``
 (default -100), however unevenly the ignored labels fall on micro-batches and data-parallel replicas;
@@ -94,6 +96,7 @@ from ..distributed import collectives as C
 from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
+from ..moe.hf_swap import check_no_padding, hf_router_loss, swap_hf_moe_blocks
 from ..pipeline import PipelineEngine
 from ..pipeline.any_model import kept_modules, split_model
 from ..pipeline.schedules import layout_of
@@ -305,6 +308,9 @@ class Parallel3D:
         else:
             if device is not None or next(model.parameters()).dtype != dtype:
                 model.to(device=device, dtype=dtype)
+            # transformers' sparse MoE blocks become MoELayers before the recipe, its tp plan and the split see
+            # the model, so ep shards their experts (_experts_over_mesh below)
+            hf_moe_blocks = swap_hf_moe_blocks(model, ep=mesh.sizes.get("ep", 1))
             self.description = _describe(model)
         if self.description is None:
             self.description = _describe(model)
@@ -318,6 +324,9 @@ class Parallel3D:
         if loss_fn is None:
             loss_fn = recipe.loss(model, ignore_index) if recipe.loss is not None else _default_loss(ignore_index)
         self.moe_layers = _experts_over_mesh(model, mesh, pipeline.num_microbatches)
+        # output_router_logits=True: transformers' loss over all layers' routers, reproduced (or refused)
+        self.router_loss = None if built_here or not hf_moe_blocks else hf_router_loss(
+            model, self.moe_layers, pp=mesh.pp, checkpoint=checkpoint)
         chunks, tied, duplicates, self.tied_group = _model_stages(
             model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
             boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
@@ -385,6 +394,8 @@ class Parallel3D:
         ``skipped`` (fp16, or ``skip_nonfinite``) and ``loss_scale`` (fp16)."""
         mode = self.mode
         self._check_batch_shapes(inputs, targets, side)
+        if self.router_loss is not None:
+            check_no_padding(side)
         step = self.steps_taken + 1
         checked = self.replica_check is not None and self.replica_check.due(step)
         if checked and self.replica_check.batch:

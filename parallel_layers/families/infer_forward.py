@@ -22,7 +22,8 @@ read must be
 - accepted while off, refused while on: ``config.use_bidirectional_attention`` (Gemma 3: masks that see
   later tokens are not built), ``config.output_router_logits`` (mixtures of experts: the routers'
   load-balancing loss added to the model's loss, which the recipe's loss_fn does not see; the logits are
-  the same either way);
+  the same either way; accepted once ``Parallel3D`` has replaced the MoE blocks, as it adds that loss itself:
+  :mod:`parallel_layers.moe.hf_swap`);
 - accepted: ``self.multi_query`` in GPT-BigCode's cross-attention mask (no encoder here).
 
 Anything else (a method such as ``self._update_causal_mask``, an attribute such as ``self.scale_emb``, an
@@ -48,6 +49,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..moe.hf_swap import is_moe_layer
 
 # what the forwards may read without changing what a training step computes
 BOOKKEEPING = {"config", "config.num_hidden_layers", "config.vocab_size", "vocab_size", "loss_function",
@@ -86,7 +89,8 @@ def _bidirectional(owner):
 
 
 def _router_loss(owner):
-    if getattr(owner.config, "output_router_logits", False):
+    # blocks Parallel3D replaced by MoELayers: it adds this loss itself (parallel_layers.moe.hf_swap.HFRouterLoss)
+    if getattr(owner.config, "output_router_logits", False) and not any(is_moe_layer(m) for m in owner.modules()):
         return ("config.output_router_logits=True adds the routers' load-balancing loss (x router_aux_loss_coef) to "
                 "the model's loss, which the recipe's loss_fn (on the logits) does not see: set it False (the logits "
                 "are the same) or add that loss in a Recipe of your own")

@@ -35,6 +35,10 @@ attention's (or the config's):
   reproduces bit for bit;
 - anything else is refused naming the module.
 
+A Mixture-of-Experts layer (:class:`~parallel_layers.moe.MoELayer`, which Hugging Face sparse MoE blocks
+become in ``Parallel3D``) keeps its router, experts and shared-expert gate replicated over tp (expert
+parallelism splits the experts); its shared expert, a gated MLP, is split column/row-wise as any MLP.
+
 The token embedding goes over the vocabulary, the LM head column-wise with its logits gathered (the
 user's loss sees whole logits); tied, they split alike and stay one parameter.
 """
@@ -44,6 +48,7 @@ from typing import Dict, Optional
 
 import torch.nn as nn
 
+from ..moe.hf_swap import is_moe_layer
 from ..tensor_parallel import dense_layouts
 from ..tensor_parallel.sharded_norm import dense_order
 from .recipe import get_module
@@ -152,7 +157,9 @@ def _ancestors(root: nn.Module, dotted: str):
 def _module_plan(prefix: str, module: nn.Module, config) -> Dict[str, object]:
     """Plan entries for ``module``'s direct linears (names under ``prefix``), or {} when it has none."""
     linears = {n: c for n, c in module.named_children() if _is_linear(c)}
-    if not linears:
+    if not linears or is_moe_layer(module):
+        # an MoE layer's own linear (Qwen2-MoE's shared_expert_gate, one output) stays replicated, as its router
+        # and experts do; its shared expert (a gated MLP child) is split below like any MLP
         return {}
     unknown = [n for n in linears if n not in COLWISE | ROWWISE | FUSED]
     col = [n for n in linears if n in COLWISE or n in FUSED]

@@ -1,6 +1,8 @@
 """Every layout worth predicting for a request, each predicted, ranked; JSON and a picture of them."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -82,12 +84,30 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
                 yield lay, r
 
 
+@contextlib.contextmanager
+def _earlier_objects_frozen():
+    """The objects alive now (torch's, sympy's, the package's modules: about a million) set aside from the
+    garbage collector (``gc.freeze``) while the probes run, and given back after (``gc.unfreeze``). A probe
+    collects before each phase it counts, and each full collection walked all of them: half of a search's
+    time on a small model. Nothing a probe makes is frozen (only what existed before it began), so what the
+    collections free, and what the probes count, is the same."""
+    # the probes' meta ops import torch._dynamo at their first call: imported first, so it is frozen too
+    import torch._dynamo  # noqa: F401
+    gc.collect()                  # garbage made before the search is freed, not kept frozen
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _probe_group(req: Request, group: List[Layout]) -> dict:
     """In a worker process: the probes of ``group`` (layouts that share their micro-batch probe), as the
     cache entries :func:`~.model.probe_layout` fills."""
     cache: dict = {}
-    for lay in group:
-        probe_layout(req, lay, cache)
+    with _earlier_objects_frozen():
+        for lay in group:
+            probe_layout(req, lay, cache)
     return cache
 
 
@@ -122,13 +142,14 @@ def plan(req: Request, profile: Profile, layouts: Optional[Iterable] = None, pro
     if jobs > 1:
         probe_in_parallel(req, [lay for lay, reason in layouts if reason is None], jobs, cache, progress)
     out = []
-    for lay, reason in layouts:
-        if reason is not None:
-            out.append(Prediction(lay, [], 0, 0.0, {}, 0.0, 0.0, 0.0, False, reason))
-            continue
-        if progress:
-            progress(lay.name())
-        out.append(predict(req, lay, profile, cache))
+    with _earlier_objects_frozen():
+        for lay, reason in layouts:
+            if reason is not None:
+                out.append(Prediction(lay, [], 0, 0.0, {}, 0.0, 0.0, 0.0, False, reason))
+                continue
+            if progress:
+                progress(lay.name())
+            out.append(predict(req, lay, profile, cache))
     return sorted(out, key=lambda p: (not p.feasible, -p.tokens_per_s))
 
 
