@@ -9,6 +9,7 @@ Modules:
   cast.py          multi-tensor scaled copy kernel: multi_tensor_cast (and pack/unpack's engine)
   bucket.py        pack_bucket / unpack_bucket on top of the scaled copy
   unscale_norm.py  unscale + inf/nan check + deterministic global L2 norm
+  fp8_cast.py      FP8 block amax and the scaled saturating cast (+ transpose, + amax) in one pass
   optimizer.py     flat-buffer AdamW and SGD steps
   moe.py           Mixture-of-Experts router top-k, permutation index, row gathers and sums
   grouped_mm.py    grouped (per-expert) matrix product and its weight gradient
@@ -19,6 +20,7 @@ On CPU tensors these run only under ``TRITON_INTERPRET=1`` (set before this pack
 from . import _interpreter_compat  # noqa: F401  (first: it patches triton 3.6's interpreter on import)
 from .bucket import pack_bucket, unpack_bucket
 from .cast import multi_tensor_cast
+from .fp8_cast import fp8_amax, fp8_cast
 from .grouped_mm import grouped_mm, grouped_mm_weight_grad
 from .moe import moe_gather_rows, moe_permute_backward, moe_permute_index, moe_unpermute, router_topk
 from .optimizer import adamw_step, sgd_step
@@ -26,4 +28,4 @@ from .unscale_norm import unscale_and_norm
 
 __all__ = ["adamw_step", "sgd_step", "unscale_and_norm", "multi_tensor_cast", "pack_bucket", "unpack_bucket",
            "router_topk", "moe_permute_index", "moe_gather_rows", "moe_unpermute", "moe_permute_backward",
-           "grouped_mm", "grouped_mm_weight_grad"]
+           "grouped_mm", "grouped_mm_weight_grad", "fp8_amax", "fp8_cast"]

@@ -50,6 +50,12 @@ void register_cpu_ops(pybind11::module_& m) {
   m.def("cpu_moe_permute_backward", &pl_cpu::moe_permute_backward,
         "Rows summed back to their tokens in position order (see parallel_layers.ops.moe_permute)",
         "grad"_a, "positions"_a, "top_k"_a, "out"_a, release_gil());
+  m.def("cpu_fp8_amax", &pl_cpu::fp8_amax, "Block-wise amax of a matrix (see parallel_layers.ops.fp8_cast)",
+        "x"_a, "amax"_a, "block_rows"_a, "block_cols"_a, release_gil());
+  m.def("cpu_fp8_cast", &pl_cpu::fp8_cast,
+        "Scaled saturating cast to fp8, with the transposed copy and the amax in the same pass "
+        "(see parallel_layers.ops.fp8_cast)",
+        "x"_a, "scale"_a, "out"_a, "out_t"_a, "amax"_a, "block_rows"_a, "block_cols"_a, release_gil());
   m.def("cpu_isa", []() { return std::string(pl_cpu::isa_name(pl_cpu::cpu_isa())); },
         "The instruction set the CPU kernels dispatch to (avx512, avx2 or default)");
   pybind11::class_<pl_cpu::GradViewChecker>(m, "GradViewChecker",

@@ -40,4 +40,9 @@ void moe_gather_rows(at::Tensor src, at::Tensor order, int64_t top_k, std::optio
 void moe_unpermute(at::Tensor expert_out, at::Tensor positions, at::Tensor weights, int64_t top_k, at::Tensor out);
 void moe_permute_backward(at::Tensor grad, at::Tensor positions, int64_t top_k, at::Tensor out);
 
+// fp8_cast.cpp
+void fp8_amax(at::Tensor x, at::Tensor amax, int64_t block_rows, int64_t block_cols);
+void fp8_cast(at::Tensor x, at::Tensor scale, at::Tensor out, std::optional<at::Tensor> out_t,
+              std::optional<at::Tensor> amax, int64_t block_rows, int64_t block_cols);
+
 }  // namespace pl_cpu
