@@ -26,7 +26,8 @@ from . import harness
 
 F = importlib.import_module("parallel_layers.ops.fp8_cast")
 
-CSV_PATH = os.path.join(harness.RESULTS_DIR, "fp8_cast.csv")
+CSV_NAME = "fp8_cast.csv"
+CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 PROFILES = {"full": dict(n=4096, reps=9, warmup=2), "quick": dict(n=1024, reps=5, warmup=1),
             "smoke": dict(n=256, reps=2, warmup=1)}
 FMAX = 448.0
@@ -72,7 +73,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == E4M3 else t
 
 
-def collect(profile: str, device: torch.device, backend: str) -> List[Dict[str, object]]:
+def collect(profile: str, device: torch.device, progress=None, backend=None) -> List[Dict[str, object]]:
+    """The rows (``parallel_layers bench`` calls it as every benchmark's ``collect``); ``backend``: the cast
+    kernels' (default: cpp on CPU, triton on CUDA)."""
+    backend = backend or ("triton" if device.type == "cuda" else "cpp")
     p = PROFILES[profile]
     common = harness.common_fields(profile, device, torch.get_num_threads())
     rows = []
@@ -83,7 +87,8 @@ def collect(profile: str, device: torch.device, backend: str) -> List[Dict[str, 
             so, sb = harness.compare(ours, base, device, p["reps"], p["warmup"])
             rows.append(harness.comparison_row(common, name, so, sb, sizes=f"{p['n']}x{p['n']}",
                                                dtype=str(dtype).replace("torch.", ""), backend=backend,
-                                               exact="yes" if exact else "NO"))
+                                               exact="yes" if exact else "NO",
+                                               baseline="torch ops; " + ("bit-identical" if exact else "DIFFERS")))
     return rows
 
 
@@ -95,8 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default=None, help="cast kernels' backend (default: cpp on CPU, triton on CUDA)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    backend = args.backend or ("triton" if device.type == "cuda" else "cpp")
-    rows = collect(harness.profile_of(args), device, backend)
+    rows = collect(harness.profile_of(args), device, backend=args.backend)
     harness.print_and_append(rows, harness.csv_target(args, args.csv))
     return 0 if all(r["exact"] == "yes" for r in rows) else 1
 

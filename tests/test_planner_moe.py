@@ -23,7 +23,10 @@ def test_the_search_offers_every_ep_that_divides_the_experts_and_only_ep1_for_a_
     moe = {lay.ep for lay, why in candidate_layouts(_request(8), zero=(1,), cp=(1,)) if why is None}
     dense = {lay.ep for lay, why in candidate_layouts(_request(8, num_experts=0), zero=(1,), cp=(1,))}
     assert moe == {1, 2, 4} and dense == {1}                     # 8 does not divide 4 experts
-    assert {lay.ep for lay, _ in candidate_layouts(_request(8), zero=(1,), cp=(1,), ep=(2,))} == {2}
+    chosen = {lay.name(): why for lay, why in candidate_layouts(_request(8), zero=(1,), cp=(1,), ep=(2,))}
+    assert {name.split(" ")[0] for name in chosen} >= {"dp4xep2", "ep2xtp4", "dp2xep2xpp2"}, chosen
+    assert all("ep2" in name for name in chosen), chosen
+    assert "does not split into dp=1 x ep=2 x 8" in chosen["ep2xtp2xpp2 z1 1f1b m8"], chosen
 
 
 def test_ep_layouts_hold_their_share_of_the_experts_and_pay_all_to_alls():

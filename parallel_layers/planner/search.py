@@ -79,8 +79,8 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
                              num_microbatches=m, num_chunks=v, checkpoint=ck)
                 r = reason
                 if r is None and req.global_batch % (dp * ep_size * m):
-                    r = (f"the global batch ({req.global_batch}) does not split into dp={dp} x ep={ep_size} x {m} "
-                         f"micro-batches")
+                    split = f"dp={dp}" + (f" x ep={ep_size}" if ep_size > 1 else "")
+                    r = f"the global batch ({req.global_batch}) does not split into {split} x {m} micro-batches"
                 yield lay, r
 
 
