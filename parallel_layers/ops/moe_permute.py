@@ -171,7 +171,8 @@ def permute_tokens(hidden: torch.Tensor, experts: torch.Tensor, num_experts: int
     if largest >= num_experts:
         raise ValueError(f"{op}: experts holds index {largest} but there are num_experts={num_experts}; the "
                          f"router and the experts must agree on the number of experts")
-    name = fused_backend("moe_permute_index", hidden.device, backend, hidden)
+    # meta (the planner's probe): the reference's ops, which meta tensors run, with no fallback warning
+    name = None if hidden.is_meta else fused_backend("moe_permute_index", hidden.device, backend, hidden)
     if name is None:
         return reference_permute(hidden, experts, num_experts, n_kept)
     return FusedPermute.apply(hidden, experts, num_experts, n_kept, name)
@@ -189,7 +190,8 @@ def unpermute_tokens(expert_out: torch.Tensor, order: torch.Tensor, weights: tor
     if expert_out.dim() != 2 or order.dim() != 1 or expert_out.shape[0] != order.shape[0]:
         raise ValueError(f"{op}: expert_out must be [N, H] with N = len(order) = {order.shape[0]}; got "
                          f"{tuple(expert_out.shape)}; pass the rows in permute's order")
-    name = fused_backend("moe_unpermute", expert_out.device, backend, expert_out, weights)
+    name = None if expert_out.is_meta else fused_backend("moe_unpermute", expert_out.device, backend, expert_out,
+                                                          weights)
     if name is None or num_tokens == 0:
         return reference_unpermute(expert_out, order, weights, num_tokens)
     return FusedUnpermute.apply(expert_out, order, weights, num_tokens, name)

@@ -70,7 +70,7 @@ def build_rank(req: Request, layout: Layout, pp_rank: int, device: torch.device 
         return Parallel3D(req.model, mesh, device=device, **kw)
     from transformers import AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(req.model, torch_dtype=req.dtype)
+        model = AutoModelForCausalLM.from_config(req.model, dtype=req.dtype)
     return Parallel3D(model, mesh, device=device, **kw)
 
 
