@@ -1,20 +1,21 @@
 """Training that survives failures (issue 35), end to end under torchrun.
 
-Two torchrun agents on this machine stand in for two nodes (``--nnodes 2 --nproc-per-node 4``, the c10d
-rendezvous on localhost, ``--max-restarts``) and run the demo unchanged at dp2 x tp2 x pp2 with
-asynchronous universal checkpoints every 2 steps. A random rank is killed with SIGKILL after a random
-step, twice in one run (``--inject-kill``: after the checkpoint write in flight is published; a kill
-during a write is tests/test_async_checkpoint.py's). torchrun restarts the workers; each restart finds the newest
-complete checkpoint under ``--save`` by itself and continues. Checked:
+Two torchrun agents on this machine stand in for two nodes (``--nnodes 2``, the c10d rendezvous on localhost,
+``--max-restarts``) and run the demo unchanged with asynchronous universal checkpoints every 2 steps: at
+dp2 x tp2 x pp2 with ZeRO-3 (two agents of 4 workers), and at dp2 x pp2 with ZeRO-1 (two agents of 2: the
+same mechanisms at half the processes, which is most of the test's time on 2 cores). A random rank is
+killed with SIGKILL after a random step, twice in one run (``--inject-kill``: after the checkpoint write in
+flight is published; a kill during a write is tests/test_async_checkpoint.py's). torchrun restarts the
+workers; each restart finds the newest complete checkpoint under ``--save`` by itself and continues. Checked:
 
 * every logged loss after the last resume, the validation losses and the final weights and AdamW moments
   are bit-identical to an uninterrupted run of the same layout;
 * the work lost per failure (the killed step minus the iteration resumed from) is at most the save
   interval;
 * the last attempt agrees with the single process (the demo's own comparison);
-* shrink: a 4-rank run of another layout (dp4, ZeRO-2) resumes from the same directory and matches the
-  single process trained on the same samples in the same order (the data position is global, so dp 2 ->
-  4 continues the same sample order on every data-parallel rank).
+* shrink: a run of half the ranks and another layout (dp4 or dp2, ZeRO-2) resumes from the same directory and
+  matches the single process trained on the same samples in the same order (the data position is global, so
+  dp 2 -> 4 continues the same sample order on every data-parallel rank).
 
 Under torchrun the run needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the agents' shared TCPStore a
 restarted worker group finds the previous group's gloo addresses in the store and fails to connect
@@ -81,10 +82,11 @@ def _demo(log, *args, timeout=900):
     return _finish([_start_demo(log, *args)], [log], timeout, tail=8000)
 
 
-def _two_agents(demo_args, logs, timeout=900):
-    """Two torchrun agents of 4 workers each, one c10d rendezvous on localhost; their joined output."""
+def _two_agents(demo_args, logs, per_agent: int, timeout=900):
+    """Two torchrun agents of ``per_agent`` workers each, one c10d rendezvous on localhost; their joined
+    output."""
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_agent),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"issue35-{port}",
            "--max-restarts", "2", "--monitor-interval", "0.5",
            "-m", "parallel_layers", "demo", *TINY, *demo_args]
@@ -100,21 +102,28 @@ def _same_checkpoint(a, b):
             assert torch.equal(x[state][name], y[state][name]), (state, name)
 
 
+# ZeRO stage -> (the killed run's layout, workers per agent, the shrunk run's layout)
+LAYOUTS = {3: (("--dp", "2", "--tp", "2", "--pp", "2"), 4, ("--dp", "4", "--tp", "1", "--pp", "1")),
+           1: (("--dp", "2", "--tp", "1", "--pp", "2"), 2, ("--dp", "2", "--tp", "1", "--pp", "1"))}
+
+
 @pytest.mark.parametrize("zero", [1, 3], ids=["zero1", "zero3"])
-def test_killed_twice_under_two_agents_ends_bit_identical_then_resumes_on_4_ranks(tmp_path, zero):
+def test_killed_twice_under_two_agents_ends_bit_identical_then_resumes_on_fewer_ranks(tmp_path, zero):
     killed_twice_then_shrink(tmp_path, zero=zero)
 
 
 def killed_twice_then_shrink(tmp_path, zero: int) -> dict:
     """The test's whole run at ZeRO stage ``zero``; returns what it measured (``python
     tests/test_torchrun_restart.py --zero 3`` runs one case by itself)."""
+    sizes, per_agent, shrunk_sizes = LAYOUTS[zero]
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     first = rng.randint(1, STEPS - 2)
-    kills = [(first, rng.randrange(8)), (rng.randint(first + 1, STEPS), rng.randrange(8))]
+    world = 2 * per_agent
+    kills = [(first, rng.randrange(world)), (rng.randint(first + 1, STEPS), rng.randrange(world))]
     why = f"(random seed {seed}: kill -9 rank {kills[0][1]} after step {kills[0][0]}, rank {kills[1][1]} after " \
           f"step {kills[1][0]})"
-    layout = ["--dp", "2", "--tp", "2", "--pp", "2", "--zero", str(zero), "--steps", str(STEPS)]
+    layout = [*sizes, "--zero", str(zero), "--steps", str(STEPS)]
     killed, plain = tmp_path / "killed", tmp_path / "plain"
     # the uninterrupted run of the same layout runs beside the killed one: on its own directories, in the
     # time the agents' processes spend waiting (rendezvous, restarts, a dead rank noticed)
@@ -123,7 +132,7 @@ def killed_twice_then_shrink(tmp_path, zero: int) -> dict:
     try:
         out = _two_agents([*layout, "--save", str(killed / "ckpt"), "--out", str(killed / "out"),
                            *[a for step, rank in kills for a in ("--inject-kill", f"{step}:{rank}")]],
-                          [tmp_path / "agent0.log", tmp_path / "agent1.log"])
+                          [tmp_path / "agent0.log", tmp_path / "agent1.log"], per_agent)
     except BaseException:
         uninterrupted.kill()
         uninterrupted.wait()
@@ -145,8 +154,8 @@ def killed_twice_then_shrink(tmp_path, zero: int) -> dict:
     assert a["val_losses"]["parallel"] == [v for v in b["val_losses"]["parallel"] if v[0] > resumed[-1]], why
     _same_checkpoint(str(killed / "ckpt" / f"iter_{STEPS:07d}"), str(plain / "ckpt" / f"iter_{STEPS:07d}"))
 
-    # shrink: 4 ranks of another layout continue the killed run's directory by themselves
-    shrunk = _demo(tmp_path / "shrunk.log", "--dp", "4", "--tp", "1", "--pp", "1", "--zero", "2",
+    # shrink: half the ranks, in another layout, continue the killed run's directory by themselves
+    shrunk = _demo(tmp_path / "shrunk.log", *shrunk_sizes, "--zero", "2",
                    "--steps", str(STEPS + 2), "--save", str(killed / "ckpt"), "--out", str(tmp_path / "shrunk"))
     assert f"at iteration {STEPS} (random streams not restored: another layout)" in shrunk, shrunk
     s = json.loads((tmp_path / "shrunk" / "summary.json").read_text())
