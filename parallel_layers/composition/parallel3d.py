@@ -96,6 +96,7 @@ from ..distributed import collectives as C
 from ..families import Recipe, recipe_for
 from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
+from ..moe.expert_parallel import is_expert
 from ..moe.hf_swap import check_no_padding, hf_router_loss, swap_hf_moe_blocks
 from ..pipeline import PipelineEngine
 from ..pipeline.any_model import kept_modules, split_model
@@ -448,8 +449,8 @@ class Parallel3D:
         if self.tp_group is not None:
             groups.append(("tp replicas", self.tp_group, [(names.get(id(p), "?"), t) for p, t, _ in held
                                                           if getattr(p, "partition_dim", None) is None]))
-        experts = [(names.get(id(p), "?"), t) for p, t, _ in held if getattr(p, "expert_parallel", False)]
-        dense = [(names.get(id(p), "?"), t) for p, t, _ in held if not getattr(p, "expert_parallel", False)]
+        experts = [(names.get(id(p), "?"), t) for p, t, _ in held if is_expert(p)]
+        dense = [(names.get(id(p), "?"), t) for p, t, _ in held if not is_expert(p)]
         if self.replicas > 1 and self.mode.replicated_over_dp:
             groups.append(("data-parallel replicas", self.replica_group, dense))
         if experts and self.mesh.expert_replicas > 1 and self.mode.replicated_over_dp:
@@ -536,7 +537,7 @@ class Parallel3D:
             # counted on one rank of the ranks that hold it
             if not self.mode.shards_grads:
                 m = self.mesh
-                pieces = [p for p in pieces if (m.expert_replica_rank if getattr(p, "expert_parallel", False)
+                pieces = [p for p in pieces if (m.expert_replica_rank if is_expert(p)
                                                 else m.replica_rank) == 0]
             groups = [self.replica_group] + groups
         elif self.mode.shards_grads and self.replicas > 1:
@@ -628,7 +629,7 @@ class Parallel3D:
         for chunk in self.chunks:
             parts = tp_partitions(chunk)
             for n, t in chunk.state_dict(keep_vars=True).items():
-                if ep_group is not None and getattr(t, "expert_parallel", False):
+                if ep_group is not None and is_expert(t):
                     t = C.all_gather_dim0(t.detach().contiguous(), ep_group)     # every expert, in order
                     out[chunk.dense_name(n)] = chunk.dense_tensor(n, t)
                     continue

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from ..data_parallel.ddp import DataParallel
 from ..distributed import collectives as C
+from ..moe.expert_parallel import is_expert
 from ..tensor_parallel.partial_grads import partial_grad_params, sum_partial_grads
 from ..zero.optimizer import ZeroOptimizer
 from ..zero.stage3 import ZeroStage3
@@ -54,11 +55,6 @@ def _torch_adamw_groups(model: nn.Module, weight_decay: float, no_decay) -> list
         if p.requires_grad:
             (plain if no_decay(name, p) else decay).append(p)
     return [{"params": decay}, {"params": plain, "weight_decay": 0.0}]
-
-
-def is_expert(p: torch.Tensor) -> bool:
-    """Whether ``p`` is an expert's parameter, held by its expert-parallel rank only."""
-    return bool(getattr(p, "expert_parallel", False))
 
 
 class _Subset(nn.Module):

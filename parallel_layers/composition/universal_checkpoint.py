@@ -70,6 +70,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed import collectives as C
+from ..moe.expert_parallel import is_expert
 from ..tensor_parallel.parallelize import gather_partition, tp_partitions
 from ..tensor_parallel.random import shard
 from ..zero.full_state import STATE_KEYS
@@ -185,7 +186,7 @@ def dense_states(model) -> Tuple[Dict[str, Dict[str, torch.Tensor]], int]:
             if id(p) in model.duplicate_ids:         # the last stage's tied embedding: the first saves it
                 continue
             states = local[id(p)]
-            if ep_group is not None and getattr(p, "expert_parallel", False):
+            if ep_group is not None and is_expert(p):
                 # every rank's experts, in order: the layer's whole [num_experts, ...] tensors
                 states = {k: C.all_gather_dim0(t.contiguous(), ep_group) for k, t in states.items()}
             if name in parts:
@@ -567,7 +568,7 @@ def _local_slice(chunk, name: str, p: nn.Parameter, dense: torch.Tensor, parts: 
     (vocabulary padding: zero rows); an expert's parameter, this rank's experts of it (``ep``: its rank
     and size)."""
     dense = chunk.local_tensor(name, dense)      # the parallel layer's layout (Conv1D, fused sections)
-    if getattr(p, "expert_parallel", False) and ep is not None:
+    if is_expert(p) and ep is not None:
         rank, _ = ep                             # this rank's experts: rows [rank * n, (rank + 1) * n)
         dense = dense.narrow(0, rank * p.shape[0], p.shape[0])
     if name in parts:

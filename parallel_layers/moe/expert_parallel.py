@@ -64,6 +64,7 @@ from .layer import (
     check_layer_input,
     check_layer_options,
     shared_experts,
+    summed_over,
 )
 from .meta import balanced
 from .permute import permute, unpermute
@@ -209,14 +210,10 @@ class ExpertParallelMoE(nn.Module):
         return ep
 
     # ------------------------------------------------------------------ forward
-    def _sum_over_batch(self, stats: torch.Tensor) -> torch.Tensor:
-        C.all_reduce(stats, self.aux_loss_group)
-        return stats
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(type(self).__name__, x, self.hidden_size, self.router.weight.dtype)
         tokens = x.reshape(-1, self.hidden_size)
-        routing = self.router(tokens, None if self.aux_loss_group is None else self._sum_over_batch)
+        routing = self.router(tokens, summed_over(self.aux_loss_group))
         permuted, order, counts = permute(tokens, routing.experts, self.num_experts)
         expert_out, received = self._run_experts(permuted, counts)
         out = unpermute(expert_out, order, routing.weights, tokens.shape[0])
@@ -280,6 +277,12 @@ class ExpertParallelMoE(nn.Module):
         return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts} ({self.num_local_experts} on this "
                 f"rank of ep={self.ep_size}: {self.first_expert}..{self.first_expert + self.num_local_experts - 1})"
                 f", top_k={self.top_k}")
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` is an expert's parameter (flagged by :class:`ExpertParallelMoE`), held by its
+    expert-parallel rank only."""
+    return bool(getattr(p, "expert_parallel", False))
 
 
 def moe_layers(model: nn.Module) -> List[nn.Module]:

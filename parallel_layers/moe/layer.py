@@ -99,6 +99,19 @@ def attach_aux_loss(out: torch.Tensor, aux_loss: torch.Tensor, scale: Optional[f
     return _AttachAuxLoss.apply(out, aux_loss, float(scale))
 
 
+def summed_over(group):
+    """The router's ``sum_over_batch`` for a batch split over ``group`` (an all-reduce, in place), or None
+    without a group (the losses over this process's tokens)."""
+    if group is None:
+        return None
+    from ..distributed import collectives as C
+
+    def total(stats: torch.Tensor) -> torch.Tensor:
+        C.all_reduce(stats, group)
+        return stats
+    return total
+
+
 def check_layer_input(name: str, x: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
     """``x`` is ``[..., hidden_size]`` of the layer's ``dtype`` (any dtype under autocast), else a ValueError."""
     if x.dim() < 2 or x.shape[-1] != hidden_size:
@@ -148,15 +161,10 @@ class MoELayer(nn.Module):
         self.aux_loss_group = None
         self.stats: Dict[str, Optional[torch.Tensor]] = {}
 
-    def _sum_over_batch(self, stats: torch.Tensor) -> torch.Tensor:
-        from ..distributed import collectives as C
-        C.all_reduce(stats, self.aux_loss_group)
-        return stats
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(type(self).__name__, x, self.hidden_size, self.router.weight.dtype)
         tokens = x.reshape(-1, self.hidden_size)
-        routing = self.router(tokens, None if self.aux_loss_group is None else self._sum_over_batch)
+        routing = self.router(tokens, summed_over(self.aux_loss_group))
         permuted, order, counts = permute(tokens, routing.experts, self.num_experts)
         out = unpermute(self.experts(permuted, counts), order, routing.weights, tokens.shape[0])
         out = add_shared_experts(out, tokens, self.shared_expert, self.shared_expert_gate)
