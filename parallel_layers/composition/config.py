@@ -7,7 +7,8 @@ fix before any process group is touched):
 * :class:`PipelineConfig`: the schedule, micro-batches, chunks per rank, stage boundaries and activation
   checkpointing;
 * :class:`DataParallelConfig`: the ZeRO stage and the gradient bucket size;
-* :class:`PrecisionConfig`: the model's dtype, autocast, the fp16 loss scaler and the non-finite step skip.
+* :class:`PrecisionConfig`: the model's dtype, autocast, the fp16 loss scaler, the non-finite step skip and FP8
+  GEMMs.
 
 Checks that need two groups together (a ZeRO stage against a dtype) are :func:`check_together`, run by
 ``Parallel3D`` once the model's dtype is known and the layout planner has chosen. :func:`split_keywords`
@@ -25,6 +26,7 @@ import torch
 from ..activations.checkpoint_policy import resolve_policy
 from ..activations.partitioned_checkpoint import MODES as CHECKPOINT_INPUT_MODES
 from ..amp.scaler import DynamicLossScaler
+from ..fp8.recipes import FP8Recipe
 from ..pipeline.schedules import SCHEDULE_SPECS, schedule_names, schedule_spec
 from ..zero.offload import DEFAULT_BUFFER_MB
 from ..zero.state_file import IO_MODES
@@ -216,11 +218,22 @@ class PrecisionConfig:
     ``nn.Module``'s own); bf16 and fp16 need ZeRO 1, 2 or 3 (fp32 master weights). ``autocast=torch.bfloat16``:
     an fp32 model's forward under ``torch.autocast``. ``loss_scaler``: for fp16 (None there:
     ``DynamicLossScaler()``, initial scale 2^16). ``skip_nonfinite``: fp32/bf16 steps whose global gradient
-    norm is inf or NaN are skipped on every rank (fp16's loss scaler does that already)."""
+    norm is inf or NaN are skipped on every rank (fp16's loss scaler does that already).
+
+    ``fp8``: an :class:`~parallel_layers.fp8.FP8Recipe` runs the GEMMs of the model's linear layers in FP8
+    (E4M3 forward, E5M2 gradients by default) on the fp32 or bf16 model, its weights kept as master weights
+    (:func:`~parallel_layers.fp8.convert_to_fp8`); ``fp8_modules(name, module) -> bool`` picks the layers
+    (default: every linear layer but the LM head and layers whose local sizes are not multiples of 16; the MoE
+    router and experts stay in the model's dtype). Amaxes are reduced over exactly the ranks that share a
+    tensor (tp for its shards, cp for the sequence's), and the delayed recipe's histories take one amax per
+    optimizer step, the max over the whole global batch, so any layout makes the scaling decisions one process
+    makes on the same micro-batches."""
     dtype: Optional[torch.dtype] = None
     autocast: Optional[torch.dtype] = None
     loss_scaler: Optional[DynamicLossScaler] = None
     skip_nonfinite: bool = False
+    fp8: Optional[FP8Recipe] = None
+    fp8_modules: Optional[Callable] = None
 
     def __post_init__(self):
         me = "PrecisionConfig"
@@ -236,6 +249,15 @@ class PrecisionConfig:
                              f"DynamicLossScaler or None")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"Parallel3D: {me}(skip_nonfinite={self.skip_nonfinite!r}) must be True or False")
+        if self.fp8 is not None and not isinstance(self.fp8, FP8Recipe):
+            raise ValueError(f"Parallel3D: {me}(fp8={self.fp8!r}) must be an FP8Recipe (e.g. FP8Recipe() for "
+                             f"per-tensor current scaling, FP8Recipe(scaling='delayed')) or None")
+        if self.fp8_modules is not None and (self.fp8 is None or not callable(self.fp8_modules)):
+            raise ValueError(f"Parallel3D: {me}(fp8_modules=...) is a callable (name, module) -> bool choosing the "
+                             f"FP8 layers, and needs fp8=FP8Recipe(...)")
+        if self.fp8 is not None and self.autocast is not None:
+            raise ValueError(f"Parallel3D: {me}(fp8=..., autocast=...) do not combine: FP8 layers cast their own "
+                             f"GEMM operands; train a bf16 model (dtype=torch.bfloat16, zero=1-3) or an fp32 one")
         if self.dtype is not None:
             self._check_with_dtype(self.dtype)
 
@@ -247,6 +269,9 @@ class PrecisionConfig:
             raise ValueError(f"Parallel3D: a loss_scaler is for fp16 models (dtype={dtype}); bf16 and fp32 have "
                              f"fp32's exponent range and need none (skip_nonfinite=True skips a step whose gradient "
                              f"norm is inf/NaN)")
+        if self.fp8 is not None and dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"Parallel3D: fp8 runs on fp32 or bf16 models (dtype={dtype}): FP8 layers take fp32 or "
+                             f"bf16 activations; use dtype=torch.bfloat16 with zero=1, 2 or 3")
         if self.skip_nonfinite and dtype == torch.float16:
             raise ValueError("Parallel3D: skip_nonfinite is for fp32/bf16 runs; fp16 runs skip non-finite steps "
                              "through their loss scaler already")

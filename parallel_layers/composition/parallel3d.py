@@ -94,6 +94,8 @@ from ..amp.scaler import DynamicLossScaler
 from ..dimensions import describe
 from ..distributed import collectives as C
 from ..families import Recipe, recipe_for
+from ..fp8.convert import delayed_scaling_states
+from ..fp8.recipes import commit_delayed
 from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
 from ..moe.expert_parallel import is_expert
@@ -118,7 +120,7 @@ from .replicas import replica_mode
 
 
 def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_plan, loss_fn, num_chunks,
-                  boundaries, block_costs, checkpoint, layout="loop", saved_inputs=None):
+                  boundaries, block_costs, checkpoint, layout="loop", saved_inputs=None, precision=None):
     if loss_fn is None:
         raise ValueError(f"Parallel3D: pass loss_fn(logits, targets) for {type(model).__name__} (the last stage "
                          f"computes it)")
@@ -132,6 +134,11 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
                              f"recipe a tp_plan (docs/custom_recipe.md)")
         if plan:              # empty: the model built its tensor-parallel layers itself (the reference GPT)
             parallelize(model, tp_group, plan)
+    if precision is not None and precision.fp8 is not None:
+        # once tp has split the layers and before the split into stages: names and the LM head are the model's
+        from ..fp8 import convert_to_fp8
+        convert_to_fp8(model, precision.fp8, modules=precision.fp8_modules,
+                       row_group=mesh.cp_group if mesh.sizes.get("cp", 1) > 1 else None, delayed_update="step")
     # in a V the first and last stage are both on pipeline rank 0: tied weights are one module there
     tied_group = mesh.tied_stage_group() if mesh.pp > 1 and layout == "loop" else None
     chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
@@ -331,7 +338,11 @@ class Parallel3D:
         chunks, tied, duplicates, self.tied_group = _model_stages(
             model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
             boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
-            layout=layout_of(schedule), saved_inputs=saved_inputs)
+            layout=layout_of(schedule), saved_inputs=saved_inputs, precision=precision)
+        # the FP8 layers' delayed-scaling states by name (this rank's chunks), saved with the training state
+        self.fp8_named_states = {f"{i}.{name}": state for i, chunk in enumerate(chunks)
+                                 for name, state in delayed_scaling_states(chunk)}
+        self.fp8_states = list(self.fp8_named_states.values())
         if not built_here:
             # dropout draws from the default generator: the same stream on every rank, so tensor-parallel
             # ranks drop the same elements of the activations they hold replicated
@@ -411,6 +422,8 @@ class Parallel3D:
             mode.abandon_step()
             raise
         mode.reduce()
+        # the delayed FP8 scales for the next step: this step's amaxes, max over the replicas (whole global batch)
+        commit_delayed(self.fp8_states, self.replica_group if self.replicas > 1 else None)
         if self.after_reduce is not None:
             self.after_reduce(self)
         found_inf = None
@@ -508,8 +521,11 @@ class Parallel3D:
         every rank."""
         x, y, side = self._this_ranks_batch(inputs, targets, side)
         counted, denominator = self._loss_denominator(targets)
+        pending = [s.pending_amax for s in self.fp8_states]   # evaluation leaves the FP8 scaling state alone
         with self.mode.forward_only():
             loss = self.engine.evaluate(x, y, loss_denominator=denominator, **side)
+        for state, amax in zip(self.fp8_states, pending):
+            state.pending_amax = amax
         return self._mean_over_dp(loss, counted)
 
     def _mean_over_dp(self, loss: torch.Tensor, counted: int) -> float:
@@ -551,16 +567,17 @@ class Parallel3D:
     def state_dict(self) -> dict:
         """This rank's part of the training state, to resume from: its stages' parameters (its shard
         under ZeRO-3), its optimizer state (its shard under ZeRO), the loss scaler, the random states
-        dropout draws from (default generator and the TP tracker's streams), and the layout they belong
-        to. Every rank saves its own (``torch.save``, one file per rank, as Megatron-LM and DeepSpeed
-        do) and loads it back on the same mesh with :meth:`load_state_dict`; training then continues
-        bit for bit. To resume on another mesh (or in a single process), save a universal checkpoint
-        instead (:func:`parallel_layers.composition.universal_checkpoint.save_universal`)."""
+        dropout draws from (default generator and the TP tracker's streams), the FP8 layers' delayed-scaling
+        histories, and the layout they belong to. Every rank saves its own (``torch.save``, one file per rank,
+        as Megatron-LM and DeepSpeed do) and loads it back on the same mesh with :meth:`load_state_dict`;
+        training then continues bit for bit. To resume on another mesh (or in a single process), save a
+        universal checkpoint instead (:func:`parallel_layers.composition.universal_checkpoint.save_universal`)."""
         tracker = self._rng_tracker()
         return {"layout": self._checkpoint_layout(), "model": self.mode.model_state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": None if self.scaler is None else self.scaler.state_dict(),
                 "skipped_steps": self.skipped_steps,
+                "fp8": {name: state.state_dict() for name, state in self.fp8_named_states.items()},
                 "rng": {"default": torch.get_rng_state(),
                         "tracker": None if tracker is None else tracker.get_states()}}
 
@@ -577,11 +594,18 @@ class Parallel3D:
                              + ". Load each rank's own file on the same mesh and settings (to change the "
                              "layout, save with parallel_layers.composition.universal_checkpoint.save_universal and "
                              "load_universal)")
+        fp8 = state.get("fp8") or {}
+        if set(fp8) != set(self.fp8_named_states):
+            raise ValueError(f"Parallel3D.load_state_dict: the checkpoint's FP8 scaling states "
+                             f"({len(fp8)}) do not match this run's delayed-scaling layers "
+                             f"({len(self.fp8_named_states)}): save and resume with the same PrecisionConfig(fp8=...)")
         self.mode.load_model_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
+        for name, st in fp8.items():
+            self.fp8_named_states[name].load_state_dict(st)
         torch.set_rng_state(state["rng"]["default"])
         tracker = self._rng_tracker()
         if tracker is not None:

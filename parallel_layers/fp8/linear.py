@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..distributed import collectives as C
 from ..ops.fp8_cast import dequantize
@@ -82,6 +83,7 @@ class FP8Plan:
     grad_shard_dim: Optional[int] = None
     seq_group: object = None
     dgrad_allreduce_group: object = None
+    row_group: object = None      # the tokens are also split over this group (context parallelism)
 
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -92,7 +94,8 @@ class FP8LinearFunction(torch.autograd.Function):
         lead = list(x.shape[:-1])
         per_tensor = r.block("input") == (-1, -1)
         qx, bad_x = quantize(x, r.fwd_format, r.block("input"), group=plan.input_group,
-                             shard_dim=plan.input_shard_dim, state=st.get("input"), margin=r.margin,
+                             shard_dim=plan.input_shard_dim, row_group=plan.row_group, state=st.get("input"),
+                             margin=r.margin,
                              transpose=per_tensor and weight.requires_grad and plan.seq_group is None,
                              backend=plan.backend)
         if plan.seq_group is not None:  # scale first (amax reduced over the sequence), gather FP8 bytes
@@ -120,8 +123,10 @@ class FP8LinearFunction(torch.autograd.Function):
         plan, r = ctx.plan, ctx.plan.recipe
         g2 = gy.reshape(-1, gy.shape[-1])
         per_tensor = r.block("grad") == (-1, -1)
+        # under sequence parallelism the gradient's rows are whole over tp here (the output was gathered)
         qg, bad = quantize(g2, r.grad_format, r.block("grad"), group=plan.grad_group,
-                           shard_dim=plan.grad_shard_dim, state=plan.states.get("grad"), margin=r.margin,
+                           shard_dim=plan.grad_shard_dim, row_group=plan.row_group, state=plan.states.get("grad"),
+                           margin=r.margin,
                            transpose=per_tensor and ctx.needs_input_grad[1], backend=plan.backend)
         ctx.flag.copy_(torch.maximum(ctx.flag, bad.float().reshape(1)))
         dx = dw = db = None
@@ -140,16 +145,18 @@ class FP8LinearFunction(torch.autograd.Function):
             dw = fp8_gemm(g_t, g_sinv_t, x_t, x_sinv_t, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.float().sum(0).to(ctx.bias_dtype)
-        ctx.qx = ctx.qw = None
+        # ctx keeps qx/qw until the graph goes: a zero-bubble schedule runs this backward twice (B, then W)
         return dx, dw, db, None, None
 
 
-def delayed_states(recipe: FP8Recipe, device=None) -> dict:
-    """One :class:`DelayedScaling` per tensor of a layer (input, weight, grad) for the delayed recipe, else {}."""
+def delayed_states(recipe: FP8Recipe, device=None, update: str = "cast") -> dict:
+    """One :class:`DelayedScaling` per tensor of a layer (input, weight, grad) for the delayed recipe, else {}.
+    ``update``: ``"cast"`` (the history takes every cast's amax) or ``"step"`` (once per optimizer step, from
+    :func:`.recipes.commit_delayed`)."""
     if recipe.scaling != "delayed":
         return {}
     fmts = {"input": recipe.fwd_format, "weight": recipe.fwd_format, "grad": recipe.grad_format}
-    return {k: DelayedScaling(recipe.history_len, f, recipe.margin, device) for k, f in fmts.items()}
+    return {k: DelayedScaling(recipe.history_len, f, recipe.margin, device, update) for k, f in fmts.items()}
 
 
 class FP8Mixin:
@@ -165,6 +172,17 @@ class FP8Mixin:
         self.out_dtype, self.backend = out_dtype, backend
         self.fp8_states = delayed_states(self.recipe, device if device != "meta" else None)
         self.register_buffer("fp8_nonfinite", torch.zeros(1, device=device), persistent=False)
+        self.row_group = None
+
+    def set_row_group(self, group) -> None:
+        """The tokens reaching this layer are split over ``group`` too (context parallelism's sequence shards):
+        per-tensor amaxes of the input and the output gradient are max-reduced over it as well."""
+        self.row_group = group
+
+    def set_delayed_update(self, update: str) -> None:
+        """``"step"``: the delayed-scaling histories take one amax per optimizer step (committed by
+        :func:`.recipes.commit_delayed`), ``"cast"``: one per cast. The histories start empty again."""
+        self.fp8_states = delayed_states(self.recipe, self.fp8_nonfinite.device, update)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dtype not in OUT_DTYPES:
@@ -183,12 +201,16 @@ class FP8Mixin:
 
 class FP8Linear(FP8Mixin, nn.Module):
     """``nn.Linear`` with FP8 GEMMs. ``recipe``: :class:`FP8Recipe`; ``out_dtype``: the output's dtype (default:
-    the input's); ``backend``: the cast kernels' backend (see ``parallel_layers.ops``)."""
+    the input's); ``backend``: the cast kernels' backend (see ``parallel_layers.ops``); ``activation``: None,
+    ``"gelu"`` or ``"silu"`` applied to the output (not fused into the GEMM)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 recipe: Optional[FP8Recipe] = None, out_dtype=None, backend=None, dtype=None, device=None):
+                 recipe: Optional[FP8Recipe] = None, out_dtype=None, backend=None, dtype=None, device=None,
+                 activation: Optional[str] = None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        if activation not in (None, "gelu", "silu"):
+            raise ValueError(f"FP8Linear: activation={activation!r} is not one of None, 'gelu', 'silu'")
+        self.in_features, self.out_features, self.activation = in_features, out_features, activation
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         linear_default_init_(self.weight, self.bias)
@@ -196,7 +218,8 @@ class FP8Linear(FP8Mixin, nn.Module):
 
     @classmethod
     def from_linear(cls, module: nn.Linear, **kwargs) -> "FP8Linear":
-        """An FP8Linear sharing ``module``'s parameters."""
+        """An FP8Linear sharing ``module``'s parameters (and its ``activation``, where it has one)."""
+        kwargs.setdefault("activation", getattr(module, "activation", None))
         layer = cls(module.in_features, module.out_features, module.bias is not None, dtype=module.weight.dtype,
                     device="meta", **kwargs)
         layer.weight = module.weight
@@ -209,12 +232,15 @@ class FP8Linear(FP8Mixin, nn.Module):
         self._check_input(x)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear: input has last dimension {x.shape[-1]}, expected {self.in_features}")
-        plan = FP8Plan(self.recipe, self.fp8_states, self.out_dtype, self.backend)
-        return FP8LinearFunction.apply(x, self.weight, self.bias, plan, self.fp8_nonfinite)
+        plan = FP8Plan(self.recipe, self.fp8_states, self.out_dtype, self.backend, row_group=self.row_group)
+        y = FP8LinearFunction.apply(x, self.weight, self.bias, plan, self.fp8_nonfinite)
+        if self.activation is not None:
+            y = F.gelu(y) if self.activation == "gelu" else F.silu(y)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"recipe={self.recipe}")
+                f"recipe={self.recipe}" + (f", activation={self.activation}" if self.activation else ""))
 
 
 __all__ = ["FP8Linear", "FP8LinearFunction", "FP8Plan", "FP8Mixin", "fp8_gemm", "delayed_states"]

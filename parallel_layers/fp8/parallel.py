@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, check_sequence_input
 from ..tensor_parallel.mappings import (
@@ -35,17 +36,31 @@ from .linear import FP8LinearFunction, FP8Mixin, FP8Plan
 from .recipes import FP8Recipe
 
 
+def _share_parameters(layer, module):
+    """``layer`` (built on meta with ``module``'s sizes) takes ``module``'s parameter objects (their flags too)."""
+    layer.weight = module.weight
+    layer.bias = module.bias
+    return layer
+
+
 class FP8ColumnParallelLinear(FP8Mixin, ColumnParallelLinear):
     """:class:`ColumnParallelLinear` with FP8 GEMMs (``recipe``, ``out_dtype``, ``backend`` as FP8Linear).
-    ``activation`` is not fused here: apply it to the output."""
+    ``activation`` is applied to the GEMM's output (not fused into it)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group,
                  recipe: Optional[FP8Recipe] = None, out_dtype=None, backend=None, **kwargs):
-        if kwargs.get("activation") is not None:
-            raise ValueError(f"{type(self).__name__}: activation={kwargs['activation']!r} is not fused into the "
-                             f"FP8 GEMM; pass activation=None and apply it to the layer's output")
         super().__init__(in_features, out_features, bias, tp_group=tp_group, **kwargs)
         self.init_fp8(recipe, out_dtype, backend, kwargs.get("device"))
+
+    @classmethod
+    def from_parallel(cls, module: ColumnParallelLinear, **kwargs) -> "FP8ColumnParallelLinear":
+        """An FP8 twin of the column-parallel ``module``, sharing its parameters."""
+        layer = cls(module.in_features, module.out_features, module.bias is not None, tp_group=module.tp_group,
+                    gather_output=module.gather_output, sequence_parallel=module.sequence_parallel,
+                    activation=module.activation, dtype=module.weight.dtype, device="meta", **kwargs)
+        _share_parameters(layer, module)
+        layer.init_fp8(layer.recipe, layer.out_dtype, layer.backend, module.weight.device)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
@@ -55,13 +70,15 @@ class FP8ColumnParallelLinear(FP8Mixin, ColumnParallelLinear):
                              f"in_features={self.in_features} (input shape {tuple(x.shape)})")
         plan = FP8Plan(self.recipe, self.fp8_states, self.out_dtype, self.backend,
                        weight_group=self.tp_group, weight_shard_dim=0,
-                       grad_group=self.tp_group, grad_shard_dim=1)
+                       grad_group=self.tp_group, grad_shard_dim=1, row_group=self.row_group)
         if self.sequence_parallel:
             check_sequence_input(name, x, self.tp_size, "")
             plan.input_group, plan.input_shard_dim, plan.seq_group = self.tp_group, 0, self.tp_group
         else:
             plan.dgrad_allreduce_group = self.tp_group  # the input is whole: its gradient sums over the group
         y = FP8LinearFunction.apply(x, self.weight, self.bias, plan, self.fp8_nonfinite)
+        if self.activation is not None:
+            y = F.gelu(y) if self.activation == "gelu" else F.silu(y)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -95,13 +112,23 @@ class FP8RowParallelLinear(FP8Mixin, RowParallelLinear):
         # The output gradient reaches the GEMM whole (the reduction's backward is an identity or an all-gather).
         plan = FP8Plan(self.recipe, self.fp8_states, self.out_dtype, self.backend,
                        input_group=self.tp_group, input_shard_dim=1,
-                       weight_group=self.tp_group, weight_shard_dim=1)
+                       weight_group=self.tp_group, weight_shard_dim=1, row_group=self.row_group)
         y = FP8LinearFunction.apply(x, self.weight, None, plan, self.fp8_nonfinite)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, dim=1)
         elif self.tp_size > 1:
             y = reduce_from_tensor_parallel_region(y, self.tp_group)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @classmethod
+    def from_parallel(cls, module: RowParallelLinear, **kwargs) -> "FP8RowParallelLinear":
+        """An FP8 twin of the row-parallel ``module``, sharing its parameters."""
+        layer = cls(module.in_features, module.out_features, module.bias is not None, tp_group=module.tp_group,
+                    input_is_parallel=module.input_is_parallel, sequence_parallel=module.sequence_parallel,
+                    dtype=module.weight.dtype, device="meta", **kwargs)
+        _share_parameters(layer, module)
+        layer.init_fp8(layer.recipe, layer.out_dtype, layer.backend, module.weight.device)
+        return layer
 
     @classmethod
     def from_dense(cls, module, *, tp_group, **kwargs) -> "FP8RowParallelLinear":
