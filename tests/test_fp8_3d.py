@@ -241,6 +241,12 @@ def test_precision_config_refuses_fp8_combinations():
         PrecisionConfig(fp8="e4m3")
     with pytest.raises(ValueError, match="needs fp8="):
         PrecisionConfig(fp8_modules=lambda n, m: True)
+    from parallel_layers import DataParallelConfig, OptimizerConfig
+    from parallel_layers.composition.config import check_together
+    for zero, recipe in ((1, FP8Recipe()), (3, FP8Recipe(scaling="delayed")), (3, None)):
+        with pytest.raises(ValueError, match="fp8_all_gather=True"):
+            check_together(OptimizerConfig(), DataParallelConfig(zero=zero, fp8_all_gather=True),
+                           PrecisionConfig(dtype=torch.float32, fp8=recipe))
 
 
 def test_convert_to_fp8_default_choice():
@@ -255,3 +261,39 @@ def test_convert_to_fp8_default_choice():
     assert all(p is before[n] for n, p in model.named_parameters())
     small = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.Linear(8, 32))
     assert convert_to_fp8(small) == []
+
+
+def body_all_gather(rank, world, dims, dtype_name, micro):
+    """ZeRO-3 with the FP8 weights all-gathered as FP8 bytes and without: the same training bit for bit."""
+    from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.models.gpt import GPTConfig
+    from parallel_layers.testing import cached_mesh
+
+    runs = []
+    for fp8_all_gather in (False, True):
+        p3d = Parallel3D(GPTConfig(**dict(CONFIG, sequence_parallel=dims[1] > 1)), cached_mesh(*dims), seed=0,
+                         optimizer=OptimizerConfig(lr=LR[dtype_name], eps=EPS, weight_decay=0.0),
+                         pipeline=PipelineConfig(num_microbatches=micro),
+                         data_parallel=DataParallelConfig(zero=3, fp8_all_gather=fp8_all_gather),
+                         precision=PrecisionConfig(dtype=getattr(torch, dtype_name), fp8=_recipe("tensor")))
+        losses, moved = [], []
+        for b in _batches():
+            losses.append(p3d.train_step(b[:, :-1], b[:, 1:])["loss"])
+            moved.append(p3d.z.all_gather_bytes)
+        runs.append((losses, p3d.dense_state_dict(), moved))
+    (plain_losses, plain, plain_moved), (losses, params, moved) = runs
+    assert losses == plain_losses, (losses, plain_losses)
+    for name, t in params.items():
+        assert torch.equal(t, plain[name]), name
+    return plain_moved[-1], moved[-1]
+
+
+@pytest.mark.parametrize("dims,dtype_name,micro", [((2, 1, 1, 1), "float32", 1), ((2, 2, 1, 1), "bfloat16", 2)],
+                         ids=["dp2-fp32-per-unit", "dp2tp2sp-bf16-held"])
+def test_zero3_fp8_all_gather_trains_bit_identically(dist_pools, dims, dtype_name, micro):
+    """The FP8 weights (the linear layers' but the head's) travel at 1 byte an element: the step's gather
+    bytes fall by about the parameter dtype's size on them."""
+    results = dist_pools(dims[0] * dims[1]).run(body_all_gather, dims, dtype_name, micro)
+    for plain, fp8 in results:
+        assert fp8 < plain * (0.5 if dtype_name == "float32" else 0.75), (plain, fp8)

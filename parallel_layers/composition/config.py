@@ -202,14 +202,21 @@ class DataParallelConfig:
     every rank), 1 or 2 (ZeRO over reduce-scatter: sharded optimizer state, and gradients with 2), 3
     (parameters sharded too, gathered once per step; a bf16/fp16 model's gradients accumulated and reduced in
     fp32). ``bucket_cap_mb``: the gradient buckets'
-    size (zero 0-2; the first bucket is at most 1 MiB so communication starts early)."""
+    size (zero 0-2; the first bucket is at most 1 MiB so communication starts early). ``fp8_all_gather``
+    (zero 3 with ``PrecisionConfig(fp8=FP8Recipe(scaling="tensor"))``): the FP8 layers' weights are
+    all-gathered as FP8 bytes, scaled by the whole weight's amax (FSDP2's float8 all-gather; bit-identical
+    training, 1 byte an element on the wire: :mod:`parallel_layers.zero.stage3_fp8`)."""
     zero: int = 0
     bucket_cap_mb: float = 25.0
+    fp8_all_gather: bool = False
 
     def __post_init__(self):
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ValueError(f"Parallel3D: zero={self.zero!r} must be 0 (plain data parallel), 1, 2 or 3")
         _check_number("DataParallelConfig", "bucket_cap_mb", self.bucket_cap_mb, strict=True)
+        if not isinstance(self.fp8_all_gather, bool):
+            raise ValueError(f"Parallel3D: DataParallelConfig(fp8_all_gather={self.fp8_all_gather!r}) must be True "
+                             f"or False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +302,10 @@ def check_together(optimizer: OptimizerConfig, data_parallel: DataParallelConfig
     if zero == 0 and dtype not in (torch.float32, torch.float64):
         raise ValueError(f"Parallel3D: a {dtype} model needs fp32 master weights; use zero=1, 2 or 3 "
                          f"(the ZeRO optimizers keep them) or dtype=torch.float32")
+    if data_parallel.fp8_all_gather and (zero != 3 or precision.fp8 is None or precision.fp8.scaling != "tensor"):
+        raise ValueError(f"Parallel3D: DataParallelConfig(fp8_all_gather=True) all-gathers ZeRO-3's FP8 weights: it "
+                         f"needs zero=3 (here {zero}{origin}) and PrecisionConfig(fp8=FP8Recipe(scaling='tensor')) "
+                         f"(here {precision.fp8}); the other scalings' scales do not come from the gathered weight")
     unused = optimizer.zero_options_set()
     if zero == 0 and unused:
         raise ValueError(f"Parallel3D: OptimizerConfig({', '.join(f'{n}={getattr(optimizer, n)!r}' for n in unused)}) "

@@ -375,7 +375,8 @@ class ShardedParams(ReplicaMode):
         # shards them over their own group (each expert module a unit), the first leaves them alone.
         options = dict(**optimizer_config.adamw_options(), **optimizer_config.zero_options())
         self.z = ZeroStage3(model[0] if self.per_unit else model, dp_group, prefetch=self.per_unit,
-                            ignore=is_expert if self.ep > 1 else None)
+                            ignore=is_expert if self.ep > 1 else None,
+                            fp8_gather=data_parallel is not None and data_parallel.fp8_all_gather)
         self.expert_z = None
         if self.ep > 1:
             self.expert_z = ZeroStage3(nn.ModuleList(experts), expert_group, prefetch=False)

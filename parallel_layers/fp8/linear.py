@@ -84,6 +84,9 @@ class FP8Plan:
     seq_group: object = None
     dgrad_allreduce_group: object = None
     row_group: object = None      # the tokens are also split over this group (context parallelism)
+    # the weight already quantized (per-tensor current scaling; ZeroStage3(fp8_gather=True) all-gathers it in
+    # FP8): the forward uses it and reads no element of ``weight``
+    weight_q: Optional[Quantized] = None
 
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -105,9 +108,17 @@ class FP8LinearFunction(torch.autograd.Function):
                 sinv = _seq_gather(sinv, lead, plan.seq_group)
             qx = Quantized(_seq_gather(qx.data, lead, plan.seq_group), sinv, None, qx.amax)
             lead = [lead[0], lead[1] * world]
-        qw, bad_w = quantize(weight, r.fwd_format, r.block("weight"), group=plan.weight_group,
-                             shard_dim=plan.weight_shard_dim, state=st.get("weight"), margin=r.margin,
-                             transpose=per_tensor and x.requires_grad, backend=plan.backend)
+        if plan.weight_q is not None:
+            qw = plan.weight_q
+            if r.scaling != "tensor" or tuple(qw.data.shape) != tuple(weight.shape):
+                raise ValueError(f"FP8LinearFunction: a pre-quantized weight of shape {tuple(qw.data.shape)} for a "
+                                 f"weight of shape {tuple(weight.shape)}, recipe scaling {r.scaling!r}; it must be "
+                                 f"the weight's own, per-tensor current scaling ('tensor')")
+            bad_w = ~torch.isfinite(qw.amax).all()    # what quantize reports for that amax
+        else:
+            qw, bad_w = quantize(weight, r.fwd_format, r.block("weight"), group=plan.weight_group,
+                                 shard_dim=plan.weight_shard_dim, state=st.get("weight"), margin=r.margin,
+                                 transpose=per_tensor and x.requires_grad, backend=plan.backend)
         y = fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -198,6 +209,21 @@ class FP8Mixin:
     def reset_nonfinite(self) -> None:
         self.fp8_nonfinite.zero_()
 
+    # ZeRO-3's FP8 all-gather (ZeroStage3(fp8_gather=True), per-tensor current scaling): while the weight's unit is
+    # gathered, the wrapper hands the layer its weight as FP8 bytes, quantized with the whole weight's amax (the
+    # bytes the layer would make from the gathered full-precision weight); the forward uses them.
+    fp8_gathered_weight: Optional[Quantized] = None
+
+    def use_gathered_fp8_weight(self, q: Optional[Quantized]) -> None:
+        """Use ``q`` (the weight quantized per tensor with the layer's ``fwd_format`` and ``margin``) in the
+        forwards from now on instead of quantizing ``weight``; None: quantize ``weight`` again."""
+        self.fp8_gathered_weight = q
+
+    def weight_amax_group(self):
+        """The group the weight's per-tensor amax is max-reduced over: the tensor-parallel group of a
+        tensor-parallel layer (its weight is a TP shard), else None."""
+        return getattr(self, "tp_group", None)
+
 
 class FP8Linear(FP8Mixin, nn.Module):
     """``nn.Linear`` with FP8 GEMMs. ``recipe``: :class:`FP8Recipe`; ``out_dtype``: the output's dtype (default:
@@ -232,7 +258,8 @@ class FP8Linear(FP8Mixin, nn.Module):
         self._check_input(x)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear: input has last dimension {x.shape[-1]}, expected {self.in_features}")
-        plan = FP8Plan(self.recipe, self.fp8_states, self.out_dtype, self.backend, row_group=self.row_group)
+        plan = FP8Plan(self.recipe, self.fp8_states, self.out_dtype, self.backend, row_group=self.row_group,
+                       weight_q=self.fp8_gathered_weight)
         y = FP8LinearFunction.apply(x, self.weight, self.bias, plan, self.fp8_nonfinite)
         if self.activation is not None:
             y = F.gelu(y) if self.activation == "gelu" else F.silu(y)

@@ -70,7 +70,8 @@ class FP8ColumnParallelLinear(FP8Mixin, ColumnParallelLinear):
                              f"in_features={self.in_features} (input shape {tuple(x.shape)})")
         plan = FP8Plan(self.recipe, self.fp8_states, self.out_dtype, self.backend,
                        weight_group=self.tp_group, weight_shard_dim=0,
-                       grad_group=self.tp_group, grad_shard_dim=1, row_group=self.row_group)
+                       grad_group=self.tp_group, grad_shard_dim=1, row_group=self.row_group,
+                       weight_q=self.fp8_gathered_weight)
         if self.sequence_parallel:
             check_sequence_input(name, x, self.tp_size, "")
             plan.input_group, plan.input_shard_dim, plan.seq_group = self.tp_group, 0, self.tp_group
@@ -112,7 +113,8 @@ class FP8RowParallelLinear(FP8Mixin, RowParallelLinear):
         # The output gradient reaches the GEMM whole (the reduction's backward is an identity or an all-gather).
         plan = FP8Plan(self.recipe, self.fp8_states, self.out_dtype, self.backend,
                        input_group=self.tp_group, input_shard_dim=1,
-                       weight_group=self.tp_group, weight_shard_dim=1, row_group=self.row_group)
+                       weight_group=self.tp_group, weight_shard_dim=1, row_group=self.row_group,
+                       weight_q=self.fp8_gathered_weight)
         y = FP8LinearFunction.apply(x, self.weight, None, plan, self.fp8_nonfinite)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, dim=1)

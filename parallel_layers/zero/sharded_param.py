@@ -53,12 +53,21 @@ class ParamInfo:
         self.unit, self.name, self.shape, self.numel = unit, name, tuple(shape), numel
         self.piece = (max(offset, unit.lo) - offset, min(offset + numel, unit.hi) - offset)
         self.placeholder = None
+        # set by the wrapper while the unit is gathered with this weight in FP8 only (ZeroStage3(fp8_gather=True)):
+        # its place in the full buffer was not written
+        self.fp8_only = False
 
     def readable(self) -> bool:
         u = self.unit
-        return u.gather_work is None and u.full.untyped_storage().nbytes() > 0
+        return u.gather_work is None and u.full.untyped_storage().nbytes() > 0 and not self.fp8_only
 
     def read_error(self) -> RuntimeError:
+        if self.fp8_only:
+            return RuntimeError(
+                f"ZeroStage3: parameter {self.name!r} (shape {self.shape}) is gathered in FP8 for its FP8 layer "
+                f"(ZeroStage3(fp8_gather=True)): its full-precision value was not gathered, only the layer's own "
+                f"GEMMs may use it. Read it inside `with zmodel.gathered_parameters(): ...` (a collective: every "
+                f"rank of the group enters it), or leave fp8_gather off when other code reads it")
         a, b = self.piece
         held = (f"elements [{a}, {b}) of its {self.numel} (flattened, in the wrapper's shard_buffer)" if a < b
                 else f"none of its {self.numel} elements")

@@ -14,6 +14,14 @@ in ``reduce_dtype`` (default: fp32 for bf16/fp16 parameters), so the gradients a
 into fp32, summed over micro-batches and reduce-scattered in fp32, and averaged into the fp32 gradient shard.
 ``reduce_dtype=`` the parameter dtype reduces in it (half the traffic and buffer; each sum rounded to bf16).
 
+FP8 all-gather (``fp8_gather=True``, FSDP2's float8 all-gather; :mod:`.stage3_fp8`): the weights of FP8 layers
+with per-tensor current scaling are cast to FP8 on each rank, with the whole weight's scale (the per-shard
+amaxes max-all-reduced, one small all-reduce per unit gather), all-gathered as 1 byte an element beside the
+unit's other parameters in the parameter dtype, and handed to the layers, which use them instead of quantizing
+the gathered weight: the same FP8 bytes, so the same training bit for bit, with less traffic
+(:attr:`ZeroStage3.all_gather_bytes`). Gradients are reduced as before. The weights' full-precision elements
+are not gathered then (reading them raises); :meth:`gathered_parameters` gathers everything in full.
+
 Per unit and step (``timeline`` records each event with a timestamp, so tests can prove the overlap):
 
 * forward pre-hook (of the unit's first module to run): wait for (or issue) the unit's all-gather into
@@ -105,6 +113,7 @@ from torch.utils._pytree import tree_flatten
 from ..distributed import collectives as C
 from ..weak_hooks import weak_hook
 from .sharded_param import ParamInfo, is_sharded, raw_grad, set_raw_grad, set_sharded_info, sharded_class, sharded_info
+from .stage3_fp8 import fp8_gather_plans
 from .stage3_units import (
     MIN_UNIT_NUMEL,
     SHARD_ALIGN,
@@ -138,6 +147,11 @@ class ZeroStage3(nn.Module):
     those saves, and its recomputation would read freed parameters).
     ``ignore(p)``: parameters left alone (not sharded, not reduced; another wrapper's, e.g. experts sharded
     over their own expert-data-parallel group).
+    ``fp8_gather``: all-gather the weights of FP8 layers with per-tensor current scaling in FP8 (1 byte an
+    element instead of the parameter dtype's 2 or 4), cast on each rank with the whole weight's scale (one small
+    max all-reduce of amaxes per unit gather), and hand them to the layers, which use them instead of
+    quantizing: bit-identical training, less traffic (:attr:`all_gather_bytes`). Other scalings and every other
+    parameter are gathered as usual; :mod:`.stage3_fp8` says what, why it is exact, and what is not gathered.
     ``find_unused_parameters``: ranks may differ in which parameters get a gradient (a data-dependent
     branch inside a unit every rank runs); the optimizer's step then agrees on it with one small all-reduce.
     After backward, this rank's averaged gradient shards are in ``grad_buffer`` (accumulated across
@@ -173,7 +187,7 @@ class ZeroStage3(nn.Module):
                  param_dtype: Optional[torch.dtype] = None, prefetch: bool = True, broadcast_from_rank0: bool = True,
                  free_root_early: bool = True, find_unused_parameters: bool = False,
                  grad_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 ignore: Optional[Callable[[nn.Parameter], bool]] = None):
+                 ignore: Optional[Callable[[nn.Parameter], bool]] = None, fp8_gather: bool = False):
         super().__init__()
         self.module, self.dp_group, self.prefetch = module, dp_group, bool(prefetch)
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -220,6 +234,9 @@ class ZeroStage3(nn.Module):
         self.grad_nbytes = self.grad_buffer.untyped_storage().nbytes()
         self._build(broadcast_from_rank0)
         self.grad_buffer.zero_()
+        self.fp8_gather = bool(fp8_gather)
+        self._fp8_plans = (fp8_gather_plans(module, self.units, self.dp_size, self.dp_rank, self.param_dtype,
+                                            self.device) if self.fp8_gather else {})
         self.timeline: List[tuple] = []
         self._set_forward_order([u.index for u in self.units])   # refined from each forward
         self._cur_order: List[int] = []
@@ -275,8 +292,18 @@ class ZeroStage3(nn.Module):
     # ------------------------------------------------------------------ memory bookkeeping
     @property
     def peak_gathered_bytes(self) -> int:
-        """The most bytes of full parameter and gradient buffers alive at once during the last step."""
+        """The most bytes of full parameter and gradient buffers alive at once during the last step (with
+        ``fp8_gather``, the gathered FP8 weights and the all-gathers' receive buffers too)."""
         return self._bytes.peak
+
+    @property
+    def all_gather_bytes(self) -> int:
+        """Bytes the parameter all-gathers moved since the last step began (the root's forward, or
+        :meth:`gather_all`): each gather's output, every rank's part. A unit's gather is ``padded * itemsize``
+        bytes, padding included; with ``fp8_gather``, a unit holding FP8-gathered weights moves its FP8 elements
+        at 1 byte and its others at the parameter dtype's size, padding left out, each rank's part padded to the
+        largest one (rounded up to 16 bytes), plus a max all-reduce of 4 bytes per FP8 weight (not counted)."""
+        return self._bytes.moved
 
     def _alloc(self, t: torch.Tensor, nbytes: int) -> bool:
         st = t.untyped_storage()
@@ -296,25 +323,50 @@ class ZeroStage3(nn.Module):
 
     # ------------------------------------------------------------------ gather / free
     @torch.no_grad()
-    def _gather(self, u: Unit, prefetch: bool = False) -> None:
-        """Issue ``u``'s all-gather (async) unless it is gathered or in flight."""
+    def _gather(self, u: Unit, prefetch: bool = False, full_precision: bool = False) -> None:
+        """Issue ``u``'s all-gather (async) unless it is gathered or in flight; its FP8 weights in FP8 (with
+        ``fp8_gather``) unless ``full_precision``."""
         if u.gather_work is not None or not self._alloc(u.full, u.nbytes):
             return
-        _, work = C.all_gather_dim0(u.shard, self.dp_group, out=u.full, async_op=True)
+        plan = None if full_precision else self._fp8_plans.get(u.index)
+        if plan is None:
+            _, work = C.all_gather_dim0(u.shard, self.dp_group, out=u.full, async_op=True)
+            nbytes = u.nbytes
+        else:
+            work, nbytes = plan.launch(u.shard, self.dp_group), plan.recv_bytes
+            self._bytes.add(nbytes)                         # the receive buffer, until it is unpacked
+        self._bytes.moved += nbytes
         u.gather_work = work if work is not None else _Done()
-        self._event("gather_launch", u, prefetch=prefetch)
+        self._event("gather_launch", u, prefetch=prefetch, bytes=nbytes)
 
     def _wait_gather(self, u: Unit) -> None:
         self._gather(u)
         if u.gather_work is not None:
             u.gather_work.wait()
+            plan = self._fp8_plans.get(u.index)
+            if plan is not None and plan.in_flight:         # unpack: the FP8 weights to their layers
+                plan.finish(u.full)
+                self._bytes.add(plan.fp8_bytes - plan.recv_bytes)
             u.gather_work = None
             self._event("gather_wait", u)
+
+    @torch.no_grad()
+    def _fill_full_precision(self, u: Unit) -> None:
+        """``u`` gathered (waited for) with its FP8 weights in FP8 only: gather the full buffer in full
+        precision over it (a collective), so every parameter is readable."""
+        plan = self._fp8_plans.get(u.index)
+        if plan is not None and plan.handed_off:
+            C.all_gather_dim0(u.shard, self.dp_group, out=u.full)
+            self._bytes.moved += u.nbytes
+            plan.full_precision()
 
     def _reshard(self, u: Unit) -> None:
         if u.gather_work is not None:   # never free memory a collective is writing into
             u.gather_work.wait()
             u.gather_work = None
+        plan = self._fp8_plans.get(u.index)
+        if plan is not None:
+            self._bytes.add(-plan.release())
         if u.gathered():
             self._free(u.full)
 
@@ -792,9 +844,10 @@ class ZeroStage3(nn.Module):
         readable inside. ``writeback``: copy this rank's slice of the (edited) parameters back on exit.
         Keep clones, not views: the memory is freed on exit."""
         for u in self.units:
-            self._gather(u)
+            self._gather(u, full_precision=True)
         for u in self.units:
             self._wait_gather(u)
+            self._fill_full_precision(u)    # gathered in FP8 before (inside a forward): now in full
         try:
             yield self.module
         finally:
@@ -858,17 +911,19 @@ class _GatheredBytes:
     reset. A plain object: it changes at every gather and free, where ``nn.Module.__setattr__`` (the
     wrapper's own attributes) costs microseconds per assignment."""
 
-    __slots__ = ("live", "peak")
+    __slots__ = ("live", "peak", "moved")
 
     def __init__(self):
-        self.live = self.peak = 0
+        self.live = self.peak = self.moved = 0
 
     def add(self, nbytes: int) -> None:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
     def reset_peak(self) -> None:
+        """A step begins: the peak starts from what is alive, the all-gathers' byte count from 0."""
         self.peak = self.live
+        self.moved = 0
 
 
 class _Done:
