@@ -12,6 +12,10 @@ in code::
 Memory comes from the package's own code run on the meta device (:mod:`.probe`), time from those
 counts at a hardware profile's rates (:mod:`.model`, :mod:`.hardware`, :mod:`.calibrate`);
 :mod:`.measure` is how ``benchmarks/planner.py`` checks both against real runs.
+
+FP8 training (``Request(fp8=True, fp8_recipe=..., fp8_gather=...)``, ``plan --fp8 [RECIPE] [--fp8-gather]``):
+the converted Linears' GEMMs at the profile's fp8 rate, their casts at its memory bandwidth and their FP8
+copies saved for backward (:mod:`.fp8`); a profile without an fp8 rate is refused.
 """
 from .calibrate import calibrate
 from .hardware import BUILTIN, Link, Profile, load_profile

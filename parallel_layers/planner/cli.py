@@ -1,7 +1,8 @@
 """``python -m parallel_layers plan``: rank every layout of a model on a cluster, or calibrate a profile.
 
     python -m parallel_layers plan --gpt 12,768,12,50257 --world 64 --devices-per-node 8 --memory-gib 80 \\
-        --global-batch 512 --seq-len 2048 --precision bf16 --profile h100 [--json out.json] [--png out.png]
+        --global-batch 512 --seq-len 2048 --precision bf16 --profile h100 [--json out.json] [--png out.png] \
+        [--fp8 [tensor|delayed|row|block] [--fp8-gather]]      # FP8 training (planner/fp8.py)
     python -m parallel_layers plan --hf-config path/config.json ...     # a Hugging Face causal LM's config
     python -m parallel_layers plan --calibrate profile.json [--world 2]  # measure this machine, save a profile
 
@@ -40,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--global-batch", type=int, default=32, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--fp8", nargs="?", const="tensor", default=None, metavar="RECIPE",
+                    help="FP8 training: every Linear but the LM head and the MoE router in FP8 (FP8Linear), with the "
+                    "scaling RECIPE (tensor, the default; delayed, row, block); needs a profile with an fp8 rate "
+                    "(h100, h200)")
+    ap.add_argument("--fp8-gather", action="store_true", help="with --fp8 and ZeRO-3: gather the FP8 layers' "
+                    "weights in FP8, 1 byte an element")
     ap.add_argument("--profile", default="h100", help=f"built-in ({', '.join(BUILTIN)}) or a calibrated JSON file")
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
     ap.add_argument("--cp", default=None, help="context-parallel sizes to consider, e.g. 1 to leave cp out (each cp "
@@ -77,7 +84,8 @@ def request_of(args) -> Request:
         model = GPTConfig(vocab_size=v, n_layer=n_layer, n_head=h, d_model=d, max_seq_len=args.seq_len, **moe)
     return Request(model, world=args.world, global_batch=args.global_batch, seq_len=args.seq_len,
                    memory_bytes=args.memory_gib * 2**30, devices_per_node=args.devices_per_node,
-                   precision=args.precision)
+                   precision=args.precision, fp8=args.fp8 is not None, fp8_recipe=args.fp8 or "tensor",
+                   fp8_gather=args.fp8_gather)
 
 
 def _row(p) -> str:
@@ -97,8 +105,14 @@ def main(argv=None) -> int:
               f"memory {prof.mem_bw / 1e9:.1f} GB/s, all-reduce alpha {prof.intra['all_reduce'].alpha * 1e6:.0f} us "
               f"beta {1 / prof.intra['all_reduce'].beta / 1e9:.2f} GB/s, {prof.compute_slots} cores")
         return 0
-    req = request_of(args)
-    prof = load_profile(args.profile)
+    try:
+        req = request_of(args)
+        prof = load_profile(args.profile)
+        if req.fp8:
+            from .fp8 import fp8_rate
+            fp8_rate(prof, req)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     zero = [int(z) for z in args.zero.split(",")]
     ck = [{"off": False, "on": True}[c] for c in args.checkpoint.split(",")]
     try:
@@ -109,7 +123,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     print(f"{req.describe_model()} on {req.world} ranks ({req.devices_per_node} per node, "
-          f"{args.memory_gib:g} GiB each), batch {req.global_batch} x {req.seq_len}, {req.precision}; profile "
+          f"{args.memory_gib:g} GiB each), batch {req.global_batch} x {req.seq_len}, {req.precision}"
+          f"{f' + FP8 ({req.fp8_recipe} scaling)' if req.fp8 else ''}; profile "
           f"{prof.name} ({'measured' if prof.measured else 'assumed efficiencies: ' + prof.notes}); "
           f"{sum(r is None for _, r in layouts)} layouts to predict", file=sys.stderr)
     ranked = plan(req, prof, layouts, progress=lambda name: print(f"  predicting {name}", file=sys.stderr,

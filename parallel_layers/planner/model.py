@@ -44,6 +44,7 @@ from typing import Dict, List, Optional
 from ..composition.layout import Layout
 from ..dimensions import names, replicating, world_size
 from ..pipeline.schedules import SCHEDULE_SPECS, build_all, schedule_spec, simulate, simulate_timing
+from .fp8 import chunk_terms, fp8_rate
 from .hardware import Profile
 from .probe import (
     ChunkCost,
@@ -141,7 +142,7 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
     z3 = layout.zero == 3
     probe_schedule = _probe_schedule(layout)
     akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.ep, layout.num_chunks, probe_schedule,
-            layout.checkpoint, b, z3)
+            layout.checkpoint, b, z3, bool(getattr(req, "fp8", False)))
     if akey not in cache:
         # dp 1; ZeRO 0 (1 for bf16/fp16, which need fp32 master weights) or 3: a micro-batch is the same
         plain = 0 if req.precision == "fp32" else 1
@@ -154,7 +155,8 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
                 continue
             with fake_world(global_rank(one, r), one.world):
                 p3d = build_rank(req, one, r)
-                chunks, hidden = microbatch_probe(p3d, b, req.seq_len // layout.cp, hidden)
+                chunks, hidden = microbatch_probe(p3d, b, req.seq_len // layout.cp, hidden,
+                                                  fp8=bool(getattr(req, "fp8", False)))
                 del p3d
             ranks.append(chunks)
         cache[akey] = ranks
@@ -177,8 +179,14 @@ def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
     return span > req.devices_per_node
 
 
-def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float) -> float:
-    device = flops / prof.matmul_rate(req.precision) + traffic / prof.mem_bw
+def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float, fp8_flops: float = 0.0,
+                  cast_bytes: float = 0.0) -> float:
+    """One forward or backward: its FLOPs at the precision's matmul rate (``fp8_flops`` of them, FP8 training's
+    GEMMs, at the fp8 rate instead), its memory traffic (and FP8 casts' ``cast_bytes``) at the bandwidth, its
+    operator calls' overhead and its collectives."""
+    device = max(flops - fp8_flops, 0) / prof.matmul_rate(req.precision) + (traffic + cast_bytes) / prof.mem_bw
+    if fp8_flops:
+        device += fp8_flops / fp8_rate(prof, req)
     host = ops * prof.op_overhead
     t = (max(device, host) if prof.async_dispatch else device + host) * slow
     for name, sizes in colls.items():
@@ -195,8 +203,18 @@ def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: 
     return t
 
 
+def fp8_terms(req: Request, layout: Layout, probes: List[RankProbe]) -> List[List[Optional[dict]]]:
+    """Per rank and chunk, FP8 training's terms (:func:`.fp8.chunk_terms`), or None where FP8 is not asked."""
+    if not getattr(req, "fp8", False):
+        return [[None] * len(pr.chunks) for pr in probes]
+    return [[chunk_terms(c.fp8, req.fp8_recipe, layout.checkpoint) for c in pr.chunks] for pr in probes]
+
+
 def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] = None) -> Prediction:
+    if getattr(req, "fp8", False):
+        fp8_rate(prof, req)                       # refused before any probe where the profile has no fp8 rate
     probes = probe_layout(req, layout, cache)
+    f8 = fp8_terms(req, layout, probes)
     p, m, v = layout.pp, layout.num_microbatches, layout.num_chunks
     streams = build_all(layout.schedule, p, m, v)
     placement = schedule_spec(layout.schedule).layout
@@ -204,16 +222,19 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     memory = []
     act_bytes = probes[0].chunks[0].out_bytes
     for r, pr in enumerate(probes):
-        saved = max(c.saved for c in pr.chunks)
+        # FP8: the FP8 copies saved for backward instead of the high-precision inputs only the Linears kept
+        d_saved = [t["saved"] if t else 0 for t in f8[r]]
+        d_peak = [t["peak"] if t else 0 for t in f8[r]]
+        saved = max(c.saved + d for c, d in zip(pr.chunks, d_saved))
         # ZeRO-3: every chunk's full gradients stay for the step (a chunk's peak counts its own: taken off)
         full_grads = sum(c.persist for c in pr.chunks)
-        mb_peak = max(c.peak - c.persist for c in pr.chunks)
+        mb_peak = max(c.peak - c.persist + d for c, d in zip(pr.chunks, d_peak))
         terms = dict(pr.static)
         terms["activations"] = mb_peak + max(in_flight[r] - 1, 0) * saved
         if full_grads and m == 1:
             # one micro-batch: no later one runs beside the full gradients. Its own peak holds those its
             # backward made so far where the tally saw them made (autograd's), all in unit buffers otherwise
-            first = max(c.first_peak + c.persist_untallied for c in pr.chunks)
+            first = max(c.first_peak + c.persist_untallied + d for c, d in zip(pr.chunks, d_peak))
             terms["activations"] = max(first - full_grads, 0)
         if full_grads or pr.reduction_shard:
             terms["gradients"] += full_grads + max(pr.reduction_shard - terms["activations"], 0)
@@ -231,8 +252,11 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     durations = {}
     for r, pr in enumerate(probes):
         for c, cc in enumerate(pr.chunks):
-            f = phase_seconds(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow)
-            b = phase_seconds(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow)
+            t8 = f8[r][c] or dict(flops_f=0, flops_b=0, cast_f=0, cast_b=0)
+            f = phase_seconds(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow,
+                              t8["flops_f"], t8["cast_f"])
+            b = phase_seconds(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow,
+                              t8["flops_b"], t8["cast_b"])
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b
@@ -246,7 +270,13 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
                              if k in ("all_reduce", "reduce_scatter"))
     if any(pr.streamed or pr.per_unit for pr in probes):   # every micro-batch's gradients reduced
         terms["dp_reduce"] *= m
-    terms["zero3_gather"] = prof.collective_s("all_gather", n_rep, sync.get("all_gather", 0), inter)
+    gather = sync.get("all_gather", 0)
+    if getattr(req, "fp8_gather", False) and gather:
+        # ZeRO-3's gather of the FP8 layers' weights in FP8: 1 byte an element instead of the model dtype's
+        # (the rank whose sync is the largest; its chunks' converted weights)
+        rank = max(range(len(probes)), key=lambda i: sum(probes[i].sync.values()))
+        gather = max(gather - sum(t["gather_saved"] for t in f8[rank] if t), 0)
+    terms["zero3_gather"] = prof.collective_s("all_gather", n_rep, gather, inter)
     if any(pr.per_unit for pr in probes):      # per unit: every unit gathered for each forward and backward
         terms["zero3_gather"] *= 2 * m
     terms["tied"] = prof.collective_s("all_reduce", 2, sync.get("tied_all_reduce", 0), _spans_nodes(req, layout, "pp"))

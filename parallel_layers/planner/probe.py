@@ -291,6 +291,7 @@ class ChunkCost:
     out_bytes: int
     first_peak: int = 0        # the first micro-batch's peak (what its backward made of those counted as it went)
     persist_untallied: int = 0  # of ``persist``, what the tally did not see made (ZeRO-3's unit buffers, resized)
+    fp8: Optional[object] = None  # FP8 training asked: the chunk's converted GEMMs (``planner.fp8.FP8Account``)
 
 
 def _run_forward(chunk, x, y, is_last, side):
@@ -349,10 +350,11 @@ def zero3_full_grad_bytes(p3d, chunk, counted: set) -> Tuple[int, int]:
     return held_bytes(grads + units), held_bytes(units)
 
 
-def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List[ChunkCost]:
+def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bool = False) -> List[ChunkCost]:
     """Every chunk of the rank, two micro-batches of ``b`` sequences of ``s`` tokens (this rank's share
     under cp) forward and backward each, on meta. ``hidden_shape``: (shape, dtype) of what stage 0 sends
-    (None when this rank holds stage 0: it is found here)."""
+    (None when this rank holds stage 0: it is found here). ``fp8``: a third micro-batch, outside the tallies,
+    records the Linear layers FP8 training converts (:func:`.fp8.linear_calls`)."""
     costs = []
     counted: set = set()                 # ZeRO-3 units already counted with an earlier chunk (the root spans two)
     dev = next(p3d.model.parameters()).device       # meta when planning; a real device to check the probe itself
@@ -405,11 +407,23 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple]) -> List
             # gradients live in the data-parallel buffers, counted with the rank's tensors. (Read off the
             # parameters and units themselves: the gradients are what stays, whatever else the tally saw.)
             persist, untallied = zero3_full_grad_bytes(p3d, chunk, counted) if p3d.zero == 3 else (0, 0)
+            acct = None
+            if fp8:
+                from .fp8 import linear_calls
+
+                def third(chunk=chunk, is_first=is_first, is_last=is_last, hidden_shape=hidden_shape):
+                    x = (torch.zeros(b, s, dtype=torch.long, device=dev) if is_first
+                         else torch.zeros(hidden_shape[0], dtype=hidden_shape[1], device=dev, requires_grad=True))
+                    y = torch.zeros(b, s, dtype=torch.long, device=dev)
+                    return _run_forward(chunk, x, y, is_last, side)
+                with fused_attention_on_meta():
+                    acct = linear_calls(chunk, third)
+                gc.collect()
             if not is_last:
                 hidden_shape = shape
             costs.append(ChunkCost(
                 saved=f2["saved"], peak=max(f1["peak"], b1["peak"], f2["peak"] + persist, b2["peak"] + persist),
-                persist=persist, first_peak=max(f1["peak"], b1["peak"]), persist_untallied=untallied,
+                persist=persist, first_peak=max(f1["peak"], b1["peak"]), persist_untallied=untallied, fp8=acct,
                 flops_f=f2["flops"], flops_b=b2["flops"], traffic_f=f2["traffic"],
                 traffic_b=b2["traffic"], ops_f=f2["ops"], ops_b=b2["ops"], coll_f=f2["coll"], coll_b=b2["coll"],
                 out_shape=hidden_shape[0] if hidden_shape else (),

@@ -8,6 +8,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 from ..composition.layout import Layout
 from ..pipeline.schedules import SCHEDULE_SPECS, schedule_spec
+from .fp8 import fp8_rate
 from .hardware import Profile
 from .model import Prediction, predict, probe_layout
 from .spec import Request
@@ -138,6 +139,8 @@ def plan(req: Request, profile: Profile, layouts: Optional[Iterable] = None, pro
     (``cache``: probes shared with other calls for the same request, see :func:`~.model.probe_layout`;
     ``jobs`` > 1: probe in that many processes first, see :func:`probe_in_parallel`)."""
     cache = {} if cache is None else cache
+    if req.fp8:
+        fp8_rate(profile, req)          # a profile without FP8 tensor cores: refused before any probe
     layouts = list(layouts if layouts is not None else candidate_layouts(req))
     if jobs > 1:
         probe_in_parallel(req, [lay for lay, reason in layouts if reason is None], jobs, cache, progress)
@@ -157,7 +160,8 @@ def to_json(req: Request, profile: Profile, ranked: List[Prediction]) -> dict:
     from ..composition.layout import model_to_json
     return {"request": {"model": model_to_json(req.model), "world": req.world, "global_batch": req.global_batch,
                         "seq_len": req.seq_len, "memory_bytes": req.memory_bytes,
-                        "devices_per_node": req.devices_per_node, "precision": req.precision},
+                        "devices_per_node": req.devices_per_node, "precision": req.precision, "fp8": req.fp8,
+                        "fp8_recipe": req.fp8_recipe, "fp8_gather": req.fp8_gather},
             "profile": profile.to_json(),
             "best": ranked[0].as_dict() if ranked and ranked[0].feasible else None,
             "layouts": [p.as_dict() for p in ranked]}

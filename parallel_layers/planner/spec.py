@@ -15,7 +15,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class Request:
     """``model``: a :class:`GPTConfig` or a Hugging Face ``PretrainedConfig`` (a causal LM's). ``world``:
     ranks; ``devices_per_node``: ranks that share a node's fast links; ``memory_bytes``: per rank;
-    ``global_batch`` sequences of ``seq_len`` tokens per step; ``precision``: fp32, bf16 or fp16."""
+    ``global_batch`` sequences of ``seq_len`` tokens per step; ``precision``: fp32, bf16 or fp16 (the model's
+    dtype). ``fp8``: FP8 training, every Linear but the LM head and the MoE router an ``FP8Linear`` with
+    ``FP8Recipe(scaling=fp8_recipe)`` (their GEMMs at the profile's fp8 rate, the casts at its memory bandwidth,
+    the FP8 copies saved for backward: :mod:`.fp8`); ``fp8_gather``: ZeRO-3 gathers those weights in FP8 (1 byte
+    an element instead of the model dtype's), an option apart from ``fp8``'s GEMMs."""
     model: object
     world: int
     global_batch: int
@@ -23,10 +27,18 @@ class Request:
     memory_bytes: float
     devices_per_node: int = 8
     precision: str = "fp32"
+    fp8: bool = False
+    fp8_recipe: str = "tensor"
+    fp8_gather: bool = False
 
     def __post_init__(self):
         if self.precision not in DTYPES:
             raise ValueError(f"planner: precision={self.precision!r} must be one of {sorted(DTYPES)}")
+        from ..fp8.recipes import SCALINGS
+        if self.fp8_recipe not in SCALINGS:
+            raise ValueError(f"planner: fp8_recipe={self.fp8_recipe!r} must be one of {SCALINGS}")
+        if self.fp8_gather and not self.fp8:
+            raise ValueError("planner: fp8_gather=True gathers the FP8 layers' weights in FP8: it needs fp8=True")
         for name in ("world", "global_batch", "seq_len", "devices_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"planner: {name}={getattr(self, name)} must be >= 1")
