@@ -156,6 +156,7 @@ SLOW = {
     "test_moe_3d.py": ("test_universal_checkpoint_reshards_experts_across_ep_sizes",
                        "test_demo_trains_the_moe_gpt_with_expert_parallelism"),
     "test_moe_hf_3d.py": ("test_hf_moe_models_train_with_expert_parallelism_like_one_process",),
+    "test_fp8_3d.py": ("test_fp8_layout_matches_one_process", "test_demo_trains_in_fp8"),
     "test_planner_moe.py": ("test_predicted_parameter_bytes_are_what_a_real_rank_holds",),
     "test_sync_batchnorm.py": ("test_benchmark_smoke_rows", "test_inside_data_parallel_trains_like_one_process"),
     "test_checkpoint_policy.py": ("test_benchmark_smoke",),

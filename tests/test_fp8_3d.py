@@ -297,3 +297,32 @@ def test_zero3_fp8_all_gather_trains_bit_identically(dist_pools, dims, dtype_nam
     results = dist_pools(dims[0] * dims[1]).run(body_all_gather, dims, dtype_name, micro)
     for plain, fp8 in results:
         assert fp8 < plain * (0.5 if dtype_name == "float32" else 0.75), (plain, fp8)
+
+
+def test_demo_trains_in_fp8(tmp_path):
+    """``demo --precision fp8``: the GPT's linear layers in FP8 (delayed scaling) at dp2 x tp2 with ZeRO-1 agree
+    with one process running the same FP8 model on the same micro-batches."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "parallel_layers", "demo", "--precision", "fp8", "--fp8-recipe", "delayed",
+           "--dp", "2", "--tp", "2", "--zero", "1", "--steps", "4", "--n-layer", "2", "--d-model", "32",
+           "--n-head", "2", "--seq-len", "16", "--batch-size", "8", "--microbatches", "2", "--corpus-bytes", "200000",
+           "--eval-interval", "0", "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "zero=1, 1f1b, 2 microbatches, fp8" in proc.stdout and "agree" in proc.stdout, proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["agree"] is True and len(summary["losses"]["parallel"]) == 4, summary
+
+
+def test_demo_refuses_fp8_where_the_reference_cannot_follow():
+    from parallel_layers.cli import demo
+    for argv, match in ((["--precision", "fp8", "--model", "moe", "--ep", "2"], "cannot cut"),
+                        (["--precision", "fp8", "--freeze", "2:1"], "--freeze is not supported")):
+        with pytest.raises(SystemExit, match=match):
+            demo.check_args(demo.build_parser().parse_args(argv))

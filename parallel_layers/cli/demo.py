@@ -58,7 +58,15 @@ from ..distributed.processes import start_context
 from ..pipeline.schedules import schedule_names, schedule_spec
 from ..testing.compare import worst as worst_error
 from ..testing.workers import free_port
-from .demo_models import MODELS, lm_loss, model_description, parallel_model, reference, reference_microbatches
+from .demo_models import (
+    MODELS,
+    fp8_recipe,
+    lm_loss,
+    model_description,
+    parallel_model,
+    reference,
+    reference_microbatches,
+)
 
 FP32_RTOL = 1e-4          # per-step relative loss agreement in fp32 (rounding only)
 BF16_RTOL = 5e-2          # bf16 model (fp32 master weights) against the fp32 reference
@@ -67,6 +75,12 @@ BF16_RTOL = 5e-2          # bf16 model (fp32 master weights) against the fp32 re
 # range is what the loss scaler covers; a skipped (overflowing) step would make the losses drift apart from
 # the reference, so the demo reports how many steps were skipped.
 FP16_RTOL = BF16_RTOL
+# FP8 GEMMs on the fp32 model against the one-process FP8 model on the same micro-batches: the same scaling
+# decisions, but a value on an FP8 rounding boundary lands on either side as the order of sums differs (tp's
+# partial sums), and 3-bit mantissas make that step 2^-4 of the element; over the demo's steps the losses stay
+# within this (measured at most 5e-4 over 30 steps at dp2 x tp2, pp2 x cp2, tp2 x pp2 zbv and dp2 x tp2 ZeRO-3; the
+# noise floor is measured in tests/test_fp8_3d.py)
+FP8_RTOL = 3e-3
 
 
 # ---------------------------------------------------------------------- data
@@ -175,7 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--schedule", default="1f1b", choices=schedule_names())
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16", "fp8"),
+                   help="fp8: the linear layers' GEMMs in FP8 (E4M3 forward, E5M2 gradients; not the LM head) on "
+                        "the fp32 model, compared with one process running the same FP8 model")
+    p.add_argument("--fp8-recipe", default="tensor", choices=("tensor", "delayed", "row", "block"),
+                   help="with --precision fp8: per-tensor current or delayed scaling, per row, or DeepSeek-V3 "
+                        "blocks")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--offload", default="none", choices=("none", "cpu", "disk"),
                    help="ZeRO's optimizer state (fp32 master, moments) in host memory or in files under "
@@ -278,6 +297,12 @@ def check_args(args) -> None:
                     f"--n-layer {args.n_layer} must be at least --pp {args.pp}")
     if args.precision in ("bf16", "fp16") and args.zero == 0:
         errs.append(f"--precision {args.precision} needs fp32 master weights: use --zero 1 or --zero 2")
+    if args.precision == "fp8" and args.freeze != "off":
+        errs.append("--precision fp8 with --freeze is not supported: use --precision fp32 or bf16")
+    if args.precision == "fp8" and args.model == "moe" and batch_shards(args) > 1:
+        errs.append("--precision fp8 with --model moe and --dp/--ep > 1: the one-process reference cannot cut the "
+                    "batch both as the router's statistics (every replica's m-th slice) and as the FP8 scales "
+                    "(each replica's own) do; use --dp 1 --ep 1, or --precision fp32")
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         errs.append(f"--seq-len {args.seq_len} must be a multiple of 2 x --cp = {2 * args.cp} (the load-balanced "
                     f"split cuts every sequence into 2 x cp chunks)")
@@ -415,7 +440,8 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                                                      max_grad_norm=args.max_grad_norm, **offload),
                            pipeline=PipelineConfig(schedule=args.schedule, num_microbatches=args.microbatches,
                                                    checkpoint=checkpoint_setting(args)),
-                           data_parallel=DataParallelConfig(zero=args.zero), precision=PrecisionConfig(dtype=dtype))
+                           data_parallel=DataParallelConfig(zero=args.zero),
+                           precision=PrecisionConfig(dtype=dtype, fp8=fp8_recipe(args)))
     start, saved, load_s = 0, [], None
     checkpointer = None
     if args.save and args.freeze == "off":       # a FreezeTrainer changes layout as it goes: saved synchronously
@@ -565,6 +591,11 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
     from .demo_support import freeze_steps, replay_freeze
     freezes = freeze_steps(freeze)
     model, loss_of = reference(args)
+    fp8_states = []
+    if args.precision == "fp8":             # the same FP8 layers, their delayed histories committed per step
+        from ..fp8 import convert_to_fp8, delayed_scaling_states
+        convert_to_fp8(model, fp8_recipe(args), delayed_update="step")
+        fp8_states = [s for _, s in delayed_scaling_states(model)]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=args.weight_decay, foreach=False)
     losses, val_losses = [], []
@@ -581,6 +612,9 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
             loss.backward()
         else:                               # gradient accumulation: each micro-batch's mean, weighted by its rows
             loss = sum(_backward(loss_of(model, x[rows], y[rows]) * (len(rows) / len(x))) for rows in microbatches)
+        if fp8_states:
+            from ..fp8 import commit_delayed
+            commit_delayed(fp8_states)
         if args.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
@@ -588,8 +622,11 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
         losses.append(loss.item())
         if step + 1 in evals:
             model.eval()
+            pending = [s.pending_amax for s in fp8_states]     # evaluation leaves the FP8 scaling alone
             with torch.no_grad():
                 vl = sum(loss_of(model, x, y).item() for x, y in val_batches) / len(val_batches)
+            for state, amax in zip(fp8_states, pending):
+                state.pending_amax = amax
             model.train()
             val_losses.append([step + 1, vl])
     return losses, val_losses
@@ -635,7 +672,7 @@ def summarize(args, par: dict, ref: Optional[tuple], corpus_bytes: int, launcher
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         return summary
-    tol = {"fp32": FP32_RTOL, "bf16": BF16_RTOL, "fp16": FP16_RTOL}[args.precision]
+    tol = {"fp32": FP32_RTOL, "bf16": BF16_RTOL, "fp16": FP16_RTOL, "fp8": FP8_RTOL}[args.precision]
     config = {k: getattr(args, k) for k in vars(args)}
     config["checkpoint"] = checkpoint_setting(args)          # True (every block), or a block count
     start = par.get("first_step", 1) - 1                    # > 0: resumed (--load); the reference ran from 0

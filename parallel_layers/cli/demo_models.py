@@ -5,6 +5,7 @@ from a ``transformers`` config (``--model llama``), all trained by the same
 single-process twin each is checked against."""
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, Tuple, Union
 
@@ -66,17 +67,34 @@ def reference(args) -> Tuple[nn.Module, Callable]:
     return llama(args), lambda model, x, y: lm_loss(model(input_ids=x).logits, y)
 
 
-def reference_microbatches(args, batch_shards: int):
-    """The rows of each micro-batch the parallel run computes its router losses over (micro-batch ``m``: the
-    ``m``-th slice of every replica's rows), for a model whose loss depends on how the batch is cut (the MoE
-    GPT's load-balancing loss is over each micro-batch's tokens); None for the others (one whole batch)."""
-    if args.model != "moe":
+def fp8_recipe(args):
+    """``--precision fp8``'s recipe (None otherwise): ``--fp8-recipe``'s scaling; blocks of 128, or of the largest
+    power of two that divides the model's local widths (d_model / tp, 3 d_model / tp) where that is less."""
+    if args.precision != "fp8":
         return None
+    from ..fp8 import FP8Recipe
+    block = math.gcd(128, args.d_model // args.tp, 3 * args.d_model // args.tp)
+    return FP8Recipe(scaling=args.fp8_recipe, block_size=block)
+
+
+def reference_microbatches(args, batch_shards: int):
+    """The rows of each micro-batch of the one-process run, for a model whose loss depends on how the batch is
+    cut; None for the others (one whole batch):
+
+    - the MoE GPT: its load-balancing loss is over each micro-batch's tokens, and the parallel run's micro-batch
+      ``m`` is the ``m``-th slice of every replica's rows;
+    - FP8 (``--precision fp8``): a per-tensor scale is that of the tensor a rank casts, so each replica's
+      micro-batch is a micro-batch of its own."""
     per = args.batch_size // batch_shards
     size = per // args.microbatches
+    if args.precision == "fp8":
+        return [torch.arange(r * per + m * size, r * per + (m + 1) * size)
+                for r in range(batch_shards) for m in range(args.microbatches)]
+    if args.model != "moe":
+        return None
     return [torch.cat([torch.arange(r * per + m * size, r * per + (m + 1) * size) for r in range(batch_shards)])
             for m in range(args.microbatches)]
 
 
 __all__ = ["MODELS", "gpt_config", "lm_loss", "llama", "parallel_model", "model_description", "reference",
-           "reference_microbatches"]
+           "reference_microbatches", "fp8_recipe"]
