@@ -36,6 +36,7 @@ GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
     ("scaling", ("scaling",)),
     ("cp", ("context_parallel",)),
     ("moe", ("moe",)),
+    ("fp8", ("fp8_convergence",)),
     ("resilience", ("checkpoint",)),
     ("plan", ("planner",)),
 ])

@@ -326,3 +326,68 @@ def test_demo_refuses_fp8_where_the_reference_cannot_follow():
                         (["--precision", "fp8", "--freeze", "2:1"], "--freeze is not supported")):
         with pytest.raises(SystemExit, match=match):
             demo.check_args(demo.build_parser().parse_args(argv))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+                                        max_position_embeddings=SEQ, tie_word_embeddings=False))
+
+
+def _token_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def body_hf_fp8(rank, world, dims, zero):
+    from parallel_layers import DataParallelConfig, OptimizerConfig, PipelineConfig, PrecisionConfig
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.fp8 import fp8_layers
+    from parallel_layers.testing import cached_mesh
+    p3d = Parallel3D(_llama(), cached_mesh(*dims), loss_fn=_token_loss, seed=0,
+                     optimizer=OptimizerConfig(lr=LR["float32"], eps=EPS, weight_decay=0.0, max_grad_norm=1.0),
+                     pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=zero),
+                     precision=PrecisionConfig(fp8=_recipe("delayed")))
+    names = sorted(n for c in p3d.chunks for n, _ in fp8_layers(c))
+    losses = [p3d.train_step(b[:, :-1], b[:, 1:])["loss"] for b in _batches()]
+    return losses, {k: v.float() for k, v in p3d.dense_state_dict().items()}, names
+
+
+def test_hugging_face_llama_trains_in_fp8_like_one_process(dist_pools):
+    """transformers' Llama with no recipe at dp2 x tp2 (ZeRO-1, delayed scaling): its q/k/v/o and MLP projections
+    become FP8 layers (tensor-parallel ones where tp split them), the LM head stays, and training agrees with
+    the unmodified model in FP8 in one process on the same micro-batches."""
+    import torch.nn.functional as F
+
+    from parallel_layers.fp8 import commit_delayed, convert_to_fp8, delayed_scaling_states
+    results = dist_pools(4).run(body_hf_fp8, (2, 2, 1, 1), 1)
+    master = _llama()
+    init = {n: p.detach().clone() for n, p in master.named_parameters()}
+    convert_to_fp8(master, _recipe("delayed"), delayed_update="step")
+    states = [s for _, s in delayed_scaling_states(master)]
+    opt = torch.optim.AdamW(master.parameters(), lr=LR["float32"], betas=(0.9, 0.95), eps=EPS, weight_decay=0.0,
+                            foreach=False)
+    ref_losses, mb = [], ROWS // 4
+    for b in _batches():
+        x, y = b[:, :-1], b[:, 1:]
+        total = 0.0
+        for m in range(4):
+            rows = slice(m * mb, (m + 1) * mb)
+            logits = master(input_ids=x[rows]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y[rows].flatten(), reduction="sum") / y.numel()
+            loss.backward()
+            total += loss.item()
+        commit_delayed(states)
+        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(total)
+    ref = {n: p.detach() for n, p in master.named_parameters()}
+    for losses, params, names in results:
+        assert not any("lm_head" in n for n in names) and any("q_proj" in n for n in names), names
+        assert abs(losses[0] - ref_losses[0]) <= TOL["float32"]["first loss"] * ref_losses[0], (losses, ref_losses)
+        assert all(abs(a - b) <= TOL["float32"]["loss"] * b for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+        diff = sum(float((p - ref[n]).norm() ** 2) for n, p in params.items())
+        moved = sum(float((ref[n] - init[n]).norm() ** 2) for n in params)
+        assert (diff / moved) ** 0.5 <= TOL["float32"]["update"], (diff / moved) ** 0.5

@@ -58,6 +58,12 @@ def _t(q: Quantized):
     return data_t, q.scale_inv.t().contiguous()
 
 
+def _backward_layout(q: Quantized) -> Quantized:
+    """``q`` as the backward keeps it: the transposed copy alone where the cast made one (``_t`` reads it), else
+    the data (``_t`` transposes it then)."""
+    return Quantized(None, q.scale_inv, q.data_t, q.amax) if q.data_t is not None else q
+
+
 def _seq_gather(t: torch.Tensor, lead, group) -> torch.Tensor:
     """Rows of a [b*s_local, k] matrix gathered along the sequence over ``group`` -> [b*s, k]."""
     b, s_local = lead
@@ -123,7 +129,10 @@ class FP8LinearFunction(torch.autograd.Function):
         if bias is not None:
             y = y + bias.to(out_dtype)
         flag.copy_(torch.maximum(flag, (bad_x | bad_w).float().reshape(1)))
-        ctx.plan, ctx.qx, ctx.qw, ctx.flag = plan, qx, qw, flag
+        # backward reads x^T (wgrad) and W^T (dgrad) only: keep one layout of each, and nothing it will not use
+        ctx.plan, ctx.flag = plan, flag
+        ctx.qx = _backward_layout(qx) if weight.requires_grad else None
+        ctx.qw = _backward_layout(qw) if x.requires_grad else None
         ctx.x_dtype, ctx.x_shape, ctx.has_bias = x.dtype, x.shape, bias is not None
         ctx.w_dtype = weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None

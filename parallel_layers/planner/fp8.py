@@ -1,4 +1,4 @@
-"""FP8 training in the planner (issue 49): what converting a model's Linear layers to ``FP8Linear`` changes in a
+"""FP8 training in the planner: what converting a model's Linear layers to ``FP8Linear`` changes in a
 layout's step time and memory, as ``parallel_layers.fp8`` runs it (and as torchtitan's float8 / Transformer
 Engine's per-tensor recipes do).
 
@@ -22,7 +22,8 @@ backward transposes the FP8 data instead, 1 byte read and 1 written an element):
   backward ``MN (r e_x + 1 + t_g)`` plus, where no transposed copy was written, ``2NK`` (dgrad) and
   ``2MN + 2MK`` (wgrad); a checkpointed backward adds its recomputed forward's.
 * saved for backward (:func:`saved_bytes`, what ``FP8LinearFunction`` keeps on its ``ctx``: the input's and
-  the weight's ``Quantized``): ``MK (1 + t_x) + 8 g_x + NK (1 + t_w) + 8 g_w`` with ``g`` the scale blocks
+  one layout of the input's and the weight's ``Quantized``, the transposed copy where the cast made one, since
+  backward reads only x^T and W^T): ``MK + 8 g_x + NK + 8 g_w`` with ``g`` the scale blocks
   (1 per tensor, a row each per row, ``MK/128`` / ``NK/128^2`` per block; a float32 scale and amax each),
   instead of the high-precision input a Linear keeps (:func:`linear_calls` finds which inputs only the converted
   Linears keep: those are freed; an input another op keeps too, SDPA's output, stays). With checkpointing
@@ -113,11 +114,11 @@ def cast_bytes(g: FP8Gemm, recipe: str) -> Tuple[int, int]:
 
 
 def saved_bytes(g: FP8Gemm, recipe: str, block: int = 128) -> int:
-    """Bytes ``FP8LinearFunction`` keeps from one forward to its backward: the FP8 input and weight (and their
-    transposed copies where cast with them), a float32 scale inverse and amax per scale block of each."""
-    t_x, t_w, _ = _transposes(g, recipe)
-    x = g.m * g.k * (1 + t_x) + 8 * _blocks(recipe, g.m, g.k, False, block)
-    w = g.n * g.k * (1 + t_w) + 8 * _blocks(recipe, g.n, g.k, True, block)
+    """Bytes ``FP8LinearFunction`` keeps from one forward to its backward: one layout of the FP8 input and of the
+    weight (the transposed copy where the cast made one, else the data: backward reads x^T and W^T only), a
+    float32 scale inverse and amax per scale block of each."""
+    x = g.m * g.k + 8 * _blocks(recipe, g.m, g.k, False, block)
+    w = g.n * g.k + 8 * _blocks(recipe, g.n, g.k, True, block)
     return x + w
 
 
