@@ -146,3 +146,46 @@ def test_fp8_tp_mlp_matches_one_process(dist_pools, scaling, sp):
         assert result["nonfinite"] == 0.0
         for what, value in result["worst"].items():
             assert value <= TP_REL, f"rank {rank}, {scaling}, sp={sp}: {what} differs by {value:.3g} (relative)"
+
+
+def body_sp_gather_bytes(rank, world, scaling):
+    """Bytes the forward's sequence-parallel all-gather sends: FP8 layer against the bf16 one."""
+    import parallel_layers.distributed.collectives as C
+    from parallel_layers.tensor_parallel.layers import ColumnParallelLinear
+    group = cached_mesh(tp=world).tp_group
+    b, s, h, out = 2, 8, 128, 256
+    torch.manual_seed(0)
+    dense = nn.Linear(h, out)
+    sent = []
+    original = C.all_gather_dim0
+
+    def counting(t, *args, **kwargs):
+        sent.append(t.numel() * t.element_size())
+        return original(t, *args, **kwargs)
+    layers = {"bf16": ColumnParallelLinear.from_dense(copy.deepcopy(dense).bfloat16(), tp_group=group,
+                                                      sequence_parallel=True),
+              "fp8": FP8ColumnParallelLinear.from_dense(copy.deepcopy(dense).bfloat16(), tp_group=group,
+                                                        sequence_parallel=True, recipe=FP8Recipe(scaling))}
+    got = {}
+    for name, layer in layers.items():
+        x = torch.randn(b, s // world, h).bfloat16()
+        sent.clear()
+        C.all_gather_dim0 = counting
+        try:
+            with torch.no_grad():
+                layer(x)
+        finally:
+            C.all_gather_dim0 = original
+        got[name] = list(sent)
+    return got, b * (s // world) * h
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_sequence_parallel_gather_sends_fp8_bytes(dist_pools, scaling):
+    """Under sequence parallelism the FP8 column-parallel layer all-gathers the FP8 bytes of its input (1 byte an
+    element, plus one float32 scale per row for row-wise scaling): half of what the bf16 layer sends."""
+    for got, elements in dist_pools(2).run(body_sp_gather_bytes, scaling):
+        rows = elements // 128      # the rows' float32 scales travel too under row-wise scaling
+        assert sorted(got["fp8"]) == sorted([elements] + ([4 * rows] if scaling == "row" else [])), got
+        # the bf16 layer's gather: 2 bytes an element (plus a flag element or a shape agreement of its own)
+        assert max(got["bf16"]) in (2 * elements, 2 * elements + 2), got
