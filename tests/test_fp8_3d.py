@@ -391,3 +391,47 @@ def test_hugging_face_llama_trains_in_fp8_like_one_process(dist_pools):
         diff = sum(float((p - ref[n]).norm() ** 2) for n, p in params.items())
         moved = sum(float((ref[n] - init[n]).norm() ** 2) for n in params)
         assert (diff / moved) ** 0.5 <= TOL["float32"]["update"], (diff / moved) ** 0.5
+
+
+def _delayed_p3d(dims):
+    from parallel_layers import OptimizerConfig, PipelineConfig, PrecisionConfig
+    from parallel_layers.composition.parallel3d import Parallel3D
+    from parallel_layers.models.gpt import GPTConfig
+    from parallel_layers.testing import cached_mesh
+    return Parallel3D(GPTConfig(**CONFIG), cached_mesh(*dims), seed=0,
+                      optimizer=OptimizerConfig(lr=LR["float32"], eps=EPS, weight_decay=0.0),
+                      pipeline=PipelineConfig(num_microbatches=2), precision=PrecisionConfig(fp8=_recipe("delayed")))
+
+
+def body_universal_save(rank, world, dims, path):
+    from parallel_layers.composition.universal_checkpoint import save_universal
+    p3d = _delayed_p3d(dims)
+    for b in _batches()[:2]:
+        p3d.train_step(b[:, :-1], b[:, 1:])
+    save_universal(p3d, path)
+    b = _batches()[2]
+    return p3d.train_step(b[:, :-1], b[:, 1:])["loss"]
+
+
+def body_universal_resume(rank, world, dims, path):
+    from parallel_layers.composition.universal_checkpoint import load_universal
+    p3d = _delayed_p3d(dims)
+    meta = load_universal(p3d, path)
+    state = p3d.fp8_scaling_state()
+    b = _batches()[2]
+    return meta["fp8"], state, p3d.train_step(b[:, :-1], b[:, 1:])["loss"]
+
+
+def test_universal_checkpoint_carries_the_delayed_histories_to_another_layout(dist_pools, tmp_path):
+    """Saved at tp2 x pp2 after 2 steps, resumed at dp2: every FP8 layer's delayed history (all stages') is in
+    the checkpoint by module name, each resuming rank's layers load exactly those, and the next step's loss
+    is the saving run's within FP8's noise floor (a restarted history would scale the first step from its
+    own amaxes instead)."""
+    path = str(tmp_path / "ckpt")
+    straight = dist_pools(4).run(body_universal_save, (1, 2, 2, 1), path)[0]
+    resumed = dist_pools(2).run(body_universal_resume, (2, 1, 1, 1), path)
+    n_layers = 4 * CONFIG["n_layer"]
+    for saved, state, loss in resumed:
+        assert len(saved) == 3 * n_layers and saved == state, sorted(set(saved) ^ set(state))
+        assert all(s["has_history"] and s["amax_history"][1] > 0 for s in saved.values())
+        assert abs(loss - straight) <= TOL["float32"]["first loss"] * straight, (loss, straight)

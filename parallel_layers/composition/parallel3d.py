@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -610,6 +611,40 @@ class Parallel3D:
         tracker = self._rng_tracker()
         if tracker is not None:
             tracker.set_states(state["rng"]["tracker"])
+
+    def fp8_scaling_state(self) -> dict:
+        """The FP8 layers' delayed-scaling states of this rank's stages under the whole model's module names
+        (``<layer>.fp8.<input|weight|grad>``), as plain numbers: the same on every rank that holds a layer,
+        whatever the layout (what a universal checkpoint keeps)."""
+        return {key: {"amax_history": state.amax_history.tolist(), "scale": state.scale.item(),
+                      "pending_amax": state.pending_amax.item(), "has_history": state.has_history}
+                for key, state in self._fp8_dense_states()}
+
+    def _fp8_dense_states(self):
+        """``(<layer's name in the whole model>.fp8.<role>, DelayedScaling)`` of this rank's FP8 layers."""
+        for chunk in self.chunks:
+            for name, state in delayed_scaling_states(chunk):
+                layer, _, role = name.rpartition(".fp8.")
+                yield f"{chunk.dense_name(f'{layer}.weight')[:-len('.weight')]}.fp8.{role}", state
+
+    def load_fp8_scaling_state(self, saved: dict) -> List[str]:
+        """Load what :meth:`fp8_scaling_state` returned (on any layout) into this rank's FP8 layers; returns the
+        names of those the saved state has no entry for (they start afresh: their first step scales from its
+        own amaxes). A history of another length is a ``ValueError`` naming the layer and the fix."""
+        fresh = []
+        for key, state in self._fp8_dense_states():
+            if key not in saved:
+                fresh.append(key)
+                continue
+            st = saved[key]
+            if len(st["amax_history"]) != state.amax_history.numel():
+                raise ValueError(f"Parallel3D: the saved FP8 state of {key} holds a history of "
+                                 f"{len(st['amax_history'])} amaxes, this run's recipe {state.amax_history.numel()}; "
+                                 f"resume with FP8Recipe(history_len={len(st['amax_history'])})")
+            as_tensor = partial(torch.tensor, dtype=torch.float32, device=state.amax_history.device)
+            state.load_state_dict({"amax_history": as_tensor(st["amax_history"]), "scale": as_tensor(st["scale"]),
+                                   "pending_amax": as_tensor(st["pending_amax"]), "has_history": st["has_history"]})
+        return fresh
 
     def random_state(self) -> dict:
         """Every random stream this rank's dropout draws from: the default CPU generator, the current CUDA

@@ -12,7 +12,8 @@ form is the dense model itself, so nothing needs converting:
   moments ``exp_avg`` / ``exp_avg_sq`` in the parameter's dense shape;
 * in ``meta.json``: the optimizer's step count, the caller's iteration, the model (the ``GPTConfig``,
   or a model's class and parameter shapes: ``Parallel3D.description``), the loss
-  scaler's state, the layout and hyperparameters it was saved with, and the manifest: for every tensor
+  scaler's state, the FP8 layers' delayed-scaling histories (by module name: the same on every layout),
+  the layout and hyperparameters it was saved with, and the manifest: for every tensor
   the file holding it, its shape, dtype and the crc32 of each state's bytes.
 
 Integrity: ``meta.json`` carries a checksum of its own contents, and every stage file a header (the
@@ -268,7 +269,8 @@ def run_description(model) -> dict:
     group = model.optimizer.param_groups[0]
     return {"config": model.description, "saved from": _layout(model),
             "optimizer": {k: group[k] for k in ("lr", "eps", "weight_decay")} | {"betas": list(group["betas"])},
-            "scaler": None if model.scaler is None else model.scaler.state_dict()}
+            "scaler": None if model.scaler is None else model.scaler.state_dict(),
+            "fp8": model.fp8_scaling_state()}
 
 
 def _meta(snap: "UniversalSnapshot", files: List[str], manifests: List[dict]) -> dict:
@@ -346,13 +348,17 @@ def write_universal(snap: UniversalSnapshot, directory: str, group=None, latest_
     header = {"save": snap.save_id, "stage": snap.stage, "pp": snap.pp, "iteration": snap.iteration,
               "step": snap.step}
     mine = None
-    if snap.writer:
-        mine = attempt(lambda: _write_stage(directory, files[snap.stage], header, snap.states))
+    if snap.writer:      # its manifest, and its stages' FP8 scaling states (rank 0 holds only its own)
+        mine = attempt(lambda: (_write_stage(directory, files[snap.stage], header, snap.states),
+                                snap.described.get("fp8") or {}))
     written = gathered(mine, group)
     raise_failures(written, "writing the stage files", directory)
     committed = None
     if dist.get_rank() == 0:
-        meta = _meta(snap, files, [w["ok"] for w in written if w is not None])
+        meta = _meta(snap, files, [w["ok"][0] for w in written if w is not None])
+        meta.pop("checksum")
+        meta["fp8"] = {k: v for w in written if w is not None for k, v in sorted(w["ok"][1].items())}
+        meta["checksum"] = meta_checksum(meta)
         committed = attempt(lambda: _commit(directory, meta, latest_root, snap.iteration))
     raise_failures(gathered(committed, group), "writing meta.json", directory)
 
@@ -627,6 +633,7 @@ def load_universal(model, directory: str) -> dict:
         opt.load_full_state_dict({"step": step, "state": state})
     if model.scaler is not None and meta.get("scaler") is not None:
         model.scaler.load_state_dict(meta["scaler"])
+    model.load_fp8_scaling_state(meta.get("fp8") or {})
     return meta
 
 
