@@ -435,3 +435,23 @@ def test_universal_checkpoint_carries_the_delayed_histories_to_another_layout(di
         assert len(saved) == 3 * n_layers and saved == state, sorted(set(saved) ^ set(state))
         assert all(s["has_history"] and s["amax_history"][1] > 0 for s in saved.values())
         assert abs(loss - straight) <= TOL["float32"]["first loss"] * straight, (loss, straight)
+
+
+def body_drifted_history(rank, world):
+    """One rank's delayed history nudged by one ulp: the replica check names it on every rank."""
+    from parallel_layers.composition.replica_check import ReplicaDivergence
+    p3d = _delayed_p3d((2, 1, 1, 1))
+    b = _batches()[0]
+    p3d.train_step(b[:, :-1], b[:, 1:])
+    p3d.check_replicas()                               # in step: nothing to report
+    if rank == 1:
+        state = p3d.fp8_states[0]
+        state.amax_history[0] = torch.nextafter(state.amax_history[0], torch.tensor(float("inf")))
+    with pytest.raises(ReplicaDivergence) as err:
+        p3d.check_replicas()
+    return str(err.value)
+
+
+def test_replica_check_names_a_drifted_fp8_history(dist_pools):
+    for message in dist_pools(2).run(body_drifted_history):
+        assert "FP8 scaling states" in message and "blocks.0.attn.qkv.fp8.input.amax_history" in message, message

@@ -453,7 +453,8 @@ class Parallel3D:
         """``(what, group, [(name, tensor)])``: the tensors this rank holds that must be bit-identical on
         every rank of ``group``: parameters tp does not split (over tp), every parameter where ZeRO does
         not shard it (over the dp x cp replicas), the tied embedding's copies (over the first and last
-        stage; under ZeRO-3 each copy's checksum is summed from its shards over dp, a collective there)."""
+        stage; under ZeRO-3 each copy's checksum is summed from its shards over dp, a collective there), the FP8
+        layers' delayed-scaling histories and scales (over the replicas and over tp)."""
         names = {}
         for chunk in self.chunks:
             for n, p in chunk.named_parameters(remove_duplicate=False):
@@ -469,6 +470,14 @@ class Parallel3D:
             groups.append(("data-parallel replicas", self.replica_group, dense))
         if experts and self.mesh.expert_replicas > 1 and self.mode.replicated_over_dp:
             groups.append(("expert replicas", self.mesh.expert_replica_group, experts))
+        # FP8 delayed scaling: every rank holding a layer takes the same scaling decisions (the amaxes are
+        # reduced over the tensor's shards and the replicas), so the histories and scales are bit-identical
+        fp8 = [(f"{key}.{what}", t.reshape(-1)) for key, state in self._fp8_dense_states()
+               for what, t in (("amax_history", state.amax_history), ("scale", state.scale))]
+        if fp8 and self.replicas > 1:
+            groups.append(("FP8 scaling states over the replicas", self.replica_group, fp8))
+        if fp8 and self.tp_group is not None:
+            groups.append(("FP8 scaling states over tp", self.tp_group, fp8))
         if self.tied_group is not None:
             tied = []
             for p in self.mode.tied:
