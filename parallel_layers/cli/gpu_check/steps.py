@@ -37,6 +37,13 @@ CHECK_EXTENSION = (
     "raise SystemExit(1 if m is None or (torch.cuda.is_available() and not has) else 0)")
 
 
+# both FP8 benchmarks in one step (one interpreter start); each writes its own CSV under the run's folder
+FP8_BENCHMARKS = ("import os, sys; from benchmarks import fp8_cast, fp8_layers; out = {out!r}; "
+                  "a = fp8_cast.main(['--quick', '--device', 'cuda', '--csv', os.path.join(out, 'fp8_cast.csv')]); "
+                  "b = fp8_layers.main(['--device', 'cuda', '--csv', os.path.join(out, 'fp8_layers.csv')]); "
+                  "sys.exit(a or b)")
+
+
 def build_step(python: str, arch: Optional[str], toolkit: str, prebuilt: Optional[str]) -> Step:
     """``setup.py build_ext --inplace`` (no pip, no wheel, nothing written outside the checkout) with every
     core and the GPU's arch; a CPU-only build when the toolkit is missing or of another major version; or
@@ -83,6 +90,10 @@ def plan(out: str, python: str = sys.executable, build: Optional[Step] = None) -
              dry_argv=[python, "-m", "benchmarks.planner_device", "--smoke", "--no-csv"]),
         Step("kernel-benchmarks", kernels + ["--quick", "--device", "cuda", "--csv", os.path.join(out, "kernels.csv")],
              90, env=COMPILED, dry_argv=kernels + ["--smoke", "--device", "cpu", "--no-csv", "--only", "adamw"]),
+        # FP8: the cast kernels against torch's casts, and an FP8Linear step per recipe against bf16 nn.Linear
+        # (the FP8 tensor cores' speedup, at the full sizes: seconds on a GPU)
+        Step("fp8-benchmarks", [python, "-c", FP8_BENCHMARKS.format(out=out)], 120, env=COMPILED,
+             dry_argv=[python, "-m", "benchmarks.fp8_layers", "--smoke", "--device", "cpu", "--no-csv"]),
         # ZeRO-Offload: the step with the optimizer state in host memory against on the GPU, and the overlap
         # of the gradients' copies with backward (the CUDA tests above check its results)
         Step("host-offload-benchmark", [python, "-m", "benchmarks.host_offload", "--quick",
