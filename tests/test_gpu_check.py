@@ -22,7 +22,7 @@ from parallel_layers.cli.gpu_check.steps import Step
 def test_plan_orders_what_a_first_run_must_learn(tmp_path):
     steps = {s.name: s for s in plan(str(tmp_path))}
     assert list(steps) == ["build", "extension", "training-parity", "nccl-self", "gloo-dp-cuda", "cuda-tests",
-                           "matmul-benchmark", "planner-device", "kernel-benchmarks", "fp8-benchmarks",
+                           "matmul-benchmark", "planner-device", "train-step", "kernel-benchmarks", "fp8-benchmarks",
                            "host-offload-benchmark"]
     cuda = steps["cuda-tests"]
     assert cuda.env["TRITON_INTERPRET"] == "0" and "--junitxml" in cuda.argv and "-v" in cuda.argv

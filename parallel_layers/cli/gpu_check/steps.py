@@ -88,6 +88,12 @@ def plan(out: str, python: str = sys.executable, build: Optional[Step] = None) -
         Step("planner-device", [python, "-m", "benchmarks.planner_device", "--quick",
                                 "--csv", os.path.join(out, "planner_device.csv")], 120, env={**COMPILED, **ONE_CONFIG},
              dry_argv=[python, "-m", "benchmarks.planner_device", "--smoke", "--no-csv"]),
+        # a whole training step of a ~1B Llama: the package (bf16 ZeRO-1, and FP8) against torch eager and
+        # torch.compile, tokens/s, MFU and peak memory (issue 46's end-to-end figure)
+        Step("train-step", [python, "-m", "benchmarks.train_step", "--device", "cuda",
+                            "--csv", os.path.join(out, "train_step.csv")], 300, env=COMPILED,
+             dry_argv=[python, "-m", "benchmarks.train_step", "--smoke", "--device", "cpu", "--no-csv",
+                       "--variants", "torch eager,ours bf16,ours fp8"]),
         Step("kernel-benchmarks", kernels + ["--quick", "--device", "cuda", "--csv", os.path.join(out, "kernels.csv")],
              90, env=COMPILED, dry_argv=kernels + ["--smoke", "--device", "cpu", "--no-csv", "--only", "adamw"]),
         # FP8: the cast kernels against torch's casts, and an FP8Linear step per recipe against bf16 nn.Linear
