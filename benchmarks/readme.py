@@ -40,6 +40,8 @@ SECTIONS = [("kernels.csv", "Fused kernels", f"{BENCH} --only kernels"),
              f"{BENCH} --only kernels"),
             ("fp8_cast.csv", "FP8 casts (amax, transpose, blockwise scales) against torch's ops",
              f"{BENCH} --only kernels"),
+            ("dispatch.csv", "Dispatch tax: host time per call of every op and TP layer against its torch code "
+             "(tiny tensors, 1 thread)", f"{BENCH} --only kernels"),
             ("fp8_layers.csv", "FP8Linear training step (4 recipes) and fp32 against bf16 nn.Linear, saved bytes",
              f"{BENCH} --only kernels"),
             ("fp8_convergence.csv", "FP8 training (4 recipes) against bf16 and fp32: losses over 200 steps",

@@ -27,7 +27,7 @@ import torch
 from . import harness
 
 GROUPS: "OrderedDict[str, Sequence[str]]" = OrderedDict([
-    ("kernels", ("kernels", "matmul", "moe_kernels", "fp8_cast", "fp8_layers")),
+    ("kernels", ("kernels", "matmul", "moe_kernels", "fp8_cast", "fp8_layers", "dispatch")),
     ("tp", ("tp", "cross_entropy")),
     ("dp", ("dp", "parameter_server", "sync_batchnorm", "single_process_dp")),
     ("zero", ("zero", "zero3", "zero_memory", "zero_offload", "cpu_adam")),

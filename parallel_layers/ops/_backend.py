@@ -21,13 +21,19 @@ with no C++ kernel, on CPU) the torch reference *is* that op's implementation, w
 ``backend=`` naming one the op lacks raises ``ValueError``; the environment variable naming one the
 op lacks falls back to the automatic choice with a one-time warning (the variable is set for whole
 test runs, and an op without that kernel has nothing else to offer).
+
+Cost per call: the choice is made once per (op, device, ``backend=``, value of ``PARALLEL_LAYERS_BACKEND``,
+op's backends) and kept, as is the kernel function it names, so a call pays two dict look-ups (the variable
+is still read on every call, so a change of it takes effect at the next call). Not kept: choices that warned
+(the warning must show again if ``_warned`` is cleared) and a forced ``triton`` on CPU, which depends on
+``TRITON_INTERPRET``. ``clear_cache()`` forgets them all.
 """
 from __future__ import annotations
 
 import functools
 import os
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -35,6 +41,22 @@ BACKENDS = ("torch", "cpp", "triton", "cuda")
 ENV_VAR = "PARALLEL_LAYERS_BACKEND"
 
 _warned: set = set()
+_resolved: Dict[tuple, str] = {}       # (op, device, backend, env value, backends) -> backend name
+_impls: Dict[tuple, Callable] = {}     # (op, device, backend name) -> kernel function
+_requested: Dict[tuple, str] = {}      # (backend, env value) -> requested_backend's answer
+
+
+
+def _env_value() -> Optional[str]:
+    """``PARALLEL_LAYERS_BACKEND``'s value or None: a cache key, read on every call (about 1 us)."""
+    return os.environ.get(ENV_VAR)
+
+
+def clear_cache() -> None:
+    """Forget every cached backend choice and kernel (e.g. after changing what ``_availability`` sees)."""
+    _resolved.clear()
+    _impls.clear()
+    _requested.clear()
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -91,18 +113,37 @@ def _availability(backend: str, device: torch.device):
 
 def requested_backend(backend: Optional[str] = None) -> str:
     """The backend asked for, lower-case: the argument if given, else ``PARALLEL_LAYERS_BACKEND``, else "auto"."""
-    requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
-    return requested.strip().lower() or "auto"
+    key = (backend, None if backend is not None else _env_value())
+    found = _requested.get(key)
+    if found is None:
+        requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+        found = _requested[key] = requested.strip().lower() or "auto"
+    return found
 
 
 def resolve(op: str, device: torch.device, backend: Optional[str] = None,
             backends: Sequence[str] = BACKENDS) -> str:
-    """Return the backend name that will run ``op`` on ``device``.
+    """Return the backend name that will run ``op`` on ``device`` (cached: see the module docstring).
 
     ``backends``: the backends ``op`` implements (``torch`` is implied: every op has its reference).
     """
+    key = (op, device, backend, _env_value(), backends)
+    try:
+        name = _resolved.get(key)
+    except TypeError:               # backends given as a list: not hashable, decide without the cache
+        return _resolve(op, device, backend, backends)[0]
+    if name is None:
+        name, keep = _resolve(op, device, backend, backends)
+        if keep:
+            _resolved[key] = name
+    return name
+
+
+def _resolve(op: str, device: torch.device, backend: Optional[str], backends: Sequence[str]):
+    """``(backend name, whether the answer may be cached)`` (see ``resolve``)."""
     from_arg = backend is not None
     requested = requested_backend(backend)
+    warned = False
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"{op}: unknown backend {requested!r} (from "
@@ -112,6 +153,7 @@ def resolve(op: str, device: torch.device, backend: Optional[str] = None,
             has = ("torch",) + tuple(b for b in backends if b != "torch")
             if from_arg:
                 raise ValueError(f"{op}: backend={requested!r}, but {op} has no {requested} kernel; it has {has}")
+            warned = True
             _warn_once(f"missing:{op}:{requested}",
                        f"parallel_layers: {ENV_VAR}={requested} but {op} has no {requested} kernel (it has "
                        f"{has}); {op} uses the automatic choice")
@@ -120,20 +162,21 @@ def resolve(op: str, device: torch.device, backend: Optional[str] = None,
         impl, why = _availability(requested, device)
         if impl is None:
             raise RuntimeError(f"{op}: backend {requested!r} was forced but cannot run: {why}")
-        return requested
+        # a forced triton on CPU depends on TRITON_INTERPRET, read at each call
+        return requested, not warned and not (requested == "triton" and device.type != "cuda")
     order = [b for b in (("triton", "cuda") if device.type == "cuda" else ("cpp",)) if b in backends]
     if not order:
-        return "torch"  # this op's implementation for this device type is the torch one
+        return "torch", not warned  # this op's implementation for this device type is the torch one
     reasons = []
     for name in order:
         impl, why = _availability(name, device)
         if impl is not None:
-            return name
+            return name, not warned
         reasons.append(f"{name}: {why}")
     _warn_once(f"fallback:{device.type}",
                f"parallel_layers: no fused kernel backend for {device.type} tensors, using the torch "
                f"reference implementation (slower). Reasons: {'; '.join(reasons)}")
-    return "torch"
+    return "torch", False
 
 
 def kernel(op: str, device: torch.device, backend: Optional[str], reference: Callable,
@@ -143,6 +186,14 @@ def kernel(op: str, device: torch.device, backend: Optional[str], reference: Cal
     name = resolve(op, device, backend, backends)
     if name == "torch":
         return reference
+    key = (op, device, name)
+    fn = _impls.get(key)
+    if fn is None:
+        fn = _impls[key] = _kernel_of(op, device, name)
+    return fn
+
+
+def _kernel_of(op: str, device: torch.device, name: str) -> Callable:
     impl, _ = _availability(name, device)
     if name == "cpp":
         return getattr(impl, f"cpu_{op}")

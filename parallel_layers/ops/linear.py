@@ -149,6 +149,13 @@ class _FusedLinear(torch.autograd.Function):
 
 
 def _check(x, weight, bias, activation, out_dtype):
+    dtype, device = x.dtype, x.device
+    if (activation in ACTIVATIONS and weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
+            and weight.dtype == dtype and weight.device == device and x.is_floating_point()
+            and (bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0] and bias.dtype == dtype
+                                  and bias.device == device))
+            and (out_dtype is None or out_dtype.is_floating_point)):
+        return  # every check below passes: one expression instead of a dozen (host time per call)
     if activation not in ACTIVATIONS:
         raise ValueError(f"fused_linear: activation={activation!r} is not one of {ACTIVATIONS}")
     if weight.dim() != 2:
@@ -190,9 +197,16 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         with torch.autocast(device_type, enabled=False):
             return fused_linear(x, weight, bias, activation=activation, out_dtype=out_dtype, backend=backend)
     _check(x, weight, bias, activation, out_dtype)
+    two_d = x.dim() == 2  # no reshapes (and no view nodes in the graph) for the common 2-D call
     lead = x.shape[:-1]
-    x2d = x.reshape(lead.numel(), x.shape[-1])
-    save_pre = _needs_pre(x, weight, bias, activation)
+    x2d = x if two_d else x.reshape(lead.numel(), x.shape[-1])
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    save_pre = grad and activation is not None  # = _needs_pre(x, weight, bias, activation)
     name, _ = _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend)
-    y = _FusedLinear.apply(x2d, weight, bias, activation, out_dtype, name, save_pre)
-    return y.reshape(*lead, weight.shape[0])
+    if grad:
+        y = _FusedLinear.apply(x2d, weight, bias, activation, out_dtype, name, save_pre)
+    else:  # no autograd graph to build: the Function's forward alone (its apply costs ~8 us of host time)
+        y = (_triton_forward if name == "triton" else _torch_forward)(x2d, weight, bias, activation, out_dtype,
+                                                                       False)[0]
+    return y if two_d else y.reshape(*lead, weight.shape[0])

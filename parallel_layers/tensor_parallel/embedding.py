@@ -100,6 +100,8 @@ class VocabParallelEmbedding(nn.Module):
             out = out.masked_fill(outside.unsqueeze(-1), 0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group, dim=1)
+        if self.tp_size == 1:
+            return out  # the all-reduce over one rank is the identity: skip its Function's host time
         return reduce_from_tensor_parallel_region(out, self.tp_group)
 
     @classmethod

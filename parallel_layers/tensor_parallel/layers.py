@@ -166,10 +166,10 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             check_sequence_input(type(self).__name__, x, self.tp_size, "")
             x = gather_from_sequence_parallel_region(x, self.tp_group, dim=1)
-        else:
+        elif self.tp_size > 1:  # at tp 1 the copy and the gather are identities: skip their Functions' host time
             x = copy_to_tensor_parallel_region(x, self.tp_group)
         y = fused_linear(x, self.weight, self.bias, activation=self.activation)
-        if self.gather_output:
+        if self.gather_output and self.tp_size > 1:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
 
@@ -255,7 +255,7 @@ class RowParallelLinear(nn.Module):
                              f"input_is_parallel={self.input_is_parallel}, input shape {tuple(x.shape)}){hint}")
         if self.sequence_parallel:
             check_sequence_input(name, x, self.tp_size, "dim 1 of the input, reduce-scattered over the TP group")
-        if not self.input_is_parallel:
+        if not self.input_is_parallel and self.tp_size > 1:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
         if self.tp_size == 1 and not self.sequence_parallel:
             return fused_linear(x, self.weight, self.bias)  # nothing to reduce: fuse the bias too
