@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", nargs="?", type=int, const=-1, default=0, metavar="N",
                    help="activation checkpointing: recompute every block in backward, or with N only the "
                         "first N blocks of each pipeline stage (Megatron-LM's --recompute-method block)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block of each stage (PipelineConfig(compile=True): inductor; "
+                        "the first steps compile)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
     p.add_argument("--n-layer", type=int, default=4)
@@ -315,6 +318,11 @@ def check_args(args) -> None:
     if args.offload == "cpu" and not torch.cuda.is_available():
         errs.append("--offload cpu: a CPU run keeps its optimizer state in host memory already, there is "
                     "nothing to move; use --offload disk to stream it from files")
+    if args.compile and schedule_spec(args.schedule).splits_backward:
+        errs.append(f"--compile does not run with --schedule {args.schedule}, which splits each backward in two; "
+                    f"use 1f1b, gpipe or interleaved")
+    if args.compile and args.freeze != "off":
+        errs.append("--compile is not supported with --freeze (its trainer re-lays the model out as it goes)")
     if args.checkpoint < -1:
         errs.append(f"--checkpoint {args.checkpoint} must be a number of blocks >= 0 (or the flag alone for "
                     f"every block)")
@@ -439,7 +447,7 @@ def train_parallel(args, corpus: torch.Tensor, device: Optional[torch.device],
                            optimizer=OptimizerConfig(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                                                      max_grad_norm=args.max_grad_norm, **offload),
                            pipeline=PipelineConfig(schedule=args.schedule, num_microbatches=args.microbatches,
-                                                   checkpoint=checkpoint_setting(args)),
+                                                   checkpoint=checkpoint_setting(args), compile=args.compile),
                            data_parallel=DataParallelConfig(zero=args.zero),
                            precision=PrecisionConfig(dtype=dtype, fp8=fp8_recipe(args)))
     start, saved, load_s = 0, [], None

@@ -144,7 +144,11 @@ class PipelineConfig:
     policy such as ``MemoryBudget(bytes)`` (:mod:`parallel_layers.activations.checkpoint_policy`).
     ``checkpoint_inputs``: how a checkpointed block keeps its input until backward: None (whole),
     ``"partition"``, ``"offload"`` or ``"partition+offload"``
-    (:mod:`parallel_layers.activations.partitioned_checkpoint`)."""
+    (:mod:`parallel_layers.activations.partitioned_checkpoint`). ``compile``: ``torch.compile`` each block of
+    each stage in place (``block.compile()``, the way torchtitan compiles per transformer block; the
+    embedding, head, loss and the pipeline's sends stay eager): False, True (torch's defaults: inductor), or
+    a dict of ``torch.compile`` options (e.g. ``{"backend": "aot_eager", "fullgraph": True}``); not with a
+    schedule that splits the backward (``zb-h1``, ``zbv``: a compiled block's backward is one node)."""
     schedule: str = "1f1b"
     num_microbatches: int = 4
     num_chunks: Optional[int] = None
@@ -152,9 +156,17 @@ class PipelineConfig:
     block_costs: Optional[Sequence[float]] = None
     checkpoint: Union[bool, int, str, object] = False
     checkpoint_inputs: Optional[str] = None
+    compile: Union[bool, dict] = False
 
     def __post_init__(self):
         me = "PipelineConfig"
+        if not isinstance(self.compile, (bool, dict)):
+            raise ValueError(f"Parallel3D: {me}(compile={self.compile!r}) must be False, True or a dict of "
+                             f"torch.compile options")
+        if self.compile is not False and schedule_spec(self.schedule).splits_backward:
+            raise ValueError(f"Parallel3D: {me}(compile=...) does not run with schedule={self.schedule!r}, which "
+                             f"splits each backward in two (input, then weight gradients) and a compiled block's "
+                             f"backward is one node; use 1f1b, gpipe or interleaved")
         if self.schedule not in schedule_names():
             raise ValueError(f"Parallel3D: {me}(schedule={self.schedule!r}): choose one of {schedule_names()}")
         for name in ("num_microbatches", "num_chunks"):

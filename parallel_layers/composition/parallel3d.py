@@ -159,6 +159,17 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
     return chunks, tied, duplicates, (tied_group if tied else None)
 
 
+def compile_blocks(chunks: List[nn.Module], options: dict) -> int:
+    """``torch.compile`` every block of every stage in place (``nn.Module.compile``: parameter names, hooks and
+    state dicts unchanged; a block's first call compiles it). Returns the number of blocks."""
+    count = 0
+    for chunk in chunks:
+        for block in getattr(chunk, "blocks", ()):
+            block.compile(**options)
+            count += 1
+    return count
+
+
 def _experts_over_mesh(model: nn.Module, mesh: ParallelMesh, num_microbatches: int) -> list:
     """The model's Mixture-of-Experts layers set up for the mesh: with ``ep > 1`` each holds this rank's experts
     (:func:`~parallel_layers.moe.expert_parallel.shard_experts`); the router's losses take the statistics of
@@ -348,6 +359,8 @@ class Parallel3D:
             # dropout draws from the default generator: the same stream on every rank, so tensor-parallel
             # ranks drop the same elements of the activations they hold replicated
             torch.manual_seed(seed)
+        if pipeline.compile is not False:
+            compile_blocks(chunks, {} if pipeline.compile is True else pipeline.compile)
         self.chunks: List[nn.Module] = chunks
         self.model = nn.ModuleList(self.chunks)
         self.duplicate_ids = frozenset(duplicates)

@@ -132,20 +132,72 @@ class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, pre = ctx.saved_tensors
-        grad_z = grad_y.to(x.dtype)  # the reference's ``.to(out_dtype)`` backward
-        if ctx.activation == "gelu":
-            grad_z = torch.ops.aten.gelu_backward(grad_z, pre, approximate="none")
-        elif ctx.activation == "silu":
-            grad_z = torch.ops.aten.silu_backward(grad_z, pre)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         # a zero-bubble pipeline's B wants only grad_x, its W only grad_w and grad_b (grad_needed.py)
         # (the bias goes with the weight: not saved, and W's call wants both)
         w_wanted = grad_needed(weight)
         need_x, need_w, need_b = need_x and grad_needed(x), need_w and w_wanted, need_b and w_wanted
-        grad_x = grad_z.mm(weight) if need_x else None
-        grad_w = grad_z.t().mm(x) if need_w else None
-        grad_b = grad_z.sum(0) if (need_b and ctx.has_bias) else None
+        grad_x, grad_w, grad_b = _linear_backward(grad_y, x, weight, pre, ctx.activation, need_x, need_w,
+                                                  need_b and ctx.has_bias)
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _linear_backward(grad_y, x, weight, pre, activation, need_x, need_w, need_b):
+    """(grad_x, grad_w, grad_b), each None unless wanted: the backward of every backend (module docstring)."""
+    grad_z = grad_y.to(x.dtype)  # the reference's ``.to(out_dtype)`` backward
+    if activation == "gelu":
+        grad_z = torch.ops.aten.gelu_backward(grad_z, pre, approximate="none")
+    elif activation == "silu":
+        grad_z = torch.ops.aten.silu_backward(grad_z, pre)
+    grad_x = grad_z.mm(weight) if need_x else None
+    grad_w = grad_z.t().mm(x) if need_w else None
+    grad_b = grad_z.sum(0) if need_b else None
+    return grad_x, grad_w, grad_b
+
+
+# ---------------------------------------------------------------------- the op for torch.compile
+# Under ``torch.compile`` ``fused_linear`` calls this custom op instead of ``_FusedLinear``: dynamo cannot
+# trace the backend choice (environment, measurement on CUDA) nor ``grad_needed`` (autograd graph nodes),
+# and it must not trace into the Triton kernel. The op is opaque to the compiler: its fake implementation
+# gives the output shapes, its autograd formula is ``_linear_backward`` (traced into the backward graph,
+# torch matmuls as in eager), and the backend is chosen when the op runs, on the real tensors. It always
+# returns the pre-activation (an empty tensor when it is not kept: a custom op cannot return None).
+# Eager calls keep ``_FusedLinear`` (no dispatcher round trip on the hot path).
+
+@torch.library.custom_op("parallel_layers::fused_linear", mutates_args=())
+def fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+                    out_dtype: Optional[torch.dtype], backend: Optional[str],
+                    save_pre: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``(act(x @ W^T + b) as out_dtype, pre-activation or an empty tensor)`` on the chosen backend."""
+    name, _ = _choose_backend(x, weight, bias, activation, out_dtype, save_pre, backend)
+    run = _triton_forward if name == "triton" else _torch_forward
+    y, pre = run(x, weight, bias, activation, out_dtype, save_pre)
+    # (pre is never y: it is kept only with an activation, whose output is a new tensor)
+    return y, (x.new_empty(0) if pre is None else pre)
+
+
+@fused_linear_op.register_fake
+def _(x, weight, bias, activation, out_dtype, backend, save_pre):
+    y = x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype or x.dtype)
+    pre = x.new_empty((x.shape[0], weight.shape[0]) if save_pre else (0,))
+    return y, pre
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, weight, bias, activation = inputs[:4]
+    ctx.activation, ctx.has_bias = activation, bias is not None
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _op_backward(ctx, grad_y, grad_pre):
+    x, weight, pre = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x, grad_w, grad_b = _linear_backward(grad_y, x, weight, pre, ctx.activation, need_x, need_w,
+                                              need_b and ctx.has_bias)
+    return grad_x, grad_w, grad_b, None, None, None, None
+
+
+fused_linear_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def _check(x, weight, bias, activation, out_dtype):
@@ -203,6 +255,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
     save_pre = grad and activation is not None  # = _needs_pre(x, weight, bias, activation)
+    if torch.compiler.is_compiling():
+        y = fused_linear_op(x2d, weight, bias, activation, out_dtype, backend, save_pre)[0]
+        return y if two_d else y.reshape(*lead, weight.shape[0])
     name, _ = _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend)
     if grad:
         y = _FusedLinear.apply(x2d, weight, bias, activation, out_dtype, name, save_pre)

@@ -22,6 +22,12 @@ Every function takes the group explicitly. Sizes along the split dimension must 
 size; the error names the dimension and the sizes. The forward collectives check that every rank's input
 has the same shape (:mod:`.agreed_shapes`: gloo would kill the process otherwise) with no extra
 collective while the shape stays the same; the backward ones take gradients of shapes already agreed.
+
+Under ``torch.compile`` each function runs :class:`_Traced` instead: the same forward and backward, the
+collectives from ``torch.distributed._functional_collectives`` (which dynamo traces and inductor
+schedules), the ranks' shapes not checked (the check reads a flag on the host, a graph break; a compiled
+region is guarded on its input shapes, but nothing compares them across ranks). Eager calls take the
+Functions above, unchanged.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import math
 from typing import Tuple
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from ..distributed import collectives as C
 from .agreed_shapes import checked
@@ -238,32 +245,87 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.group), None, None
 
 
+# ---------------------------------------------------------------------- under torch.compile
+# torch 2.13 names the flat functional collectives *_single; torch 2.11 has only *_tensor
+_fc_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_fc_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+def _traced_collective(kind: str, x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """One side of a pattern, traceable by dynamo: ``kind`` is "identity", "all_reduce", "split",
+    "gather" or "reduce_scatter" (along ``dim``)."""
+    if kind == "identity" or C.world_size(group) == 1:
+        return x
+    if kind == "split":
+        return _split(x, dim, group)
+    dim = dim % x.dim()
+    if kind == "all_reduce":
+        return funcol.all_reduce(x, "sum", group)
+    if kind == "gather":
+        return _fc_all_gather(x.contiguous(), dim, group)
+    n = C.world_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"sequence parallel reduce-scatter: dimension {dim} has size {x.shape[dim]}, which "
+                         f"does not divide by the group size {n}")
+    return _fc_reduce_scatter(x.contiguous(), "sum", dim, group)
+
+
+class _Traced(torch.autograd.Function):
+    """Every pattern of the table for ``torch.compile``: ``forward`` then ``backward`` of ``_traced_collective``."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, forward, backward):
+        ctx.group, ctx.dim, ctx.backward = group, dim, backward
+        return _traced_collective(forward, x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _traced_collective(ctx.backward, grad, ctx.dim, ctx.group), None, None, None, None
+
+
+_compiling = torch.compiler.is_compiling
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    if _compiling():
+        return _Traced.apply(x, group, -1, "identity", "all_reduce")
     return _CopyToTP.apply(x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    if _compiling():
+        return _Traced.apply(x, group, -1, "all_reduce", "identity")
     return _ReduceFromTP.apply(x, group)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    if _compiling():
+        return _Traced.apply(x, group, -1, "split", "gather")
     return _ScatterToTP.apply(x, group)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    if _compiling():
+        return _Traced.apply(x, group, -1, "gather", "split")
     return _GatherFromTP.apply(x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    if _compiling():
+        return _Traced.apply(x, group, dim, "split", "gather")
     return _ScatterToSP.apply(x, group, dim)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1,
                                          tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    if _compiling():
+        return _Traced.apply(x, group, dim, "gather", "reduce_scatter" if tensor_parallel_output_grad else "split")
     return _GatherFromSP.apply(x, group, dim, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    if _compiling():
+        return _Traced.apply(x, group, dim, "reduce_scatter", "gather")
     return _ReduceScatterToSP.apply(x, group, dim)
 
 
