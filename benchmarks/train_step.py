@@ -13,7 +13,9 @@ The same ``LlamaForCausalLM`` (transformers), the same weights and batches, next
   block; the whole model is the simpler call and compiles the same blocks);
 * ``ours bf16``: ``Parallel3D`` on one rank: the bf16 model, ZeRO-1's fused AdamW over fp32 master weights
   and its fused casts (``DataParallelConfig(zero=1)``, ``PrecisionConfig(dtype=bfloat16)``);
-* ``ours fp8``: the same with ``PrecisionConfig(fp8=FP8Recipe())``: every linear layer but the LM head in FP8
+* ``ours bf16 compiled``: the same with ``PipelineConfig(compile=True)`` (each block compiled, as torchtitan
+  does);
+* ``ours fp8``: ``ours bf16`` with ``PrecisionConfig(fp8=FP8Recipe())``: every linear layer but the LM head in FP8
   (per-tensor current scaling; ``torch._scaled_mm``). On a device without FP8 units (this CPU) it is slower.
 
 Reported per variant: the median step time after the warm-up steps (compilation is in the warm-up), tokens
@@ -51,7 +53,7 @@ PROFILES = {
                   warmup=2),
     "smoke": dict(hidden=64, layers=2, heads=4, kv=2, ffn=128, vocab=256, seq=32, batch=2, steps=2, warmup=1),
 }
-VARIANTS = ("torch eager", "torch.compile", "ours bf16", "ours fp8")
+VARIANTS = ("torch eager", "torch.compile", "ours bf16", "ours bf16 compiled", "ours fp8")
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 
 
@@ -100,7 +102,7 @@ def _torch_step(dense, device, compiled: bool):
     return step
 
 
-def _ours_step(dense, device, fp8: bool):
+def _ours_step(dense, device, fp8: bool, compiled: bool = False):
     from parallel_layers import (
         DataParallelConfig,
         OptimizerConfig,
@@ -113,7 +115,7 @@ def _ours_step(dense, device, fp8: bool):
     model = copy.deepcopy(dense).to(device=device, dtype=torch.bfloat16)
     p3d = Parallel3D(model, ParallelMesh(), loss_fn=_loss, device=device,
                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
-                     pipeline=PipelineConfig(num_microbatches=1), data_parallel=DataParallelConfig(zero=1),
+                     pipeline=PipelineConfig(num_microbatches=1, compile=compiled), data_parallel=DataParallelConfig(zero=1),
                      precision=PrecisionConfig(dtype=torch.bfloat16, fp8=FP8Recipe() if fp8 else None),
                      replica_check=None)
 
@@ -148,7 +150,7 @@ def measure(variant: str, dense, size: dict, device) -> Dict[str, object]:
     if variant.startswith("torch"):
         step = _torch_step(dense, device, compiled=variant == "torch.compile")
     else:
-        step = _ours_step(dense, device, fp8=variant == "ours fp8")
+        step = _ours_step(dense, device, fp8=variant == "ours fp8", compiled=variant.endswith("compiled"))
     batches = _batches(size, device, size["warmup"] + size["steps"])
     first = float(step(batches[0]))
     for b in batches[1:size["warmup"]]:
@@ -232,15 +234,15 @@ def collect(profile: str, device: Optional[torch.device] = None, progress=None,
 
 
 def format_rows(rows: List[Dict[str, object]]) -> str:
-    lines = [f"{'variant':<14} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} {'peak MB':>9} {'first loss':>10} "
+    lines = [f"{'variant':<18} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} {'peak MB':>9} {'first loss':>10} "
              f"{'vs compile':>10}"]
     for r in rows:
         if r.get("met") == "error":
-            lines.append(f"{r['case']:<14} could not run: {r['baseline']}")
+            lines.append(f"{r['case']:<18} could not run: {r['baseline']}")
             continue
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         ratio = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        lines.append(f"{r['case']:<14} {r['ours_median_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
+        lines.append(f"{r['case']:<18} {r['ours_median_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {mfu:>6} "
                      f"{r['mem_mb']:>9,.0f} {r['first_loss']:>10.4f} {ratio:>10}")
     return "\n".join(lines)
 
