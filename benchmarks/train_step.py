@@ -115,7 +115,8 @@ def _ours_step(dense, device, fp8: bool, compiled: bool = False):
     model = copy.deepcopy(dense).to(device=device, dtype=torch.bfloat16)
     p3d = Parallel3D(model, ParallelMesh(), loss_fn=_loss, device=device,
                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
-                     pipeline=PipelineConfig(num_microbatches=1, compile=compiled), data_parallel=DataParallelConfig(zero=1),
+                     pipeline=PipelineConfig(num_microbatches=1, compile=compiled),
+                     data_parallel=DataParallelConfig(zero=1),
                      precision=PrecisionConfig(dtype=torch.bfloat16, fp8=FP8Recipe() if fp8 else None),
                      replica_check=None)
 
