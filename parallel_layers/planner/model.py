@@ -142,7 +142,7 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
     z3 = layout.zero == 3
     probe_schedule = _probe_schedule(layout)
     akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.ep, layout.num_chunks, probe_schedule,
-            layout.checkpoint, b, z3, bool(getattr(req, "fp8", False)))
+            layout.checkpoint, b, z3, req.fp8)
     if akey not in cache:
         # dp 1; ZeRO 0 (1 for bf16/fp16, which need fp32 master weights) or 3: a micro-batch is the same
         plain = 0 if req.precision == "fp32" else 1
@@ -156,7 +156,7 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
             with fake_world(global_rank(one, r), one.world):
                 p3d = build_rank(req, one, r)
                 chunks, hidden = microbatch_probe(p3d, b, req.seq_len // layout.cp, hidden,
-                                                  fp8=bool(getattr(req, "fp8", False)))
+                                                  fp8=req.fp8)
                 del p3d
             ranks.append(chunks)
         cache[akey] = ranks
@@ -205,13 +205,13 @@ def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: 
 
 def fp8_terms(req: Request, layout: Layout, probes: List[RankProbe]) -> List[List[Optional[dict]]]:
     """Per rank and chunk, FP8 training's terms (:func:`.fp8.chunk_terms`), or None where FP8 is not asked."""
-    if not getattr(req, "fp8", False):
+    if not req.fp8:
         return [[None] * len(pr.chunks) for pr in probes]
     return [[chunk_terms(c.fp8, req.fp8_recipe, layout.checkpoint) for c in pr.chunks] for pr in probes]
 
 
 def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] = None) -> Prediction:
-    if getattr(req, "fp8", False):
+    if req.fp8:
         fp8_rate(prof, req)                       # refused before any probe where the profile has no fp8 rate
     probes = probe_layout(req, layout, cache)
     f8 = fp8_terms(req, layout, probes)
@@ -271,7 +271,7 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     if any(pr.streamed or pr.per_unit for pr in probes):   # every micro-batch's gradients reduced
         terms["dp_reduce"] *= m
     gather = sync.get("all_gather", 0)
-    if getattr(req, "fp8_gather", False) and gather:
+    if req.fp8_gather and gather:
         # ZeRO-3's gather of the FP8 layers' weights in FP8: 1 byte an element instead of the model dtype's
         # (the rank whose sync is the largest; its chunks' converted weights)
         rank = max(range(len(probes)), key=lambda i: sum(probes[i].sync.values()))
