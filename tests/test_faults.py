@@ -166,7 +166,9 @@ def _named_failure(error: str) -> bool:
     return " over ParallelMesh " in error or ("pipeline rank" in error and "failed or timed out" in error)
 
 
-@pytest.mark.parametrize("composition", list(COMPOSITIONS))
+# ZeRO-1 and 2 wait in the same reduce-scatter / all-gather as ZeRO-3 (and dp's all-reduce): their kill/stop runs
+# (10 s each, a timeout waited out) add nothing the others do not hold; the NaN test below runs every composition
+@pytest.mark.parametrize("composition", [c for c in COMPOSITIONS if c not in ("zero1", "zero2")])
 def test_a_killed_or_stopped_rank_fails_the_others_within_the_timeout(composition):
     (dp, tp, pp), _ = COMPOSITIONS[composition]
     world = dp * tp * pp

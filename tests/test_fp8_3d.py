@@ -177,8 +177,6 @@ def _compare(results, ref, dtype_name, replicas):
 LAYOUTS = {
     # id: (dims dp, tp, pp, cp), zero, scaling, dtype, options
     "dp2-tensor": ((2, 1, 1, 1), 0, "tensor", "float32", {}),
-    "dp2-delayed-bf16-z1": ((2, 1, 1, 1), 1, "delayed", "bfloat16", {}),
-    "tp2sp-tensor-z1": ((1, 2, 1, 1), 1, "tensor", "float32", {"sp": True}),
     "tp2sp-delayed": ((1, 2, 1, 1), 0, "delayed", "float32", {"sp": True}),
     "tp2-row": ((1, 2, 1, 1), 0, "row", "float32", {}),
     "tp2-block-bf16-z2": ((1, 2, 1, 1), 2, "block", "bfloat16", {}),

@@ -46,7 +46,7 @@ CASES = {
     "dp2pp2-zero3-interleaved-to-3d-zero2": (((2, 1, 2), 3, "interleaved", True), ((2, 2, 2), 2, "1f1b", True)),
     "3d-dp-untied-to-tp2pp2-interleaved-sp": (((2, 2, 2), 0, "1f1b", False),
                                               ((1, 2, 2), 0, "interleaved", False, True)),
-    "dp2pp4-zero2-to-dp4pp2-dp": (((2, 1, 4), 2, "gpipe", True), ((4, 1, 2), 0, "1f1b", True)),
+    "dp2pp4-zero2-to-dp2pp2-dp": (((2, 1, 4), 2, "gpipe", True), ((2, 1, 2), 0, "1f1b", True)),
 }
 
 
