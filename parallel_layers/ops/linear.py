@@ -18,11 +18,12 @@ Backends:
 - ``cpp`` / ``cuda``: this op has no such kernel; asking for one by argument is a ``ValueError``, and
   ``PARALLEL_LAYERS_BACKEND=cpp|cuda`` (set for whole test runs) means the automatic choice for this op.
 
-Backward (every backend): torch matmuls (cuBLAS / MKL), ``grad_z = act'(z) * grad_y`` via ATen's own
-``gelu_backward`` / ``silu_backward``, then ``grad_x = grad_z @ W``, ``grad_W = grad_z^T @ x``,
-``grad_b = sum(grad_z)``: the ATen calls eager autograd makes for the unfused chain (grad_W is formed as
-``grad_z^T @ x`` rather than eager's ``(x^T @ grad_z)^T``, so it comes out contiguous). With the torch
-backend the gradients matched eager autograd bit for bit on CPU (fp32 and bf16) in our checks.
+Backward: where the choice is ``torch``, ``fused_linear`` calls torch's ops directly and their own autograd
+runs (eager's, bit for bit, with none of a Python Function's host time per call). The Triton kernel's
+Function (and the custom op under ``torch.compile``): torch matmuls (cuBLAS / MKL), ``grad_z = act'(z) *
+grad_y`` via ATen's own ``gelu_backward`` / ``silu_backward``, then ``grad_x = grad_z @ W``, ``grad_W =
+grad_z^T @ x``, ``grad_b = sum(grad_z)``: the ATen calls eager autograd makes for the unfused chain (grad_W is
+formed as ``grad_z^T @ x`` rather than eager's ``(x^T @ grad_z)^T``, so it comes out contiguous).
 
 Why the pre-activation is *saved* rather than recomputed: recomputing ``z`` in backward costs one more
 ``M x N x K`` matmul, +50% on the backward's two matmuls, to save ``M x N`` elements of activation memory;
