@@ -599,6 +599,7 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
     from .demo_support import freeze_steps, replay_freeze
     freezes = freeze_steps(freeze)
     model, loss_of = reference(args)
+    from ..fp8.recipes import pending_kept
     fp8_states = []
     if args.precision == "fp8":             # the same FP8 layers, their delayed histories committed per step
         from ..fp8 import convert_to_fp8, delayed_scaling_states
@@ -630,11 +631,8 @@ def train_reference(args, corpus: torch.Tensor, val: Optional[torch.Tensor] = No
         losses.append(loss.item())
         if step + 1 in evals:
             model.eval()
-            pending = [s.pending_amax for s in fp8_states]     # evaluation leaves the FP8 scaling alone
-            with torch.no_grad():
+            with torch.no_grad(), pending_kept(fp8_states):     # evaluation leaves the FP8 scaling alone
                 vl = sum(loss_of(model, x, y).item() for x, y in val_batches) / len(val_batches)
-            for state, amax in zip(fp8_states, pending):
-                state.pending_amax = amax
             model.train()
             val_losses.append([step + 1, vl])
     return losses, val_losses

@@ -96,7 +96,7 @@ from ..dimensions import describe
 from ..distributed import collectives as C
 from ..families import Recipe, recipe_for
 from ..fp8.convert import delayed_scaling_states
-from ..fp8.recipes import commit_delayed
+from ..fp8.recipes import commit_delayed, pending_kept
 from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
 from ..moe.expert_parallel import is_expert
@@ -544,11 +544,8 @@ class Parallel3D:
         every rank."""
         x, y, side = self._this_ranks_batch(inputs, targets, side)
         counted, denominator = self._loss_denominator(targets)
-        pending = [s.pending_amax for s in self.fp8_states]   # evaluation leaves the FP8 scaling state alone
-        with self.mode.forward_only():
+        with self.mode.forward_only(), pending_kept(self.fp8_states):   # the FP8 scaling state left alone
             loss = self.engine.evaluate(x, y, loss_denominator=denominator, **side)
-        for state, amax in zip(self.fp8_states, pending):
-            state.pending_amax = amax
         return self._mean_over_dp(loss, counted)
 
     def _mean_over_dp(self, loss: torch.Tensor, counted: int) -> float:

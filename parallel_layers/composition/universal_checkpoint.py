@@ -273,11 +273,12 @@ def run_description(model) -> dict:
             "fp8": model.fp8_scaling_state()}
 
 
-def _meta(snap: "UniversalSnapshot", files: List[str], manifests: List[dict]) -> dict:
+def _meta(snap: "UniversalSnapshot", files: List[str], manifests: List[dict], fp8: dict) -> dict:
+    """``meta.json``: ``fp8``, every stage's FP8 scaling states (rank 0's snapshot holds only its own stages')."""
     meta = {"format": FORMAT, "save": snap.save_id, "step": snap.step, "iteration": snap.iteration,
             "config": snap.described["config"], "files": files,
             "tensors": {n: e for m in manifests for n, e in sorted(m.items())},
-            **{k: v for k, v in snap.described.items() if k != "config"}}
+            **{k: v for k, v in snap.described.items() if k != "config"}, "fp8": fp8}
     if snap.resume is not None:
         meta["resume"] = snap.resume
     meta["checksum"] = meta_checksum(meta)
@@ -355,10 +356,9 @@ def write_universal(snap: UniversalSnapshot, directory: str, group=None, latest_
     raise_failures(written, "writing the stage files", directory)
     committed = None
     if dist.get_rank() == 0:
-        meta = _meta(snap, files, [w["ok"][0] for w in written if w is not None])
-        meta.pop("checksum")
-        meta["fp8"] = {k: v for w in written if w is not None for k, v in sorted(w["ok"][1].items())}
-        meta["checksum"] = meta_checksum(meta)
+        oks = [w["ok"] for w in written if w is not None]
+        meta = _meta(snap, files, [manifest for manifest, _ in oks],
+                     {k: v for _, fp8 in oks for k, v in sorted(fp8.items())})
         committed = attempt(lambda: _commit(directory, meta, latest_root, snap.iteration))
     raise_failures(gathered(committed, group), "writing meta.json", directory)
 

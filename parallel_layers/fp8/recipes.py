@@ -38,6 +38,7 @@ default for a layer used alone) records every cast in the history and rescales a
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -147,6 +148,18 @@ class DelayedScaling:
         self.has_history = bool(state.get("has_history", True))
 
 
+@contextlib.contextmanager
+def pending_kept(states):
+    """Casts inside leave the pending amaxes of ``states`` (:class:`DelayedScaling`) as they were: an evaluation's
+    forward must not steer the next training step's scales."""
+    saved = [s.pending_amax for s in states]
+    try:
+        yield
+    finally:
+        for state, amax in zip(states, saved):
+            state.pending_amax = amax
+
+
 def commit_delayed(states, group=None) -> None:
     """Commit every ``update="step"`` state of ``states`` (an iterable of :class:`DelayedScaling`) at the end of
     an optimizer step: their pending amaxes max-all-reduced over ``group`` (the ranks holding replicas of the
@@ -213,4 +226,5 @@ def quantize(x: torch.Tensor, fmt, block, *, group=None, shard_dim: Optional[int
     return Quantized(data, torch.reciprocal(scale), data_t, amax), nonfinite
 
 
-__all__ = ["FP8Recipe", "DelayedScaling", "Quantized", "quantize", "scale_from_amax", "commit_delayed", "SCALINGS"]
+__all__ = ["FP8Recipe", "DelayedScaling", "Quantized", "quantize", "scale_from_amax", "commit_delayed", "pending_kept",
+           "SCALINGS"]
