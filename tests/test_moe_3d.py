@@ -14,7 +14,7 @@ import torch
 # bias=False as in test_3d: the key bias's gradient is zero up to rounding, which Adam turns into full steps
 CONFIG = dict(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=8, bias=False, num_experts=4,
               moe_top_k=2, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)
-LR, STEPS, ROWS = 1e-3, 3, 8
+LR, STEPS, ROWS = 1e-3, 5, 8
 
 
 def _batches():
