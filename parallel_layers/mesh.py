@@ -18,7 +18,7 @@ for half an hour whatever the world's timeout said.
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -174,6 +174,23 @@ class ParallelMesh:
                     mine = group
             self._tied_stage_group = mine
         return self._tied_stage_group
+
+    def group_over(self, dims: Sequence[str]):
+        """The group of the ranks that differ only along ``dims`` together (e.g. the replicas and tp: the ranks
+        sharing one micro-batch when sequence parallelism splits its tokens over tp), None where that is one
+        rank. Made on first use, a collective over the world (every rank calls it then, in the same order), and
+        kept, as :meth:`tied_stage_group` is."""
+        for dim in dims:
+            self.group(dim)                                  # a known dimension, else the error naming them
+        dims = tuple(d for d in self.sizes if d in dims and self.sizes[d] > 1)
+        if len(dims) <= 1:
+            return self._groups.get(dims[0]) if dims else None
+        if dims == tuple(d for d in replicating() if self.sizes[d] > 1):
+            return self.replica_group
+        made = self.__dict__.setdefault("_groups_over", {})
+        if dims not in made:
+            made[dims] = _new_dim_group(grid_ranks(self.sizes, list(dims)), "+".join(dims), self.timeout)
+        return made[dims]
 
     @property
     def replicas(self) -> int:

@@ -62,14 +62,15 @@ def one_process(shards: int, microbatches: int):
     return losses, {k: v.detach() for k, v in model.state_dict().items()}, aux
 
 
-def body_moe_parity(rank, world, sizes, zero, schedule, microbatches):
+def body_moe_parity(rank, world, sizes, zero, schedule, microbatches, sequence_parallel=False):
     from parallel_layers import DataParallelConfig, OptimizerConfig, Parallel3D, PipelineConfig
     from parallel_layers.models.gpt import GPTConfig
     from parallel_layers.moe import ExpertParallelMoE
     from parallel_layers.testing import cached_mesh
 
     mesh = cached_mesh(**sizes)
-    p3d = Parallel3D(GPTConfig(**CONFIG), mesh, seed=0, optimizer=OptimizerConfig(lr=LR),
+    config = GPTConfig(**CONFIG, sequence_parallel=sequence_parallel)
+    p3d = Parallel3D(config, mesh, seed=0, optimizer=OptimizerConfig(lr=LR),
                      pipeline=PipelineConfig(schedule=schedule, num_microbatches=microbatches),
                      data_parallel=DataParallelConfig(zero=zero))
     sharded = [m for c in p3d.chunks for m in c.modules() if isinstance(m, ExpertParallelMoE)]
@@ -79,12 +80,16 @@ def body_moe_parity(rank, world, sizes, zero, schedule, microbatches):
                     if n.endswith("mlp")])
     ref_losses, ref_state, ref_aux = one_process(mesh.batch_shards, microbatches)
     # routing decisions, token by token: this rank's tokens of the last micro-batch are the batch_rank-th
-    # slice of the one-process micro-batch's
+    # slice of the one-process micro-batch's rows (under sequence parallelism the tp_rank-th piece of each row)
     same_routes = []
+    seq, pieces, piece = CONFIG["max_seq_len"], *((mesh.tp, mesh.tp_rank) if sequence_parallel else (1, 0))
     for k, (_, experts) in aux.items():
-        n = experts.shape[0]
         if mesh.cp == 1:       # (with cp a rank's tokens are a zigzag share of each sequence's)
-            same_routes.append(torch.equal(experts, ref_aux[k][1][mesh.batch_rank * n:(mesh.batch_rank + 1) * n]))
+            ref = ref_aux[k][1].view(-1, seq, experts.shape[-1])
+            rows = ref.shape[0] // mesh.batch_shards
+            mine = ref[mesh.batch_rank * rows:(mesh.batch_rank + 1) * rows,
+                       piece * seq // pieces:(piece + 1) * seq // pieces]
+            same_routes.append(torch.equal(experts, mine.reshape(experts.shape)))
     out = {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
            "param": max((state[k] - ref_state[k]).abs().max().item() for k in state),
            "aux": max(abs(aux[k][0] - ref_aux[k][0]) for k in aux), "layers": len(aux), "params": len(state),
@@ -106,15 +111,20 @@ CASES = {
     "ep2pp2-interleaved": (4, dict(ep=2, pp=2), 0, "interleaved", 4),
     "ep2pp2-zb-h1": (4, dict(ep=2, pp=2), 2, "zb-h1", 2),
     "cp2ep2": (4, dict(cp=2, ep=2), 1, "1f1b", 1),
+    # sequence parallelism: each tp rank routes its piece of the sequence, the experts' gradients summed over tp
+    "tp2-sp": (2, dict(tp=2), 1, "1f1b", 2, True),
+    "tp2ep2-sp-zero2": (4, dict(tp=2, ep=2), 2, "1f1b", 2, True),
+    "tp2ep2pp2-sp-zero3": (8, dict(tp=2, ep=2, pp=2), 3, "1f1b", 2, True),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_gpt_trains_like_one_process(case, dist_pools):
-    world, sizes, zero, schedule, m = CASES[case]
-    ep = sizes["ep"]
-    for rank, out in enumerate(dist_pools(world).run(body_moe_parity, sizes, zero, schedule, m)):
-        assert out["local_experts"] == ([CONFIG["num_experts"] // ep] if out["layers"] else []), (rank, out)
+    world, sizes, zero, schedule, m, *sp = CASES[case]
+    ep = sizes.get("ep", 1)
+    for rank, out in enumerate(dist_pools(world).run(body_moe_parity, sizes, zero, schedule, m, *sp)):
+        assert out["local_experts"] == ([CONFIG["num_experts"] // ep] if out["layers"] and ep > 1 else []), (rank,
+                                                                                                            out)
         assert out["loss"] < 1e-5 and out["aux"] < 1e-5 and out["param"] < 1e-5, (case, rank, out["worst"], out)
         assert out["layers"] >= 1 and out["params"] >= 1 and all(out["same_routes"]), out
 

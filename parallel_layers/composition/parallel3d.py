@@ -92,7 +92,7 @@ import torch.nn as nn
 from ..activations.partitioned_checkpoint import SavedInputs
 from ..amp.clip import clip_grad_norm_
 from ..amp.scaler import DynamicLossScaler
-from ..dimensions import describe
+from ..dimensions import describe, replicating
 from ..distributed import collectives as C
 from ..families import Recipe, recipe_for
 from ..fp8.convert import delayed_scaling_states
@@ -170,16 +170,19 @@ def compile_blocks(chunks: List[nn.Module], options: dict) -> int:
     return count
 
 
-def _experts_over_mesh(model: nn.Module, mesh: ParallelMesh, num_microbatches: int) -> list:
+def _experts_over_mesh(model: nn.Module, mesh: ParallelMesh, num_microbatches: int,
+                       sequence_parallel: bool = False) -> list:
     """The model's Mixture-of-Experts layers set up for the mesh: with ``ep > 1`` each holds this rank's experts
     (:func:`~parallel_layers.moe.expert_parallel.shard_experts`); the router's losses take the statistics of
-    the whole micro-batch over the replicas (dp x ep x cp), and their gradient reaches the router through
-    the layer's backward weighted ``replicas / num_microbatches`` (the gradients are averaged over the
-    replicas, and each micro-batch's losses count ``1 / num_microbatches``, as gradient accumulation over
-    the same micro-batches in one process counts them)."""
+    the whole micro-batch over the replicas (dp x ep x cp; and tp under sequence parallelism, whose ranks
+    route different tokens), and their gradient reaches the router through the layer's backward weighted
+    ``replicas / num_microbatches`` (the gradients are averaged over the replicas, summed over tp, and each
+    micro-batch's losses count ``1 / num_microbatches``, as gradient accumulation over the same micro-batches
+    in one process counts them). Under sequence parallelism every MoE parameter's gradient is a partial sum
+    over this rank's tokens (``sequence_parallel``: summed over tp like the norms')."""
     from ..moe.expert_parallel import moe_layers, shard_experts
     ep = mesh.sizes.get("ep", 1)
-    group = mesh.replica_group if mesh.replicas > 1 else None
+    group = mesh.group_over(replicating() + (("tp",) if sequence_parallel else ()))
     if ep > 1 and not shard_experts(model, mesh.ep_group, group) and not moe_layers(model):
         raise ValueError(f"Parallel3D: ep={ep} splits the experts of Mixture-of-Experts layers, but "
                          f"{type(model).__name__} has none (parallel_layers.moe.MoELayer; e.g. "
@@ -188,6 +191,8 @@ def _experts_over_mesh(model: nn.Module, mesh: ParallelMesh, num_microbatches: i
     for layer in layers:
         layer.aux_loss_group = group
         layer.aux_loss_scale = mesh.replicas / num_microbatches
+        for p in layer.parameters() if sequence_parallel else ():
+            p.sequence_parallel = True
     return layers
 
 
@@ -343,7 +348,7 @@ class Parallel3D:
             recipe = with_context_parallel(recipe, mesh.cp_group, cp_method)
         if loss_fn is None:
             loss_fn = recipe.loss(model, ignore_index) if recipe.loss is not None else _default_loss(ignore_index)
-        self.moe_layers = _experts_over_mesh(model, mesh, pipeline.num_microbatches)
+        self.moe_layers = _experts_over_mesh(model, mesh, pipeline.num_microbatches, sequence_parallel)
         # output_router_logits=True: transformers' loss over all layers' routers, reproduced (or refused)
         self.router_loss = None if built_here or not hf_moe_blocks else hf_router_loss(
             model, self.moe_layers, pp=mesh.pp, checkpoint=checkpoint)

@@ -407,9 +407,14 @@ class ShardedParams(ReplicaMode):
         for z in self.wrappers:
             z.release_gathered()                   # no collective: the other ranks may never get there
 
+    def _wrapper_of(self, p) -> ZeroStage3:
+        return self.expert_z if self.expert_z is not None and is_expert(p) else self.z
+
     def _grad_of(self, p):
-        return self.z.accumulated_grad(p)          # fp32 for a bf16 model, not autograd's bf16 .grad
-                                                   # (the tp-partial and tied ones are never experts)
+        # fp32 for a bf16 model, not autograd's bf16 .grad. An expert's (tp-partial under sequence parallelism)
+        # is in its own wrapper, and zeros where this rank's tokens reached none of its experts: the tp ranks
+        # route different tokens, and all of them take part in the sum
+        return self._wrapper_of(p).accumulated_grad(p, create=is_expert(p))
 
     def _tied_grad(self, p):
         return self.z.accumulated_grad(p, create=True)   # zeros where one end did not use the weight this step

@@ -103,10 +103,6 @@ class GPTConfig:
                                 aux_loss_coef=self.moe_aux_loss_coef, z_loss_coef=self.moe_z_loss_coef,
                                 num_shared_experts=self.num_shared_experts, shared_expert_gate=False,
                                 activation="silu", backend="auto")
-            if self.sequence_parallel:
-                raise ValueError("GPTConfig: num_experts > 0 with sequence_parallel=True is not supported (the "
-                                 "experts are replicated over tp and route whole sequences); set "
-                                 "sequence_parallel=False")
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -274,13 +270,22 @@ class MLP(nn.Module):
 def moe_mlp(config: GPTConfig, tp: ParallelContext) -> nn.Module:
     """A block's Mixture-of-Experts MLP: the same whole layer on every tensor-parallel rank (its experts are
     not split over tp; expert parallelism splits them, ``Parallel3D`` with ``ep > 1``). Its auxiliary losses
-    train through the output's backward (``aux_loss_scale = 1``: one forward, one loss)."""
+    train through the output's backward (``aux_loss_scale = 1``: one forward, one loss).
+
+    Under sequence parallelism each tp rank routes only its shard of the sequence (Megatron-core's MoE with
+    SP: no gather before the layer, no duplicated expert work): the router's statistics are summed over tp
+    (the losses are those of the whole sequence), and every parameter's gradient is a partial sum over the
+    rank's tokens, marked ``sequence_parallel`` as the norms' are, so it is summed over tp after backward."""
     from ..moe.layer import MoELayer
     layer = MoELayer(config.d_model, config.moe_d_ff, config.num_experts, config.moe_top_k,
                      capacity_factor=config.moe_capacity_factor, aux_loss_coef=config.moe_aux_loss_coef,
                      z_loss_coef=config.moe_z_loss_coef, num_shared_experts=config.num_shared_experts,
                      **tp.factory)
     layer.aux_loss_scale = 1.0
+    if tp.sp:
+        layer.aux_loss_group = tp.group
+        for p in layer.parameters():
+            p.sequence_parallel = True
     return layer
 
 
