@@ -6,8 +6,8 @@ the same batches.
 Compared on every rank after 5 steps, within 1e-5: the losses and every parameter (the dense state dict mapped
 back to the HF names, the experts gathered over ep). With ``output_router_logits=True`` the HF model's loss adds
 ``router_aux_loss_coef * load_balancing_loss_func(all layers' router logits)``; it is reproduced (value and
-gradients) at pp 1, over two micro-batches (the reference accumulates the same micro-batches), and refused
-with the fix elsewhere.
+gradients) at pp 1, over two micro-batches (the reference accumulates the same micro-batches), with and
+without activation checkpointing, and refused with the fix elsewhere.
 """
 from __future__ import annotations
 
@@ -100,10 +100,10 @@ def body_hf_moe(rank, world, cases):
     from parallel_layers.moe.hf_swap import to_hf_state_dict
     from parallel_layers.testing import cached_mesh
     out = {}
-    for name, (kind, sizes, zero, microbatches, router_logits) in cases.items():
+    for name, (kind, sizes, zero, microbatches, router_logits, *checkpoint) in cases.items():
         p3d = Parallel3D(hf_moe_model(kind, router_logits), cached_mesh(**sizes), loss_fn=loss_fn,
                          optimizer=OptimizerConfig(lr=LR, eps=EPS),
-                         pipeline=PipelineConfig(num_microbatches=microbatches),
+                         pipeline=PipelineConfig(num_microbatches=microbatches, checkpoint=bool(checkpoint)),
                          data_parallel=DataParallelConfig(zero=zero))
         losses = [p3d.train_step(ids, tgt)["loss"] for ids, tgt in _batches()]
         out[name] = dict(losses=losses, state=to_hf_state_dict(p3d.dense_state_dict()),
@@ -116,7 +116,7 @@ def body_hf_moe(rank, world, cases):
 
 
 def _check(name, case, outs):
-    kind, sizes, _, microbatches, router_logits = case
+    kind, sizes, _, microbatches, router_logits, *_ = case
     shards = sizes.get("dp", 1) * sizes.get("ep", 1)
     ref_losses, ref_state, ref_aux = one_process(kind, router_logits, shards, microbatches)
     for rank, got in enumerate(o[name] for o in outs):
@@ -134,12 +134,14 @@ def _check(name, case, outs):
             assert abs(got["aux"] - ref_aux) < 1e-5, (name, rank, got["aux"], ref_aux)
 
 
-# name -> (kind, mesh sizes, ZeRO stage, micro-batches, output_router_logits)
+# name -> (kind, mesh sizes, ZeRO stage, micro-batches, output_router_logits[, activation checkpointing])
 WORLD2 = {f"{kind}-ep2": (kind, dict(ep=2), 0, 1, False) for kind in KINDS}
 WORLD2["mixtral-ep2-router-logits"] = ("mixtral", dict(ep=2), 0, 2, True)
+WORLD2["qwen3_moe-ep2-router-logits-checkpointed"] = ("qwen3_moe", dict(ep=2), 0, 2, True, "checkpoint")
 WORLD4 = {"qwen2_moe-tp2ep2": ("qwen2_moe", dict(tp=2, ep=2), 0, 1, False),
           "mixtral-dp2ep2-zero1": ("mixtral", dict(dp=2, ep=2), 1, 1, False),
-          "qwen2_moe-dp2ep2-zero1-router-logits": ("qwen2_moe", dict(dp=2, ep=2), 1, 2, True)}
+          "qwen2_moe-dp2ep2-zero1-router-logits": ("qwen2_moe", dict(dp=2, ep=2), 1, 2, True),
+          "olmoe-dp2ep2-zero3-router-logits-checkpointed": ("olmoe", dict(dp=2, ep=2), 3, 2, True, "checkpoint")}
 
 
 @pytest.mark.parametrize("world,cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
@@ -152,7 +154,7 @@ def test_hf_moe_models_train_with_expert_parallelism_like_one_process(world, cas
 def body_refusals(rank, world):
     import torch.nn as nn
 
-    from parallel_layers import Parallel3D, PipelineConfig
+    from parallel_layers import Parallel3D
     from parallel_layers.testing import cached_mesh
 
     class OddMoeBlock(nn.Module):             # an MoE block of a class the swap does not know
@@ -168,8 +170,7 @@ def body_refusals(rank, world):
     model.model.layers[1].mlp = OddMoeBlock(model.model.layers[1].mlp)
     for what, m, sizes, pipeline in (
             ("unknown", model, dict(ep=2), None),
-            ("pp", hf_moe_model("mixtral", router_logits=True), dict(pp=2), None),
-            ("checkpoint", hf_moe_model("mixtral", router_logits=True), dict(ep=2), PipelineConfig(checkpoint=True))):
+            ("pp", hf_moe_model("mixtral", router_logits=True), dict(pp=2), None)):
         try:
             Parallel3D(m, cached_mesh(**sizes), loss_fn=loss_fn, pipeline=pipeline)
         except ValueError as e:
@@ -189,9 +190,9 @@ def test_what_is_not_reproduced_is_refused_with_the_fix(dist_pools):
     for errors in dist_pools(2).run(body_refusals):
         assert "OddMoeBlock" in errors["unknown"] and "model.layers.1.mlp" in errors["unknown"] and \
             "MixtralSparseMoeBlock" in errors["unknown"] and "recipe" in errors["unknown"], errors
-        for what in ("pp", "checkpoint", "mask"):
+        for what in ("pp", "mask"):
             assert "output_router_logits" in errors[what], (what, errors)
-        assert "pp=2" in errors["pp"] and "checkpoint" in errors["checkpoint"], errors
+        assert "pp=2" in errors["pp"], errors
         assert "padding" in errors["mask"], errors
 
 

@@ -3,7 +3,7 @@
 A checkpointed block keeps only its input for backward; backward runs the block again (torch's
 non-reentrant ``torch.utils.checkpoint``) and differentiates the recomputation. For the gradients to
 be the plain run's, the recomputation must draw the same dropout masks: torch's ``preserve_rng_state``
-restores the default generator (replicated activations), and :func:`_rng_context_fn` restores the
+restores the default generator (replicated activations), and :func:`_context_fn` restores the
 tensor-parallel tracker's streams (sharded activations: attention heads, sequence shards), then puts
 both back, so whatever runs after backward draws what it would have drawn without checkpointing.
 
@@ -29,6 +29,7 @@ Used by :class:`~parallel_layers.models.gpt.GPT` (``checkpoint=``, ``checkpoint_
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -37,25 +38,42 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from .checkpoint_policy import BlockProfile, CheckpointPlan, Policy, measure_blocks, resolve_policy
 
+# set inside a checkpoint's recomputation, in the thread that runs it (torch's autograd thread on a GPU)
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("parallel_layers_recomputing", default=False)
 
-def _rng_context_fn(tracker):
-    """``context_fn`` for ``torch.utils.checkpoint``: the TP dropout stream (tracker) is restored on
-    recomputation like the default generator (which ``preserve_rng_state`` already handles)."""
+
+def recomputing() -> bool:
+    """True while a checkpointed block's forward runs again in backward (:func:`checkpointed`). A forward hook
+    that records something once per forward (a router's statistics for a model-level loss) must run the
+    same tensor operations there (torch checks the recomputation saves what the forward saved) but leave
+    its records alone: backward runs the forward's own autograd nodes, with the recomputed tensors."""
+    return _RECOMPUTING.get()
+
+
+def _context_fn(tracker):
+    """``context_fn`` for ``torch.utils.checkpoint``: marks the recomputation (:func:`recomputing`) and, with
+    a tracker, restores the TP dropout stream on it like the default generator (which ``preserve_rng_state``
+    already handles)."""
     saved = {}
 
     @contextlib.contextmanager
     def forward_ctx():
-        saved["states"] = tracker.get_states()
+        if tracker is not None:
+            saved["states"] = tracker.get_states()
         yield
 
     @contextlib.contextmanager
     def recompute_ctx():
-        current = tracker.get_states()
-        tracker.set_states(saved["states"])
+        current = tracker.get_states() if tracker is not None else None
+        if tracker is not None:
+            tracker.set_states(saved["states"])
+        token = _RECOMPUTING.set(True)
         try:
             yield
         finally:
-            tracker.set_states(current)
+            _RECOMPUTING.reset(token)
+            if tracker is not None:
+                tracker.set_states(current)
 
     return forward_ctx(), _Reenterable(recompute_ctx)
 
@@ -81,12 +99,10 @@ def checkpointed(block: nn.Module, x: torch.Tensor, tracker=None, saved_inputs=N
     state (dropout masks replay exactly). ``tracker``: the TP RNG tracker, if the block uses one.
     ``saved_inputs``: a ``SavedInputs`` (how ``x`` is kept until then: sliced over TP, on the host), or
     None (kept whole)."""
-    kwargs = {}
-    if tracker is not None:
-        kwargs["context_fn"] = lambda: _rng_context_fn(tracker)
     # torch saves the checkpoint's inputs through autograd's saved-tensor hooks: these see x alone
     with saved_inputs.hooks() if saved_inputs is not None else contextlib.nullcontext():
-        return _torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return _torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=True,
+                                 context_fn=lambda: _context_fn(tracker))
 
 
 def checkpointed_block_count(checkpoint: Union[bool, int, str, Policy], num_blocks: int,
@@ -175,4 +191,5 @@ def run_blocks(blocks: Iterable[Callable], h: torch.Tensor, recompute: Union[int
     return h
 
 
-__all__ = ["checkpointed", "checkpointed_block_count", "checkpoint_placement", "Placement", "run_blocks"]
+__all__ = ["checkpointed", "checkpointed_block_count", "checkpoint_placement", "Placement", "recomputing",
+           "run_blocks"]

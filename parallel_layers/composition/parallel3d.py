@@ -351,7 +351,7 @@ class Parallel3D:
         self.moe_layers = _experts_over_mesh(model, mesh, pipeline.num_microbatches, sequence_parallel)
         # output_router_logits=True: transformers' loss over all layers' routers, reproduced (or refused)
         self.router_loss = None if built_here or not hf_moe_blocks else hf_router_loss(
-            model, self.moe_layers, pp=mesh.pp, checkpoint=checkpoint)
+            model, self.moe_layers, pp=mesh.pp)
         chunks, tied, duplicates, self.tied_group = _model_stages(
             model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
             boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,

@@ -15,8 +15,10 @@ softmax probabilities, both summed over ALL layers and tokens, and ``R`` = layer
 per-layer losses). Each layer's router records its ``C``, token count and ``P`` (summed over the replicas with
 the layer's ``sum_over_batch``); the gradient ``coef * E * C / R^2`` of each probability needs every layer's
 ``C``, so it is injected in the layer's backward (through the routing weights), once the whole micro-batch's
-forward has recorded them: all layers on one pipeline rank, no recomputation, no padding (the HF loss leaves
-padded tokens out). Otherwise it is refused naming the setting and the fix.
+forward has recorded them: all layers on one pipeline rank, no padding (the HF loss leaves padded tokens
+out). Otherwise it is refused naming the setting and the fix. Activation checkpointing: the recomputation
+runs the hook's operations again but records nothing (backward runs the forward's own nodes, which hold
+the forward's record).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Dict, List, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from ..activations.recompute import recomputing
 from .expert_parallel import ExpertParallelMoE
 from .hf import to_hf_names
 from .layer import MoELayer
@@ -137,6 +140,10 @@ class HFRouterLoss:
                 return None
             tokens, sum_over_batch = args[0], (args[1] if len(args) > 1 else None)
             p_local = torch.softmax(router.logits(tokens).float(), dim=-1).sum(0)
+            scale = 1.0 if layer.aux_loss_scale is None else layer.aux_loss_scale
+            if recomputing():        # activation checkpointing: the forward's record is the one its nodes use
+                return routing._replace(weights=_InjectRouterLoss.apply(routing.weights, p_local, self.current,
+                                                                        self, scale))
             stats = torch.cat([routing.counts.to(torch.float64),
                                torch.full((1,), tokens.shape[0], dtype=torch.float64, device=tokens.device),
                                p_local.detach().to(torch.float64)])
@@ -147,7 +154,6 @@ class HFRouterLoss:
             self.current.slots[index] = stats
             if len(self.current.slots) == self.num_layers:
                 self.last = self.current
-            scale = 1.0 if layer.aux_loss_scale is None else layer.aux_loss_scale
             return routing._replace(weights=_InjectRouterLoss.apply(routing.weights, p_local, self.current, self,
                                                                     scale))
         return hook
@@ -160,7 +166,7 @@ class HFRouterLoss:
         return float(self.num_experts * torch.sum((counts / rows) * (probs / rows)))
 
 
-def hf_router_loss(model: nn.Module, layers: List[nn.Module], *, pp: int, checkpoint) -> Optional[HFRouterLoss]:
+def hf_router_loss(model: nn.Module, layers: List[nn.Module], *, pp: int) -> Optional[HFRouterLoss]:
     """The model-level router loss of an HF model whose blocks were swapped, when its config says
     ``output_router_logits=True`` (else None); a ValueError naming the setting and the fix where it cannot
     be reproduced."""
@@ -174,10 +180,6 @@ def hf_router_loss(model: nn.Module, layers: List[nn.Module], *, pp: int, checkp
                          f"router_aux_loss_coef * load_balancing_loss_func over every layer's router logits at "
                          f"once, which needs all {len(layers)} MoE layers on one pipeline rank, but pp={pp}; "
                          f"train with pp=1 {fix}")
-    if checkpoint:
-        raise ValueError(f"Parallel3D: {type(model).__name__} has output_router_logits=True, whose router "
-                         f"statistics are recorded once per forward; activation checkpoint={checkpoint!r} would "
-                         f"record them again in the recomputation; use checkpoint=False {fix}")
     if any(getattr(layer.router, "capacity_factor", None) is not None for layer in layers):
         raise ValueError("Parallel3D: output_router_logits=True with a capacity factor: transformers' loss counts "
                          "the choice before any drop; use capacity_factor=None")
