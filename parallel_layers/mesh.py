@@ -192,6 +192,19 @@ class ParallelMesh:
             made[dims] = _new_dim_group(grid_ranks(self.sizes, list(dims)), "+".join(dims), self.timeout)
         return made[dims]
 
+    def new_group_over(self, dims: Sequence[str], purpose: str):
+        """A new group of the ranks that differ only along ``dims``, not one the mesh holds: messages on it never
+        queue behind the mesh's own (NCCL runs a group's operations in issue order). A collective over the
+        world (every rank calls it, in the same order); the caller keeps it."""
+        for dim in dims:
+            self.group(dim)
+        mine = None
+        for ranks in grid_ranks(self.sizes, list(dims)):
+            group = dist.new_group(ranks, timeout=self.timeout, group_desc=f"{purpose} {ranks}")
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     @property
     def replicas(self) -> int:
         """How many ranks hold the same parameters: the product of the replicating dimensions (``dp x cp``)."""

@@ -100,10 +100,11 @@ from ..fp8.recipes import commit_delayed, pending_kept
 from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
 from ..moe.expert_parallel import is_expert
-from ..moe.hf_swap import check_no_padding, hf_router_loss, swap_hf_moe_blocks
+from ..moe.hf_router_loss import check_no_padding, hf_router_loss
+from ..moe.hf_swap import swap_hf_moe_blocks
 from ..pipeline import PipelineEngine
 from ..pipeline.any_model import kept_modules, split_model
-from ..pipeline.schedules import layout_of
+from ..pipeline.schedules import layout_of, place_of, stage_of
 from ..pipeline.timeline import draw
 from ..pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
 from ..tensor_parallel.partial_grads import mark_partial_param
@@ -350,12 +351,19 @@ class Parallel3D:
             loss_fn = recipe.loss(model, ignore_index) if recipe.loss is not None else _default_loss(ignore_index)
         self.moe_layers = _experts_over_mesh(model, mesh, pipeline.num_microbatches, sequence_parallel)
         # output_router_logits=True: transformers' loss over all layers' routers, reproduced (or refused)
-        self.router_loss = None if built_here or not hf_moe_blocks else hf_router_loss(
-            model, self.moe_layers, pp=mesh.pp)
+        self.router_loss = None if built_here or not hf_moe_blocks else hf_router_loss(model, self.moe_layers)
         chunks, tied, duplicates, self.tied_group = _model_stages(
             model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
             boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
             layout=layout_of(schedule), saved_inputs=saved_inputs, precision=precision)
+        if self.router_loss is not None and mesh.pp > 1:
+            # the router sums carried stage to stage, on two groups of the pipeline ranks of their own
+            layout = layout_of(schedule)
+            self.router_loss.relay_over_pipeline(
+                chunks, [stage_of(mesh.pp_rank, c, mesh.pp, num_chunks, layout) for c in range(len(chunks))],
+                mesh.pp * num_chunks, lambda stage: place_of(stage, mesh.pp, num_chunks, layout),
+                tuple(mesh.new_group_over(("pp",), f"router-loss {way}") for way in ("forward", "backward")),
+                device if device is not None else torch.device("cpu"))
         # the FP8 layers' delayed-scaling states by name (this rank's chunks), saved with the training state
         self.fp8_named_states = {f"{i}.{name}": state for i, chunk in enumerate(chunks)
                                  for name, state in delayed_scaling_states(chunk)}
@@ -437,6 +445,8 @@ class Parallel3D:
         try:
             with mode.accumulating():
                 loss = self.engine.step(x, y, loss_denominator=denominator, **side)
+            if self.router_loss is not None:
+                self.router_loss.finish_step()
         except BaseException:
             mode.abandon_step()
             raise

@@ -89,7 +89,7 @@ def _bidirectional(owner):
 
 
 def _router_loss(owner):
-    # blocks Parallel3D replaced by MoELayers: it adds this loss itself (parallel_layers.moe.hf_swap.HFRouterLoss)
+    # blocks Parallel3D replaced by MoELayers: it adds this loss itself (moe.hf_router_loss.HFRouterLoss)
     if getattr(owner.config, "output_router_logits", False) and not any(is_moe_layer(m) for m in owner.modules()):
         return ("config.output_router_logits=True adds the routers' load-balancing loss (x router_aux_loss_coef) to "
                 "the model's loss, which the recipe's loss_fn (on the logits) does not see: set it False (the logits "
