@@ -7,8 +7,8 @@ Compared on every rank after 5 steps, within 1e-5: the losses and every paramete
 back to the HF names, the experts gathered over ep). With ``output_router_logits=True`` the HF model's loss adds
 ``router_aux_loss_coef * load_balancing_loss_func(all layers' router logits)``; it is reproduced (value and
 gradients) over two or four micro-batches (the reference accumulates the same micro-batches), with and
-without activation checkpointing, at pp 1 and at pp 2 (the sums carried stage to stage), and refused with
-the fix with padding.
+without activation checkpointing, at pp 1 and at pp 2 (the sums carried stage to stage), with padding (left
+out of the sums as transformers leaves it out), and refused with the fix with padding at cp > 1.
 """
 from __future__ import annotations
 
@@ -67,7 +67,14 @@ def _batches():
             for _ in range(STEPS)]
 
 
-def one_process(kind: str, router_logits: bool, shards: int, microbatches: int):
+def _padding_mask() -> torch.Tensor:
+    """Left padding: every other row's first two tokens are padding (0)."""
+    mask = torch.ones(ROWS, SEQ, dtype=torch.int64)
+    mask[::2, :2] = 0
+    return mask
+
+
+def one_process(kind: str, router_logits: bool, shards: int, microbatches: int, mask=None):
     """The HF model trained on the global batches: gradient accumulation over the micro-batches the mesh runs
     (micro-batch m: the m-th slice of every replica's rows), each adding its ``coef * aux_loss / m`` when the
     model's router loss is on; AdamW and clipping as Parallel3D's. Returns the cross-entropy losses, the state
@@ -80,7 +87,7 @@ def one_process(kind: str, router_logits: bool, shards: int, microbatches: int):
         total = 0.0
         for m in range(microbatches):
             rows = torch.cat([torch.arange(r * per + m * mb, r * per + (m + 1) * mb) for r in range(shards)])
-            out = model(input_ids=ids[rows])
+            out = model(input_ids=ids[rows], **({} if mask is None else dict(attention_mask=mask[rows])))
             ce = F.cross_entropy(out.logits.flatten(0, 1), tgt[rows].flatten(), reduction="sum") / tgt.numel()
             loss = ce
             if router_logits:
@@ -101,12 +108,14 @@ def body_hf_moe(rank, world, cases):
     from parallel_layers.moe.hf_swap import to_hf_state_dict
     from parallel_layers.testing import cached_mesh
     out = {}
-    for name, (kind, sizes, zero, microbatches, router_logits, *pipeline) in cases.items():
+    for name, (kind, sizes, zero, microbatches, router_logits, *options) in cases.items():
+        options = dict(options[0]) if options else {}
+        side = dict(attention_mask=_padding_mask()) if options.pop("padding", False) else {}
         p3d = Parallel3D(hf_moe_model(kind, router_logits), cached_mesh(**sizes), loss_fn=loss_fn,
                          optimizer=OptimizerConfig(lr=LR, eps=EPS),
-                         pipeline=PipelineConfig(num_microbatches=microbatches, **(pipeline[0] if pipeline else {})),
+                         pipeline=PipelineConfig(num_microbatches=microbatches, **options),
                          data_parallel=DataParallelConfig(zero=zero))
-        losses = [p3d.train_step(ids, tgt)["loss"] for ids, tgt in _batches()]
+        losses = [p3d.train_step(ids, tgt, **side)["loss"] for ids, tgt in _batches()]
         out[name] = dict(losses=losses, state=to_hf_state_dict(p3d.dense_state_dict()),
                          local_experts=sorted({m.num_local_experts for c in p3d.chunks for m in c.modules()
                                                if isinstance(m, ExpertParallelMoE)}),
@@ -117,9 +126,11 @@ def body_hf_moe(rank, world, cases):
 
 
 def _check(name, case, outs):
-    kind, sizes, _, microbatches, router_logits, *_ = case
+    kind, sizes, _, microbatches, router_logits, *options = case
     shards = sizes.get("dp", 1) * sizes.get("ep", 1)
-    ref_losses, ref_state, ref_aux = one_process(kind, router_logits, shards, microbatches)
+    padded = bool(options and options[0].get("padding"))
+    ref_losses, ref_state, ref_aux = one_process(kind, router_logits, shards, microbatches,
+                                                 _padding_mask() if padded else None)
     covered = set()
     for rank, got in enumerate(o[name] for o in outs):
         ep = sizes.get("ep", 1)
@@ -144,12 +155,13 @@ CHECKPOINT = dict(checkpoint=True)
 WORLD2 = {f"{kind}-ep2": (kind, dict(ep=2), 0, 1, False) for kind in KINDS}
 WORLD2["mixtral-ep2-router-logits"] = ("mixtral", dict(ep=2), 0, 2, True)
 WORLD2["qwen3_moe-ep2-router-logits-checkpointed"] = ("qwen3_moe", dict(ep=2), 0, 2, True, CHECKPOINT)
+WORLD2["mixtral-ep2-router-logits-padded"] = ("mixtral", dict(ep=2), 0, 2, True, dict(padding=True))
 WORLD4 = {"qwen2_moe-tp2ep2": ("qwen2_moe", dict(tp=2, ep=2), 0, 1, False),
           "mixtral-dp2ep2-zero1": ("mixtral", dict(dp=2, ep=2), 1, 1, False),
           "qwen2_moe-dp2ep2-zero1-router-logits": ("qwen2_moe", dict(dp=2, ep=2), 1, 2, True),
           "olmoe-dp2ep2-zero3-router-logits-checkpointed": ("olmoe", dict(dp=2, ep=2), 3, 2, True, CHECKPOINT)}
 # the router loss's sums carried along the pipeline (also under the NCCL rules: two groups of their own)
-PIPELINE = {"mixtral-dp2pp2-router-logits": ("mixtral", dict(dp=2, pp=2), 0, 4, True),
+PIPELINE = {"mixtral-dp2pp2-router-logits-padded": ("mixtral", dict(dp=2, pp=2), 0, 4, True, dict(padding=True)),
             "qwen3_moe-ep2pp2-zb-h1-router-logits-checkpointed": ("qwen3_moe", dict(ep=2, pp=2), 1, 2, True,
                                                                   dict(schedule="zb-h1", checkpoint=True))}
 
@@ -183,12 +195,10 @@ def body_refusals(rank, world):
         Parallel3D(model, cached_mesh(ep=2), loss_fn=loss_fn)
     except ValueError as e:
         errors["unknown"] = str(e)
-    p3d = Parallel3D(hf_moe_model("mixtral", router_logits=True), cached_mesh(ep=2), loss_fn=loss_fn)
+    p3d = Parallel3D(hf_moe_model("mixtral", router_logits=True), cached_mesh(cp=2), loss_fn=loss_fn)
     ids, tgt = _batches()[0]
-    mask = torch.ones_like(ids)
-    mask[:, :2] = 0
     try:
-        p3d.train_step(ids, tgt, attention_mask=mask)
+        p3d.train_step(ids, tgt, attention_mask=_padding_mask())
     except ValueError as e:
         errors["mask"] = str(e)
     return errors
@@ -199,7 +209,7 @@ def test_what_is_not_reproduced_is_refused_with_the_fix(dist_pools):
         assert "OddMoeBlock" in errors["unknown"] and "model.layers.1.mlp" in errors["unknown"] and \
             "MixtralSparseMoeBlock" in errors["unknown"] and "recipe" in errors["unknown"], errors
         assert "output_router_logits" in errors["mask"], errors
-        assert "padding" in errors["mask"], errors
+        assert "padding" in errors["mask"] and "cp=2" in errors["mask"], errors
 
 
 def test_to_hf_state_dict_names_every_parameter_as_the_model_does():

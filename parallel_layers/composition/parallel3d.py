@@ -100,7 +100,7 @@ from ..fp8.recipes import commit_delayed, pending_kept
 from ..mesh import ParallelMesh
 from ..models.gpt import GPTConfig
 from ..moe.expert_parallel import is_expert
-from ..moe.hf_router_loss import check_no_padding, hf_router_loss
+from ..moe.hf_router_loss import check_padding, hf_router_loss
 from ..moe.hf_swap import swap_hf_moe_blocks
 from ..pipeline import PipelineEngine
 from ..pipeline.any_model import kept_modules, split_model
@@ -356,6 +356,8 @@ class Parallel3D:
             model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
             boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
             layout=layout_of(schedule), saved_inputs=saved_inputs, precision=precision)
+        if self.router_loss is not None:
+            self.router_loss.watch(chunks)
         if self.router_loss is not None and mesh.pp > 1:
             # the router sums carried stage to stage, on two groups of the pipeline ranks of their own
             layout = layout_of(schedule)
@@ -434,7 +436,7 @@ class Parallel3D:
         mode = self.mode
         self._check_batch_shapes(inputs, targets, side)
         if self.router_loss is not None:
-            check_no_padding(side)
+            check_padding(side, self.cp)
         step = self.steps_taken + 1
         checked = self.replica_check is not None and self.replica_check.due(step)
         if checked and self.replica_check.batch:

@@ -18,9 +18,12 @@ direction, so that neither direction's messages queue behind the other's under N
 the order every schedule runs a stage's micro-batches, forward and backward alike.
 
 Activation checkpointing: the recomputation runs the hook's operations again but records nothing (backward
-runs the forward's own nodes, which hold the forward's record). Padding is refused (the HF loss leaves padded
-tokens out; the MoE layers here see every token), as is a capacity factor (the HF loss counts the choice
-before any drop).
+runs the forward's own nodes, which hold the forward's record). A capacity factor is refused (the HF loss
+counts the choice before any drop).
+
+Padding: the HF loss leaves padded tokens out of ``C``, ``P`` and ``R``; so do the hooks, reading each
+micro-batch's ``attention_mask`` side input (``[batch, seq]``) off the chunk's call (refused with context
+parallelism, whose shards that mask does not follow).
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ class HFRouterLoss:
         self.current: Dict[int, _Record] = {}        # chunk -> the record of the micro-batch it runs now
         self.last: Optional[_Record] = None
         self.relay: Optional[PipelineRelay] = None
+        self.masks: Dict[int, Optional[torch.Tensor]] = {}    # chunk -> its micro-batch's attention_mask
         for index, layer in enumerate(layers):
             layer.router.register_forward_hook(self._hook(index, layer))
 
@@ -98,14 +102,21 @@ class HFRouterLoss:
             if not torch.is_grad_enabled():          # evaluation: the loss is not part of the reported one
                 return None
             tokens, sum_over_batch = args[0], (args[1] if len(args) > 1 else None)
-            p_local = torch.softmax(router.logits(tokens).float(), dim=-1).sum(0)
-            scale = 1.0 if layer.aux_loss_scale is None else layer.aux_loss_scale
             chunk = self.chunk_of.get(index, 0)
+            keep = self._kept_tokens(chunk, tokens.shape[0])
+            probs = torch.softmax(router.logits(tokens).float(), dim=-1)
+            p_local = (probs if keep is None else probs * keep[:, None]).sum(0)
+            scale = 1.0 if layer.aux_loss_scale is None else layer.aux_loss_scale
             if recomputing():        # activation checkpointing: the forward's record is the one its nodes use
                 return routing._replace(weights=_InjectRouterLoss.apply(routing.weights, p_local,
                                                                         self.current[chunk], self, scale))
-            stats = torch.cat([routing.counts.to(torch.float64),
-                               torch.full((1,), tokens.shape[0], dtype=torch.float64, device=tokens.device),
+            if keep is None:
+                counts, rows = routing.counts.to(torch.float64), float(tokens.shape[0])
+            else:                    # padded tokens left out, as transformers' loss leaves them out
+                chosen = routing.experts[keep.bool()]
+                counts = torch.bincount(chosen[chosen >= 0], minlength=self.num_experts).to(torch.float64)
+                rows = float(keep.sum())
+            stats = torch.cat([counts, torch.full((1,), rows, dtype=torch.float64, device=tokens.device),
                                p_local.detach().to(torch.float64)])
             if sum_over_batch is not None:
                 stats = sum_over_batch(stats)
@@ -119,16 +130,38 @@ class HFRouterLoss:
             return routing._replace(weights=_InjectRouterLoss.apply(routing.weights, p_local, record, self, scale))
         return hook
 
-    def relay_over_pipeline(self, chunks: Sequence[nn.Module], stages: Sequence[int], num_stages: int,
-                            place_of, groups: Tuple[object, object], device) -> None:
-        """Carry the sums along the pipeline (see the module docstring): ``chunks`` this rank's stages
-        (``stages[c]`` the global stage of chunk ``c``), ``place_of(stage) -> (pipeline rank, chunk)``,
-        ``groups`` two process groups of the pipeline ranks (forward, backward messages)."""
+    def watch(self, chunks: Sequence[nn.Module]) -> None:
+        """This rank's pipeline chunks (stages): which layers each holds, and the padding mask of the micro-batch
+        each runs (its ``attention_mask`` side input: ``[batch, seq]``, 0 where padded)."""
         index_of = {id(layer): i for i, layer in enumerate(self.layers)}
         for c, chunk in enumerate(chunks):
             for m in chunk.modules():
                 if id(m) in index_of:
                     self.chunk_of[index_of[id(m)]] = c
+            chunk.register_forward_pre_hook(self._mask_hook(c), with_kwargs=True)
+
+    def _mask_hook(self, chunk: int):
+        def hook(module, args, kwargs):
+            mask = kwargs.get("attention_mask")
+            self.masks[chunk] = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
+        return hook
+
+    def _kept_tokens(self, chunk: int, num_tokens: int) -> Optional[torch.Tensor]:
+        """The chunk's micro-batch's padding mask as one float per token (the layer's rows: batch x sequence),
+        None without padding."""
+        mask = self.masks.get(chunk)
+        if mask is None or bool((mask != 0).all()):
+            return None
+        if mask.numel() != num_tokens:
+            raise ValueError(f"HFRouterLoss: an attention_mask of shape {tuple(mask.shape)} for {num_tokens} tokens "
+                             f"of an MoE layer; pass the [batch, sequence] mask of the input ids")
+        return (mask.reshape(-1) != 0).to(torch.float32)
+
+    def relay_over_pipeline(self, chunks: Sequence[nn.Module], stages: Sequence[int], num_stages: int,
+                            place_of, groups: Tuple[object, object], device) -> None:
+        """Carry the sums along the pipeline (see the module docstring): ``chunks`` this rank's stages
+        (``stages[c]`` the global stage of chunk ``c``, watched by :meth:`watch`), ``place_of(stage) -> (pipeline
+        rank, chunk)``, ``groups`` two process groups of the pipeline ranks (forward, backward messages)."""
         self.relay = PipelineRelay(self, stages, num_stages, place_of, groups, device)
         for c, chunk in enumerate(chunks):
             chunk.register_forward_hook(self.relay.boundary_hook(c))
@@ -252,13 +285,16 @@ def hf_router_loss(model: nn.Module, layers: List[nn.Module]) -> Optional[HFRout
     return HFRouterLoss(layers, getattr(model, "router_aux_loss_coef", config.router_aux_loss_coef))
 
 
-def check_no_padding(side: Mapping[str, object]) -> None:
-    """The HF router loss leaves padded tokens out; our layers see every token: refuse a padding mask."""
+def check_padding(side: Mapping[str, object], cp: int) -> None:
+    """The HF router loss leaves padded tokens out (the hooks read each micro-batch's ``attention_mask``);
+    with context parallelism a rank's tokens are a zigzag share of each sequence, which that mask does not
+    follow: refuse padding there."""
     mask = side.get("attention_mask")
-    if torch.is_tensor(mask) and mask.dim() == 2 and not bool((mask != 0).all()):
-        raise ValueError("Parallel3D.train_step: output_router_logits=True with padding (an attention_mask with "
-                         "zeros): transformers' router loss leaves padded tokens out, which the MoE layers here do "
-                         "not; pack the sequences without padding, or set config.output_router_logits=False")
+    if cp > 1 and torch.is_tensor(mask) and mask.dim() == 2 and not bool((mask != 0).all()):
+        raise ValueError(f"Parallel3D.train_step: output_router_logits=True with padding (an attention_mask with "
+                         f"zeros) at cp={cp}: transformers' router loss leaves padded tokens out, which is not done "
+                         f"for context-parallel shards; pack the sequences without padding, train with cp=1, or set "
+                         f"config.output_router_logits=False")
 
 
-__all__ = ["HFRouterLoss", "PipelineRelay", "hf_router_loss", "check_no_padding"]
+__all__ = ["HFRouterLoss", "PipelineRelay", "hf_router_loss", "check_padding"]
