@@ -25,7 +25,10 @@ At scale, on paper (``case`` planner_published; ``--published`` runs only these,
 row of Narayanan et al. 2021's Table 1 (:mod:`parallel_layers.planner.published`: GPT 1.7B-1T on 32-3072
 A100s), the planner's per-GPU throughput for their layout (the paper's FLOPs over the predicted step,
 ``x``) beside the published one, the error, and (full mode) the layout the planner's search picks with its
-predicted throughput (``speedup``: the pick's over theirs) and why. Nothing is timed here.
+predicted throughput (``speedup``: the pick's over theirs) and why; then the H100 tables of
+:mod:`parallel_layers.planner.published_h100` (torchtitan's Llama 3.1 runs, NeMo 24.07's FP8 Llama runs: ``case``
+planner_published_h100, tokens/s per GPU, and one planner_published_h100_error row a table with its median
+|error|). Nothing is timed here.
 """
 from __future__ import annotations
 
@@ -229,6 +232,39 @@ def published_rows(common: dict, search: bool, progress: Optional[Callable[[str]
     rows.append(dict(common, case="planner_published_error", sizes=f"{len(errors)} published runs",
                      x=med, baseline=f"median |error| {med:.1%}, worst {worst:.1%}"
                      + (f"; the planner picks another layout for {differ} of {len(errors)}" if search else "")))
+    print(f"planner published Narayanan et al. 2021 Table 1 (A100): median |error| {med:.1%}, worst {worst:.1%}",
+          file=sys.stderr, flush=True)
+    return rows + published_h100_rows(common, progress)
+
+
+def published_h100_rows(common: dict, progress: Optional[Callable[[str], None]] = None) -> List[dict]:
+    """The H100 tables of :mod:`parallel_layers.planner.published_h100` (torchtitan, NeMo): one row per run
+    (predicted against published tokens/s per GPU, the planner's best of the settings the source leaves
+    open), then each table's median and worst |error|."""
+    from parallel_layers.planner.published_h100 import RUNS, TABLES, compare
+    rows = []
+    for table, (source, url) in TABLES.items():
+        errors = []
+        for run in [r for r in RUNS if r.table == table]:
+            if progress:
+                progress(f"published {table} {run.label} on {run.gpus} GPUs")
+            c = compare(run)
+            errors.append(abs(c.error))
+            label = (f"{table}: {run.label}, {run.model} on {run.gpus} H100: dp{run.dp} x tp{run.tp} x pp{run.pp}"
+                     f" x cp{run.cp}{f' vp{run.vp}' if run.vp > 1 else ''}, batch {run.global_batch} x {run.seq}, "
+                     f"{'fp8' if run.fp8 else 'bf16'}")
+            text = (f"published {run.tokens_per_gpu_s:g} tokens/s/GPU ({run.notes}); predicted {c.predicted:.0f} "
+                    f"({c.error:+.1%}) for {c.best.layout.name()}, peak {c.best.peak_bytes / 2**30:.0f} GiB"
+                    + ("" if c.fits else " (no variant fits the memory model)"))
+            print(f"planner published {label}: {text}", file=sys.stderr, flush=True)
+            rows.append(dict(common, case="planner_published_h100", sizes=label, x=c.predicted,
+                             mem_mb=c.best.peak_bytes / 2**20, baseline=text))
+        med, worst = statistics.median(errors), max(errors)
+        print(f"planner published {table} ({source}): median |error| {med:.1%}, worst {worst:.1%} over "
+              f"{len(errors)} runs", file=sys.stderr, flush=True)
+        rows.append(dict(common, case="planner_published_h100_error", sizes=f"{table}: {len(errors)} published runs",
+                         x=med, target="median |error| <= 15%", met=bool(med <= 0.15),
+                         baseline=f"{source} ({url}): median |error| {med:.1%}, worst {worst:.1%}"))
     return rows
 
 

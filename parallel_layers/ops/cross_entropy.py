@@ -27,6 +27,7 @@ temporaries stay bounded whatever the vocabulary (no full-size softmax is ever m
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -41,10 +42,30 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunks(n_rows: int, n_cols: int, chunk_bytes: int):
+def row_chunks(n_rows: int, n_cols: int, chunk_bytes: int):
+    """The ``(first, end)`` row spans the torch reference walks: ``chunk_bytes`` of float32 each."""
     step = max(1, chunk_bytes // (4 * max(n_cols, 1)))
     for r0 in range(0, n_rows, step):
         yield r0, min(n_rows, r0 + step)
+
+
+_chunk_walk = [row_chunks]      # what the loops call; replaced only inside sampled_row_walk
+
+
+@contextlib.contextmanager
+def sampled_row_walk(walk):
+    """Within this block the reference's row loops take their spans from ``walk(n_rows, n_cols, chunk_bytes)``
+    (a generator over :func:`row_chunks`'s spans) instead: the layout planner, on the meta device, runs a few of
+    them and charges the rest (``planner.accounting.sampled_loss_rows``). Not for real tensors."""
+    _chunk_walk.append(walk)
+    try:
+        yield
+    finally:
+        _chunk_walk.remove(walk)
+
+
+def _chunks(n_rows: int, n_cols: int, chunk_bytes: int):
+    return _chunk_walk[-1](n_rows, n_cols, chunk_bytes)
 
 
 def safe_max(m: torch.Tensor) -> torch.Tensor:

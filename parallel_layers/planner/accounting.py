@@ -236,5 +236,52 @@ def attention_flop_formulas() -> dict:
             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
+def _tally_counts(tallies) -> List[int]:
+    return [t.ops if isinstance(t, OpTally) else 0 for t in tallies] + \
+        [t.traffic if isinstance(t, OpTally) else t.total for t in tallies]
+
+
+def _charge(tallies, delta: List[int], times: int) -> None:
+    n = len(tallies)
+    for i, t in enumerate(tallies):
+        if isinstance(t, OpTally):
+            t.ops += delta[i] * times
+            t.traffic += delta[n + i] * times
+        else:
+            t.total += delta[n + i] * times
+
+
+@contextlib.contextmanager
+def sampled_loss_rows(tallies):
+    """The cross entropy's row loop on meta run for three of its chunks, the rest charged as the second's.
+
+    The torch reference of the vocab-parallel cross entropy (:mod:`parallel_layers.ops.cross_entropy`, what
+    the planner probes) walks the rows in chunks of about 1 MB of float32 (2 rows a chunk at a 128k
+    vocabulary): 16,000 chunks of ~16 ops each for 32k tokens, minutes of dispatch on meta, each chunk the
+    same ops on the same shapes. Under this block its chunk generator yields the first two chunks and the
+    last one only, and adds the second chunk's operator calls, memory traffic and FLOPs to ``tallies``
+    (:class:`OpTally` / :class:`FlopTally`) once for every chunk skipped. What each tally counts is then
+    the full loop's (every full chunk runs the same ops on the same shapes; the second, not the first,
+    is the one repeated: from it on the previous chunk's temporaries are alive while the next ones are
+    made, as in every later chunk, so the peak is the full loop's too). The skipped rows are never
+    written: on meta there are no values. Use it only where the tensors are on meta."""
+    from ..ops import cross_entropy as ce
+
+    def chunks(n_rows, n_cols, chunk_bytes):
+        spans = list(ce.row_chunks(n_rows, n_cols, chunk_bytes))
+        if len(spans) <= 3:
+            yield from spans
+            return
+        yield spans[0]
+        before = _tally_counts(tallies)
+        yield spans[1]
+        after = _tally_counts(tallies)
+        _charge(tallies, [a - b for a, b in zip(after, before)], len(spans) - 3)
+        yield spans[-1]
+
+    with ce.sampled_row_walk(chunks):
+        yield
+
+
 __all__ = ["tensors_reachable", "held_bytes", "OpTally", "FlopTally", "fused_attention_on_meta",
-           "attention_flop_formulas"]
+           "attention_flop_formulas", "sampled_loss_rows"]

@@ -43,7 +43,8 @@ from typing import Dict, List, Optional
 
 from ..composition.layout import Layout
 from ..dimensions import names, replicating, world_size
-from ..pipeline.schedules import SCHEDULE_SPECS, build_all, schedule_spec, simulate, simulate_timing
+from ..pipeline.schedules import SCHEDULE_SPECS, build_all, schedule_spec, simulate, simulate_timing, stage_of
+from . import representative as rep
 from .fp8 import chunk_terms, fp8_rate
 from .hardware import Profile
 from .probe import (
@@ -115,51 +116,88 @@ def _probe_schedule(layout: Layout) -> str:
                 if spec.layout == placement and spec.runs(layout.num_chunks))
 
 
+def _static_ranks(req: Request, layout: Layout) -> list:
+    """What every pipeline rank of ``layout`` holds, probed on its own mesh (twins shared)."""
+    ranks = []
+    for r in range(layout.pp):
+        if _twin(req, layout, r) is not None:
+            ranks.append(ranks[_twin(req, layout, r)])
+            continue
+        with fake_world(global_rank(layout, r), layout.world):
+            p3d = build_rank(req, layout, r)
+            static = static_terms(p3d, req.seq_len // layout.cp)
+            ranks.append((static, sync_bytes(p3d), streams_gradients(p3d), reduction_shard_bytes(p3d),
+                          gathers_per_unit(p3d)))
+            del p3d
+    return ranks
+
+
+def _microbatch_ranks(req: Request, one: Layout, b: int) -> list:
+    """Every pipeline rank's chunks of ``one`` (a dp-1 layout), one micro-batch of ``b`` sequences each."""
+    ranks, hidden = [], None
+    for r in range(one.pp):
+        if _twin(req, one, r) is not None:
+            ranks.append(ranks[_twin(req, one, r)])
+            continue
+        with fake_world(global_rank(one, r), one.world):
+            p3d = build_rank(req, one, r)
+            chunks, hidden = microbatch_probe(p3d, b, req.seq_len // one.cp, hidden, fp8=req.fp8)
+            del p3d
+        ranks.append(chunks)
+    return ranks
+
+
+def _scaled_microbatch(req: Request, layout: Layout, b: int, cache: dict) -> list:
+    """Every rank's chunks of ``layout`` from its stage shapes probed at 1 and 2 blocks (cached, shared by
+    every layout with the same micro-batch: :mod:`.representative`)."""
+    one = rep.shape_layout(layout, req.precision)
+    key = ("stage shapes", one, b)
+    if key not in cache:
+        probes = [_microbatch_ranks(rep.with_layers(req, one.pp * n), one, b) for n in rep.SHAPE_BLOCKS]
+        cache[key] = {rep.stage_shape(r, one.pp): [ranks[r][0] for ranks in probes] for r in range(one.pp)}
+    shapes, k = cache[key], rep.blocks_per_chunk(req, layout)
+    placement = schedule_spec(layout.schedule).layout
+    n_stages = layout.pp * layout.num_chunks
+    return [[rep.scale_chunk(shapes[rep.stage_shape(stage_of(r, c, layout.pp, layout.num_chunks, placement),
+                                                     n_stages)], k)
+             for c in range(layout.num_chunks)] for r in range(layout.pp)]
+
+
 def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> List[RankProbe]:
     """The probes of every pipeline rank of ``layout``, in two cached parts: what the rank holds
     (depends on the mesh, the ZeRO stage and the chunk count; for a streaming ZeRO-2 rank, whose bucket
     order comes from a backward, on checkpointing too) and what a micro-batch costs (depends on
     tp, pp, cp, chunks, checkpointing, the micro-batch size and whether ZeRO-3 keeps full gradients;
-    probed on a mesh with dp 1, since data parallelism does not change a micro-batch)."""
+    probed on a mesh with dp 1, since data parallelism does not change a micro-batch). Both at 1 and 2
+    blocks a chunk and scaled to the real count where :func:`.representative.why_exact` allows (the
+    micro-batch as stage shapes shared across pp, chunks and schedules), else at full depth."""
     cache = {} if cache is None else cache
     b = req.global_batch // (layout.dp * layout.ep * layout.num_microbatches)     # rows split over dp and ep
+    scaled = rep.why_exact(req, layout) is None
     # a streaming ZeRO-2 rank (pp 1) runs a backward for its bucket order: checkpointing is part of its key
     skey = ("static", layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.num_chunks,
             layout.checkpoint if layout.zero == 2 and layout.pp == 1 else None)
     if skey not in cache:
-        ranks = []
-        for r in range(layout.pp):
-            if _twin(req, layout, r) is not None:
-                ranks.append(ranks[_twin(req, layout, r)])
-                continue
-            with fake_world(global_rank(layout, r), layout.world):
-                p3d = build_rank(req, layout, r)
-                static = static_terms(p3d, req.seq_len // layout.cp)
-                ranks.append((static, sync_bytes(p3d), streams_gradients(p3d), reduction_shard_bytes(p3d),
-                              gathers_per_unit(p3d)))
-                del p3d
-        cache[skey] = ranks
+        k = rep.blocks_per_chunk(req, layout)
+        if scaled and not rep.streams(layout) and k not in rep.STATIC_BLOCKS:
+            probes = [_static_ranks(rep.with_layers(req, layout.pp * layout.num_chunks * n), layout)
+                      for n in rep.STATIC_BLOCKS]
+            cache[skey] = [rep.scale_static(r1, r2, k) for r1, r2 in zip(*probes)]
+        else:
+            cache[skey] = _static_ranks(req, layout)
     z3 = layout.zero == 3
     probe_schedule = _probe_schedule(layout)
     akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.ep, layout.num_chunks, probe_schedule,
             layout.checkpoint, b, z3, req.fp8)
     if akey not in cache:
-        # dp 1; ZeRO 0 (1 for bf16/fp16, which need fp32 master weights) or 3: a micro-batch is the same
-        plain = 0 if req.precision == "fp32" else 1
-        one = dataclasses.replace(layout, dp=1, zero=3 if z3 else plain, num_microbatches=layout.pp,
-                                  schedule=probe_schedule)
-        ranks, hidden = [], None
-        for r in range(layout.pp):
-            if _twin(req, layout, r) is not None:
-                ranks.append(ranks[_twin(req, layout, r)])
-                continue
-            with fake_world(global_rank(one, r), one.world):
-                p3d = build_rank(req, one, r)
-                chunks, hidden = microbatch_probe(p3d, b, req.seq_len // layout.cp, hidden,
-                                                  fp8=req.fp8)
-                del p3d
-            ranks.append(chunks)
-        cache[akey] = ranks
+        if scaled:
+            cache[akey] = _scaled_microbatch(req, layout, b, cache)
+        else:
+            # dp 1; ZeRO 0 (1 for bf16/fp16, which need fp32 master weights) or 3: a micro-batch is the same
+            plain = 0 if req.precision == "fp32" else 1
+            one = dataclasses.replace(layout, dp=1, zero=3 if z3 else plain, num_microbatches=layout.pp,
+                                      schedule=probe_schedule)
+            cache[akey] = _microbatch_ranks(req, one, b)
     return [RankProbe(st, sy, ch, *rest) for (st, sy, *rest), ch in zip(cache[skey], cache[akey])]
 
 

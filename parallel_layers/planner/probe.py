@@ -34,6 +34,7 @@ from .accounting import (
     attention_flop_formulas,
     fused_attention_on_meta,
     held_bytes,
+    sampled_loss_rows,
     tensors_reachable,
 )
 from .spec import Request
@@ -178,7 +179,7 @@ def arrival_order_bytes(p3d, seq_len: int, batch: int = 1) -> int:
     dp.write_grad = write_grad
     try:
         with OpTally(), fused_attention_on_meta(), fx_config.patch(meta_nonzero_assume_all_nonzero=True), \
-                dp.no_sync():
+                dp.no_sync(), _on_meta(dev, ()):
             x = torch.zeros(batch, seq_len, dtype=torch.long, device=dev)
             torch.autograd.backward(_run_forward(chunk, x, x, True, side))
     finally:
@@ -294,6 +295,13 @@ class ChunkCost:
     fp8: Optional[object] = None  # FP8 training asked: the chunk's converted GEMMs (``planner.fp8.FP8Account``)
 
 
+def _on_meta(dev, tallies):
+    """On meta, the loss's row loop sampled and its skipped chunks charged to ``tallies``
+    (:func:`~.accounting.sampled_loss_rows`: the same counts, seconds instead of minutes at a 128k vocabulary);
+    on a real device (a test checking the probe against real tensors) every row runs."""
+    return sampled_loss_rows(tallies) if dev.type == "meta" else contextlib.nullcontext()
+
+
 def _run_forward(chunk, x, y, is_last, side):
     if is_last:
         out = chunk(x, y, **side)
@@ -370,7 +378,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
             tally = OpTally(extra=(lambda z=z: unit_buffer_bytes(z)) if z is not None else None)
             flops = FlopTally(attention_flop_formulas())
             phases = []
-            with fused_attention_on_meta(), flops, tally:
+            with fused_attention_on_meta(), flops, tally, _on_meta(dev, (tally, flops)):
                 for _mb in range(2):
                     for phase in ("F", "B"):
                         # what the last phase dropped in cycles is gone before we count (a full pass before a
@@ -416,7 +424,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
                          else torch.zeros(hidden_shape[0], dtype=hidden_shape[1], device=dev, requires_grad=True))
                     y = torch.zeros(b, s, dtype=torch.long, device=dev)
                     return _run_forward(chunk, x, y, is_last, side)
-                with fused_attention_on_meta():
+                with fused_attention_on_meta(), _on_meta(dev, ()):
                     acct = linear_calls(chunk, third)
                 gc.collect()
             if not is_last:
