@@ -18,6 +18,9 @@ LAYOUTS = [Layout(dp=4, zero=z, checkpoint=ck) for z in (0, 1, 2, 3) for ck in (
     Layout(dp=2, pp=2, zero=z, schedule=s, num_microbatches=m, checkpoint=ck)
     for z, s, m, ck in ((1, "1f1b", 2, False), (1, "gpipe", 4, True), (3, "1f1b", 4, True), (3, "gpipe", 2, False))
 ] + [Layout(dp=1, pp=2, zero=1, schedule="interleaved", num_chunks=2, num_microbatches=4),
+     # 8 blocks over 3 stages (3, 3, 2) and over 2 x 3 chunks (2, 2, 1, 1, 1, 1): each stage scaled to its own
+     Layout(pp=3, zero=1, num_microbatches=3), Layout(pp=3, zero=3, num_microbatches=3, checkpoint=True),
+     Layout(pp=2, zero=1, schedule="interleaved", num_chunks=3, num_microbatches=4),
      Layout(tp=2, dp=2, zero=1), Layout(tp=2, pp=2, schedule="1f1b", num_microbatches=2, checkpoint=True)]
 MEMORY_TOLERANCE = 0.02        # measured: 0 (see the module docstring of representative)
 

@@ -155,12 +155,13 @@ def _scaled_microbatch(req: Request, layout: Layout, b: int, cache: dict) -> lis
     if key not in cache:
         probes = [_microbatch_ranks(rep.with_layers(req, one.pp * n), one, b) for n in rep.SHAPE_BLOCKS]
         cache[key] = {rep.stage_shape(r, one.pp): [ranks[r][0] for ranks in probes] for r in range(one.pp)}
-    shapes, k = cache[key], rep.blocks_per_chunk(req, layout)
+    shapes, blocks = cache[key], rep.stage_blocks(req, layout)
     placement = schedule_spec(layout.schedule).layout
     n_stages = layout.pp * layout.num_chunks
-    return [[rep.scale_chunk(shapes[rep.stage_shape(stage_of(r, c, layout.pp, layout.num_chunks, placement),
-                                                     n_stages)], k)
-             for c in range(layout.num_chunks)] for r in range(layout.pp)]
+    stages = [[stage_of(r, c, layout.pp, layout.num_chunks, placement) for c in range(layout.num_chunks)]
+              for r in range(layout.pp)]
+    return [[rep.scale_chunk(shapes[rep.stage_shape(stage, n_stages)], blocks[stage]) for stage in mine]
+            for mine in stages]
 
 
 def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> List[RankProbe]:
@@ -178,11 +179,12 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
     skey = ("static", layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.num_chunks,
             layout.checkpoint if layout.zero == 2 and layout.pp == 1 else None)
     if skey not in cache:
-        k = rep.blocks_per_chunk(req, layout)
-        if scaled and not rep.streams(layout) and k not in rep.STATIC_BLOCKS:
+        blocks = rep.stage_blocks(req, layout)
+        if scaled and not rep.streams(layout) and (len(set(blocks)) > 1 or blocks[0] not in rep.STATIC_BLOCKS):
             probes = [_static_ranks(rep.with_layers(req, layout.pp * layout.num_chunks * n), layout)
                       for n in rep.STATIC_BLOCKS]
-            cache[skey] = [rep.scale_static(r1, r2, k) for r1, r2 in zip(*probes)]
+            cache[skey] = [rep.scale_static(r1, r2, rep.rank_blocks(req, layout, r))
+                           for r, (r1, r2) in enumerate(zip(*probes))]
         else:
             cache[skey] = _static_ranks(req, layout)
     z3 = layout.zero == 3

@@ -27,11 +27,14 @@ Where buffers are padded (ZeRO shards to a multiple of dp, buckets), the padding
 extrapolated too: at most dp elements a buffer off. ``tests/test_planner_speed.py`` holds every term to the
 full probe's on a model where both run.
 
-Where the argument does not hold the layout is probed at full depth (:func:`why_exact`): layers that do not
-split evenly into the chunks, FP8 training (its account of converted GEMMs is per layer), a streaming
-ZeRO-2 rank (its gradient memory is the most buckets in flight at once, not linear in the blocks),
-tied embeddings on a V schedule (the first and the last chunk share one weight on rank 0) and Hugging
-Face configs whose layers differ (a per-layer list, such as ``layer_types``).
+Layers that do not split evenly into the stages: each stage takes its own count (:func:`stage_blocks`, the
+package's split), a micro-batch's costs scaled to it, a rank's static terms to its chunks' total.
+
+Where the argument does not hold the layout is probed at full depth (:func:`why_exact`): FP8 training (its
+account of converted GEMMs is per layer), a streaming ZeRO-2 rank (its gradient memory is the most buckets
+in flight at once, not linear in the blocks), tied embeddings on a V schedule (the first and the last chunk
+share one weight on rank 0) and Hugging Face configs whose layers differ (a per-layer list, such as
+``layer_types``).
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ from collections import Counter
 from typing import Dict, List, Optional
 
 from ..composition.layout import Layout
-from ..pipeline.schedules import schedule_spec
+from ..pipeline.schedules import schedule_spec, stage_of
+from ..pipeline.stage import partition_layers
 from .probe import ChunkCost
 from .spec import Request
 
@@ -49,8 +53,16 @@ STATIC_BLOCKS = (1, 2)           # blocks a chunk the static probes run; the rea
 SHAPE_BLOCKS = (1, 2, 3)         # blocks the micro-batch probes of a stage shape run
 
 
-def blocks_per_chunk(req: Request, layout: Layout) -> int:
-    return req.n_layer() // (layout.pp * layout.num_chunks)
+def stage_blocks(req: Request, layout: Layout) -> List[int]:
+    """The blocks of every global stage, as the package splits them (``pipeline.stage.partition_layers`` by
+    count: the first ``n_layer % stages`` stages one more)."""
+    return [end - start for start, end in partition_layers(req.n_layer(), layout.pp * layout.num_chunks)]
+
+
+def rank_blocks(req: Request, layout: Layout, pp_rank: int) -> List[int]:
+    """The blocks of each chunk of pipeline rank ``pp_rank``, in chunk order."""
+    blocks, placement = stage_blocks(req, layout), schedule_spec(layout.schedule).layout
+    return [blocks[stage_of(pp_rank, c, layout.pp, layout.num_chunks, placement)] for c in range(layout.num_chunks)]
 
 
 def _tied(model) -> bool:
@@ -60,8 +72,6 @@ def _tied(model) -> bool:
 def why_exact(req: Request, layout: Layout) -> Optional[str]:
     """Why ``layout`` is probed at full depth (None: at 1 and 2 blocks a chunk, scaled)."""
     n = req.n_layer()
-    if n % (layout.pp * layout.num_chunks):
-        return f"{n} layers do not split evenly into pp={layout.pp} x {layout.num_chunks} chunk(s)"
     if req.fp8:
         return "FP8 training: its converted GEMMs are accounted layer by layer"
     if _tied(req.model) and layout.pp > 1 and schedule_spec(layout.schedule).layout == "v":
@@ -142,16 +152,21 @@ def scale_chunk(costs: List[ChunkCost], k: int) -> ChunkCost:
                                **line)
 
 
-def scale_static(r1: tuple, r2: tuple, k: int) -> tuple:
-    """One rank's static probe (terms, sync bytes, streamed, reduction shard, per unit) at ``k`` blocks a
-    chunk from its probes at 1 and 2."""
-    if k <= 2:
-        return (r1, r2)[k - 1]
+def scale_static(r1: tuple, r2: tuple, blocks: List[int]) -> tuple:
+    """One rank's static probe (terms, sync bytes, streamed, reduction shard, per unit) for chunks of
+    ``blocks`` blocks from its probes at 1 and 2 blocks in every chunk: the second probe adds one block to
+    each chunk, so each block beyond the first of a chunk adds ``1 / chunks`` of the difference."""
+    if len(set(blocks)) == 1 and blocks[0] <= 2:
+        return (r1, r2)[blocks[0] - 1]
     (s1, y1, _, red1, _), (s2, y2, streamed, red2, per_unit) = r1, r2
-    static = {t: _line(s1.get(t, 0), s2.get(t, 0), k) for t in s2}
-    sync = {t: _line(y1.get(t, 0), y2.get(t, 0), k) for t in y2}
-    return static, sync, streamed, _line(red1, red2, k), per_unit
+    extra = (sum(blocks) - len(blocks)) / len(blocks)
+
+    def line(a, b):
+        return a + round(extra * (b - a))
+    static = {t: line(s1.get(t, 0), s2.get(t, 0)) for t in s2}
+    sync = {t: line(y1.get(t, 0), y2.get(t, 0)) for t in y2}
+    return static, sync, streamed, line(red1, red2), per_unit
 
 
 __all__ = ["STATIC_BLOCKS", "SHAPE_BLOCKS", "why_exact", "streams", "with_layers", "stage_shape", "shape_layout",
-           "blocks_per_chunk", "scale_chunk", "scale_static"]
+           "stage_blocks", "rank_blocks", "scale_chunk", "scale_static"]
