@@ -253,12 +253,17 @@ def fp8_terms(req: Request, layout: Layout, probes: List[RankProbe]) -> List[Lis
 def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] = None) -> Prediction:
     if req.fp8:
         fp8_rate(prof, req)                       # refused before any probe where the profile has no fp8 rate
+    cache = {} if cache is None else cache
     probes = probe_layout(req, layout, cache)
     f8 = fp8_terms(req, layout, probes)
     p, m, v = layout.pp, layout.num_microbatches, layout.num_chunks
-    streams = build_all(layout.schedule, p, m, v)
     placement = schedule_spec(layout.schedule).layout
-    in_flight = simulate(streams, v, layout=placement)["max_in_flight"]
+    # the schedule's streams and their in-flight counts depend on nothing else: one walk per schedule shape
+    skey = ("schedule", layout.schedule, p, m, v)
+    if skey not in cache:
+        streams = build_all(layout.schedule, p, m, v)
+        cache[skey] = streams, simulate(streams, v, layout=placement)["max_in_flight"]
+    streams, in_flight = cache[skey]
     memory = []
     act_bytes = probes[0].chunks[0].out_bytes
     for r, pr in enumerate(probes):
