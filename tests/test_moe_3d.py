@@ -112,7 +112,6 @@ CASES = {
     "ep2pp2-zb-h1": (4, dict(ep=2, pp=2), 2, "zb-h1", 2),
     "cp2ep2": (4, dict(cp=2, ep=2), 1, "1f1b", 1),
     # sequence parallelism: each tp rank routes its piece of the sequence, the experts' gradients summed over tp
-    "tp2-sp": (2, dict(tp=2), 1, "1f1b", 2, True),
     "tp2ep2-sp-zero2": (4, dict(tp=2, ep=2), 2, "1f1b", 2, True),
     "tp2ep2pp2-sp-zero3": (8, dict(tp=2, ep=2, pp=2), 3, "1f1b", 2, True),
 }

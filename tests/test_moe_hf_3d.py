@@ -153,7 +153,6 @@ def _check(name, case, outs):
 # name -> (kind, mesh sizes, ZeRO stage, micro-batches, output_router_logits[, PipelineConfig options])
 CHECKPOINT = dict(checkpoint=True)
 WORLD2 = {f"{kind}-ep2": (kind, dict(ep=2), 0, 1, False) for kind in KINDS}
-WORLD2["mixtral-ep2-router-logits"] = ("mixtral", dict(ep=2), 0, 2, True)
 WORLD2["qwen3_moe-ep2-router-logits-checkpointed"] = ("qwen3_moe", dict(ep=2), 0, 2, True, CHECKPOINT)
 WORLD2["mixtral-ep2-router-logits-padded"] = ("mixtral", dict(ep=2), 0, 2, True, dict(padding=True))
 WORLD4 = {"qwen2_moe-tp2ep2": ("qwen2_moe", dict(tp=2, ep=2), 0, 1, False),
