@@ -3,7 +3,7 @@ process, the same batches and initial weights in every variant.
 
     python -m benchmarks.fp8_convergence              # 200 steps, every variant (a few minutes on 2 cores)
     python -m benchmarks.fp8_convergence --quick      # 60 steps, bf16 and FP8 per-tensor
-    python -m benchmarks.fp8_convergence --smoke      # 6 steps: checks that it runs
+    python -m benchmarks.fp8_convergence --smoke      # 4 steps of a d32 GPT: checks that it runs
 
 Variants: ``fp32``; ``bf16`` (the bf16 model, fp32 master weights stepped by AdamW, the loss in fp32: what the
 package's ZeRO optimizers do); ``fp8-<recipe>``: that bf16 model with every linear layer but the LM head in FP8
@@ -39,15 +39,18 @@ CSV_NAME = "fp8_convergence.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 PROFILES = {"full": dict(steps=200, variants=("fp32", "bf16", "fp8-tensor", "fp8-delayed", "fp8-row", "fp8-block")),
             "quick": dict(steps=60, variants=("bf16", "fp8-tensor")),
-            "smoke": dict(steps=6, variants=("bf16", "fp8-tensor"))}
+            # a smaller model: a CPU without FP8 units runs torch._scaled_mm as a slow reference (an Intel Xeon
+            # here: 95 s for 2 steps of the d64 model, the whole suite's slowest test)
+            "smoke": dict(steps=4, variants=("bf16", "fp8-tensor"),
+                          args=["--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--eval-iters", "2"])}
 GAP_BOUND = 0.01
 DEMO_ARGS = ["--corpus-bytes", "2000000", "--seq-len", "64", "--batch-size", "16", "--n-layer", "4", "--d-model", "64",
              "--n-head", "4", "--lr", "1e-3", "--eval-iters", "8"]
 
 
-def _setup(steps: int):
+def _setup(steps: int, extra=()):
     from parallel_layers.cli import demo
-    args = demo.build_parser().parse_args(DEMO_ARGS + ["--steps", str(steps)])
+    args = demo.build_parser().parse_args(DEMO_ARGS + list(extra) + ["--steps", str(steps)])
     corpus, val = demo.load_splits(args.corpus_bytes, args.seq_len)
     return demo, args, corpus, val
 
@@ -102,7 +105,7 @@ def collect(profile: str, device: Optional[torch.device] = None, progress=None) 
     """The rows (``parallel_layers bench`` calls it as every benchmark's ``collect``). CPU only: a convergence
     figure, not a speed one."""
     p = PROFILES[profile]
-    setup = _setup(p["steps"])
+    setup = _setup(p["steps"], p.get("args", ()))
     runs = {v: train(v, p["steps"], setup) for v in p["variants"]}
     tail = max(1, p["steps"] // 10)
     common = harness.common_fields(profile, torch.device("cpu"), torch.get_num_threads())
@@ -116,7 +119,7 @@ def collect(profile: str, device: Optional[torch.device] = None, progress=None) 
                          val_gap_vs_bf16=(run["val_loss"] - base["val_loss"]) / base["val_loss"],
                          bound=GAP_BOUND))
         gap = rows[-1]["val_gap_vs_bf16"]
-        rows[-1].update(sizes=f"{p['steps']} steps, GPT d64 x 4", backend="cpu",
+        rows[-1].update(sizes=f"{p['steps']} steps, GPT d{setup[1].d_model} x {setup[1].n_layer}", backend="cpu",
                         baseline=f"bf16: val {base['val_loss']:.4f}, gap {gap:+.2%}",
                         target=f"val gap within {GAP_BOUND:.0%}" if v.startswith("fp8") else "",
                         met=("yes" if abs(gap) <= GAP_BOUND else "no") if v.startswith("fp8") and profile != "smoke"
@@ -135,7 +138,7 @@ def format_rows(rows: List[Dict[str, object]]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    harness.add_profile_args(parser, "6 steps: check that it runs", "60 steps, bf16 and FP8 per-tensor")
+    harness.add_profile_args(parser, "4 steps of a d32 GPT: check that it runs", "60 steps, bf16 and FP8 per-tensor")
     harness.add_csv_args(parser, CSV_PATH)
     args = parser.parse_args(argv)
     profile = harness.profile_of(args)
