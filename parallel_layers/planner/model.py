@@ -116,35 +116,35 @@ def _probe_schedule(layout: Layout) -> str:
                 if spec.layout == placement and spec.runs(layout.num_chunks))
 
 
-def _static_ranks(req: Request, layout: Layout) -> list:
-    """What every pipeline rank of ``layout`` holds, probed on its own mesh (twins shared)."""
+def _each_rank(req: Request, layout: Layout, probe) -> list:
+    """``probe(p3d)`` of every pipeline rank of ``layout``, each built on meta in its own fake world (twins
+    share the rank they stand for)."""
     ranks = []
     for r in range(layout.pp):
         if _twin(req, layout, r) is not None:
             ranks.append(ranks[_twin(req, layout, r)])
             continue
         with fake_world(global_rank(layout, r), layout.world):
-            p3d = build_rank(req, layout, r)
-            static = static_terms(p3d, req.seq_len // layout.cp)
-            ranks.append((static, sync_bytes(p3d), streams_gradients(p3d), reduction_shard_bytes(p3d),
-                          gathers_per_unit(p3d)))
-            del p3d
+            ranks.append(probe(build_rank(req, layout, r)))
     return ranks
+
+
+def _static_ranks(req: Request, layout: Layout) -> list:
+    """What every pipeline rank of ``layout`` holds, probed on its own mesh (twins shared)."""
+    return _each_rank(req, layout, lambda p3d: (static_terms(p3d, req.seq_len // layout.cp), sync_bytes(p3d),
+                                                streams_gradients(p3d), reduction_shard_bytes(p3d),
+                                                gathers_per_unit(p3d)))
 
 
 def _microbatch_ranks(req: Request, one: Layout, b: int) -> list:
-    """Every pipeline rank's chunks of ``one`` (a dp-1 layout), one micro-batch of ``b`` sequences each."""
-    ranks, hidden = [], None
-    for r in range(one.pp):
-        if _twin(req, one, r) is not None:
-            ranks.append(ranks[_twin(req, one, r)])
-            continue
-        with fake_world(global_rank(one, r), one.world):
-            p3d = build_rank(req, one, r)
-            chunks, hidden = microbatch_probe(p3d, b, req.seq_len // one.cp, hidden, fp8=req.fp8)
-            del p3d
-        ranks.append(chunks)
-    return ranks
+    """Every pipeline rank's chunks of ``one`` (a dp-1 layout), one micro-batch of ``b`` sequences each (each
+    rank's input shaped as the previous rank's output)."""
+    hidden = [None]
+
+    def probe(p3d):
+        chunks, hidden[0] = microbatch_probe(p3d, b, req.seq_len // one.cp, hidden[0], fp8=req.fp8)
+        return chunks
+    return _each_rank(req, one, probe)
 
 
 def _scaled_microbatch(req: Request, layout: Layout, b: int, cache: dict) -> list:
