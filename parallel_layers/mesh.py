@@ -73,13 +73,22 @@ def _new_dim_group(ranks_of_dim: List[List[int]], dim: str, timeout: datetime.ti
     world = dist.get_world_size()
     if len(ranks_of_dim) == 1 and group_timeout(dist.group.WORLD) == timeout:
         return dist.group.WORLD                      # the dimension is the world: its group serves
-    mine = None
+    mine, me, alone = None, dist.get_rank(), plays_one_rank()
     for ranks in ranks_of_dim:
+        if alone and me not in ranks:
+            continue
         group = dist.new_group(ranks, timeout=timeout, group_desc=f"ParallelMesh {dim} group {ranks}")
-        if dist.get_rank() in ranks:
+        if me in ranks:
             mine = group
     assert mine is not None and sum(map(len, ranks_of_dim)) == world
     return mine
+
+
+def plays_one_rank() -> bool:
+    """Whether this process plays one rank of a world with no peers behind it (torch's ``fake`` backend, which the
+    layout planner builds every rank of a 1,000-rank layout under): nothing to agree on, so only this rank's own
+    groups are made (a 1,024-rank mesh makes ~680 groups otherwise, each a C++ process group)."""
+    return "fake" in str(dist.get_backend())
 
 
 class ParallelMesh:
@@ -166,8 +175,10 @@ class ParallelMesh:
         (every rank calls it then, in the same order), and kept: each model built on the mesh reuses it
         (a new gloo group per model kept three more threads polling in every long-lived process)."""
         if not hasattr(self, "_tied_stage_group"):
-            mine = None
+            mine, alone = None, plays_one_rank()
             for ranks in grid_ranks(self.sizes, ["pp"]) if self.pp > 1 else []:
+                if alone and self.rank not in (ranks[0], ranks[-1]):
+                    continue
                 group = dist.new_group([ranks[0], ranks[-1]], timeout=self.timeout,
                                        group_desc=f"tied embedding group [{ranks[0]}, {ranks[-1]}]")
                 if self.rank in (ranks[0], ranks[-1]):
@@ -198,8 +209,10 @@ class ParallelMesh:
         world (every rank calls it, in the same order); the caller keeps it."""
         for dim in dims:
             self.group(dim)
-        mine = None
+        mine, alone = None, plays_one_rank()
         for ranks in grid_ranks(self.sizes, list(dims)):
+            if alone and self.rank not in ranks:
+                continue
             group = dist.new_group(ranks, timeout=self.timeout, group_desc=f"{purpose} {ranks}")
             if self.rank in ranks:
                 mine = group

@@ -72,3 +72,27 @@ def test_the_sampled_loss_counts_what_the_whole_loop_does():
         mp.setattr(probe_mod, "_on_meta", lambda dev, tallies: contextlib.nullcontext())
         whole = probe()
     assert sampled == whole
+
+
+def test_a_fake_world_rank_makes_only_its_own_groups():
+    """Under the planner's fake world (one process playing one rank) a mesh makes only this rank's groups, with
+    the ranks and coordinates the full collective construction gives (a real world makes every group: the
+    distributed suite)."""
+    import torch.distributed as dist
+
+    from parallel_layers.dimensions import grid_ranks
+    from parallel_layers.mesh import ParallelMesh, plays_one_rank
+    sizes = dict(dp=4, tp=4, pp=4, cp=2)
+    with probe_mod.fake_world(5, 128):
+        before = len(dist.distributed_c10d._world.pg_map)
+        mesh = ParallelMesh(**sizes, timeout=60)
+        made = len(dist.distributed_c10d._world.pg_map) - before
+        assert plays_one_rank()
+        for dim in sizes:
+            mine = next(r for r in grid_ranks(mesh.sizes, [dim]) if 5 in r)
+            assert dist.get_process_group_ranks(mesh.group(dim)) == mine, dim
+        assert dist.get_process_group_ranks(mesh.replica_group) == next(
+            r for r in grid_ranks(mesh.sizes, ["dp", "cp"]) if 5 in r)
+        pipeline = next(r for r in grid_ranks(mesh.sizes, ["pp"]) if 5 in r)
+        assert dist.get_process_group_ranks(mesh.tied_stage_group()) == [pipeline[0], pipeline[-1]]
+    assert made <= len(sizes) + 1       # one a dimension and the replicas' (a full construction: 32+32+32+64+32)

@@ -90,16 +90,19 @@ def _earlier_objects_frozen():
     """The objects alive now (torch's, sympy's, the package's modules: about a million) set aside from the
     garbage collector (``gc.freeze``) while the probes run, and given back after (``gc.unfreeze``). A probe
     collects before each phase it counts, and each full collection walked all of them: half of a search's
-    time on a small model. Nothing a probe makes is frozen (only what existed before it began), so what the
-    collections free, and what the probes count, is the same."""
+    time on a small model. What the search keeps is frozen after each layout (the loops below); nothing a probe
+    makes is frozen while it runs, so what the collections free, and what the probes count, is the same. A
+    process that froze objects of its own before (a test session) keeps everything frozen."""
     # the probes' meta ops import torch._dynamo at their first call: imported first, so it is frozen too
     import torch._dynamo  # noqa: F401
+    frozen_by_caller = gc.get_freeze_count() > 0      # a process that set its own objects aside keeps them so
     gc.collect()                  # garbage made before the search is freed, not kept frozen
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_by_caller:
+            gc.unfreeze()
 
 
 def _probe_group(req: Request, group: List[Layout]) -> dict:
@@ -109,6 +112,7 @@ def _probe_group(req: Request, group: List[Layout]) -> dict:
     with _earlier_objects_frozen():
         for lay in group:
             probe_layout(req, lay, cache)
+            gc.freeze()
     return cache
 
 
@@ -153,6 +157,9 @@ def plan(req: Request, profile: Profile, layouts: Optional[Iterable] = None, pro
             if progress:
                 progress(lay.name())
             out.append(predict(req, lay, profile, cache))
+            # what the search keeps (its cache: a schedule's instructions are 400k objects at 1,024 ranks) set
+            # aside as it grows, or every probe's collections walk it (44% of a 70B search's time)
+            gc.freeze()
     return sorted(out, key=lambda p: (not p.feasible, -p.tokens_per_s))
 
 
