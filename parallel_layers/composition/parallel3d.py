@@ -329,8 +329,11 @@ class Parallel3D:
             keep = kept_modules(skeleton, recipe if recipe is not None else recipe_for(skeleton), mesh.pp_rank,
                                 mesh.pp, num_chunks=num_chunks, boundaries=pipeline.boundaries,
                                 block_costs=pipeline.block_costs, layout=layout_of(schedule))
-            del skeleton
-            model = model.build(device=device, keep=keep.__contains__, **options)
+            if device is not None and torch.device(device).type == "meta":
+                model = skeleton          # the planner's probe: on meta the skeleton is this rank's model already
+            else:
+                del skeleton
+                model = model.build(device=device, keep=keep.__contains__, **options)
         else:
             if device is not None or next(model.parameters()).dtype != dtype:
                 model.to(device=device, dtype=dtype)

@@ -148,14 +148,17 @@ def _microbatch_ranks(req: Request, one: Layout, b: int) -> list:
 
 
 def _scaled_microbatch(req: Request, layout: Layout, b: int, cache: dict) -> list:
-    """Every rank's chunks of ``layout`` from its stage shapes probed at 1 and 2 blocks (cached, shared by
-    every layout with the same micro-batch: :mod:`.representative`)."""
-    one = rep.shape_layout(layout, req.precision)
-    key = ("stage shapes", one, b)
-    if key not in cache:
-        probes = [_microbatch_ranks(rep.with_layers(req, one.pp * n), one, b) for n in rep.SHAPE_BLOCKS]
-        cache[key] = {rep.stage_shape(r, one.pp): [ranks[r][0] for ranks in probes] for r in range(one.pp)}
-    shapes, blocks = cache[key], rep.stage_blocks(req, layout)
+    """Every rank's chunks of ``layout`` from its stage shapes probed at 2 and 3 blocks (1 for a 1-block stage;
+    cached, shared by every layout with the same micro-batch: :mod:`.representative`)."""
+    one, blocks = rep.shape_layout(layout, req.precision), rep.stage_blocks(req, layout)
+    shapes: dict = {rep.stage_shape(r, one.pp): {} for r in range(one.pp)}      # shape -> depth -> cost
+    for n in rep.shape_depths(blocks):         # only the depths this layout's stages need (a 1-block stage: 1)
+        key = ("stage shapes", one, b, n)
+        if key not in cache:
+            ranks = _microbatch_ranks(rep.with_layers(req, one.pp * n), one, b)
+            cache[key] = {rep.stage_shape(r, one.pp): ranks[r][0] for r in range(one.pp)}
+        for shape, cost in cache[key].items():
+            shapes[shape][n] = cost
     placement = schedule_spec(layout.schedule).layout
     n_stages = layout.pp * layout.num_chunks
     stages = [[stage_of(r, c, layout.pp, layout.num_chunks, placement) for c in range(layout.num_chunks)]

@@ -6,7 +6,8 @@ block of a stage is the same module on the same shapes, so each adds the same pa
 optimizer bytes, FLOPs, memory traffic, operator calls, collectives and bytes kept for backward, while the
 embedding, the head and the loss add theirs once. So a stage of ``k`` blocks is probed, with the real
 code, at a few blocks a chunk (the same mesh, ZeRO stage, micro-batch, checkpointing: what a rank holds at 1
-and 2, what a micro-batch costs at 1, 2 and 3) and every count ``x`` extrapolated from the last two:
+and 2, what a micro-batch costs at 2 and 3, or at its own 1-3 where a stage has no more) and every count ``x``
+extrapolated from the last two:
 ``x(k) = x(1) + (k - 1) (x(2) - x(1))``; at a probed depth that is the probe itself.
 
 What a micro-batch costs does not depend on dp, the pipeline depth, the schedule or the micro-batch count
@@ -137,11 +138,18 @@ def _colls(a: Dict[str, List[int]], b: Dict[str, List[int]], k: int) -> Dict[str
     return out
 
 
-def scale_chunk(costs: List[ChunkCost], k: int) -> ChunkCost:
-    """One chunk of ``k`` blocks from its probes at 1, 2 and 3 blocks (the module docstring says how)."""
-    if k <= len(costs):
-        return costs[k - 1]
-    c1, c2, c3 = costs[:3]
+def shape_depths(blocks: List[int]) -> List[int]:
+    """The depths a layout's stage shapes are probed at: each stage's own count where it is 1-3 blocks, and 2
+    and 3 where a stage has more (scaled from those two)."""
+    return sorted({k for k in blocks if k <= SHAPE_BLOCKS[-1]} | (set(SHAPE_BLOCKS[1:]) if max(blocks) > 3 else set()))
+
+
+def scale_chunk(costs: Dict[int, ChunkCost], k: int) -> ChunkCost:
+    """One chunk of ``k`` blocks from its probes at (depth -> cost) 2 and 3 blocks, or its own depth where
+    that was probed (the module docstring says how)."""
+    if k in costs:
+        return costs[k]
+    c2, c3 = costs[2], costs[3]
     line = {f: _line(getattr(c2, f), getattr(c3, f), k - 1)
             for f in ("saved", "persist", "flops_f", "flops_b", "traffic_f", "traffic_b", "ops_f", "ops_b",
                       "persist_untallied")}
@@ -169,4 +177,4 @@ def scale_static(r1: tuple, r2: tuple, blocks: List[int]) -> tuple:
 
 
 __all__ = ["STATIC_BLOCKS", "SHAPE_BLOCKS", "why_exact", "streams", "with_layers", "stage_shape", "shape_layout",
-           "stage_blocks", "rank_blocks", "scale_chunk", "scale_static"]
+           "stage_blocks", "rank_blocks", "shape_depths", "scale_chunk", "scale_static"]
