@@ -74,7 +74,7 @@ def test_the_sampled_loss_counts_what_the_whole_loop_does():
     assert sampled == whole
 
 
-def test_a_fake_world_rank_makes_only_its_own_groups():
+def test_a_fake_world_rank_makes_only_its_own_groups(monkeypatch):
     """Under the planner's fake world (one process playing one rank) a mesh makes only this rank's groups, with
     the ranks and coordinates the full collective construction gives (a real world makes every group: the
     distributed suite)."""
@@ -82,11 +82,12 @@ def test_a_fake_world_rank_makes_only_its_own_groups():
 
     from parallel_layers.dimensions import grid_ranks
     from parallel_layers.mesh import ParallelMesh, plays_one_rank
+    made = []
+    new_group = dist.new_group
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kw: made.append(ranks) or new_group(ranks, **kw))
     sizes = dict(dp=4, tp=4, pp=4, cp=2)
     with probe_mod.fake_world(5, 128):
-        before = len(dist.distributed_c10d._world.pg_map)
         mesh = ParallelMesh(**sizes, timeout=60)
-        made = len(dist.distributed_c10d._world.pg_map) - before
         assert plays_one_rank()
         for dim in sizes:
             mine = next(r for r in grid_ranks(mesh.sizes, [dim]) if 5 in r)
@@ -95,4 +96,5 @@ def test_a_fake_world_rank_makes_only_its_own_groups():
             r for r in grid_ranks(mesh.sizes, ["dp", "cp"]) if 5 in r)
         pipeline = next(r for r in grid_ranks(mesh.sizes, ["pp"]) if 5 in r)
         assert dist.get_process_group_ranks(mesh.tied_stage_group()) == [pipeline[0], pipeline[-1]]
-    assert made <= len(sizes) + 1       # one a dimension and the replicas' (a full construction: 32+32+32+64+32)
+    # one a dimension, the replicas' and the tied pair's (the collective construction: every group of the world)
+    assert len(made) == len(sizes) + 2 and all(5 in ranks for ranks in made), made
