@@ -7,8 +7,8 @@ optimizer bytes, FLOPs, memory traffic, operator calls, collectives and bytes ke
 embedding, the head and the loss add theirs once. So a stage of ``k`` blocks is probed, with the real
 code, at a few blocks a chunk (the same mesh, ZeRO stage, micro-batch, checkpointing: what a rank holds at 1
 and 2, what a micro-batch costs at 2 and 3, or at its own 1-3 where a stage has no more) and every count ``x``
-extrapolated from the last two:
-``x(k) = x(1) + (k - 1) (x(2) - x(1))``; at a probed depth that is the probe itself.
+extrapolated from the last two: ``x(k) = x(a) + (k - a) (x(a + 1) - x(a))`` (a = 1 for a rank's holdings, 2 for
+a micro-batch); at a probed depth that is the probe itself.
 
 What a micro-batch costs does not depend on dp, the pipeline depth, the schedule or the micro-batch count
 beyond the micro-batch's size, only on the stage's shape: first (embedding + blocks), middle (blocks),
@@ -141,7 +141,8 @@ def _colls(a: Dict[str, List[int]], b: Dict[str, List[int]], k: int) -> Dict[str
 def shape_depths(blocks: List[int]) -> List[int]:
     """The depths a layout's stage shapes are probed at: each stage's own count where it is 1-3 blocks, and 2
     and 3 where a stage has more (scaled from those two)."""
-    return sorted({k for k in blocks if k <= SHAPE_BLOCKS[-1]} | (set(SHAPE_BLOCKS[1:]) if max(blocks) > 3 else set()))
+    deepest = SHAPE_BLOCKS[-1]
+    return sorted({k for k in blocks if k <= deepest} | (set(SHAPE_BLOCKS[1:]) if max(blocks) > deepest else set()))
 
 
 def scale_chunk(costs: Dict[int, ChunkCost], k: int) -> ChunkCost:
