@@ -8,8 +8,9 @@ Tiny tensors (a 4 x 16 x 16 input, flat buffers of 256 elements), CPU, one threa
 dispatch work around them. For every public op of ``parallel_layers.ops`` (``ops/__init__.py``) the
 baseline is that op's own torch reference (``reference_*`` beside it in ``ops/``), called with what the
 op would hand its kernel; for the TP layers (``ColumnParallelLinear``, ``RowParallelLinear``,
-``VocabParallelEmbedding`` on a 1-rank gloo group made in this process) it is the ``F.linear`` /
-``F.gelu`` / ``F.embedding`` call the layer stands for. Rows ``fwd`` time the call; rows ``fwd+bwd`` (the
+``VocabParallelEmbedding`` on a 1-rank gloo group made in this process) it is the torch module the layer
+replaces, holding the same parameters (``nn.Linear`` then ``F.gelu``, ``nn.Linear``, ``nn.Embedding``):
+both sides pay an ``nn.Module`` call. Rows ``fwd`` time the call; rows ``fwd+bwd`` (the
 ops with a backward) time the call, ``.sum()`` and ``.backward()``.
 
 Timing: ours and the baseline run *paired and interleaved* in one loop (a batch of ``inner`` calls of one,
@@ -205,16 +206,20 @@ def layer_cases(group) -> Iterator[Tuple[str, str, str, Callable, Callable]]:
     row = RowParallelLinear(16, 16, tp_group=group)
     emb = VocabParallelEmbedding(64, 16, tp_group=group)
     ids = torch.randint(0, 64, (4, 16))
+    # the torch modules the layers replace, holding the same parameters: an nn.Module call either way
+    dense_col, dense_row, dense_emb = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Embedding(64, 16)
+    dense_col.weight, dense_col.bias = col.weight, col.bias
+    dense_row.weight, dense_row.bias = row.weight, row.bias
+    dense_emb.weight = emb.weight
     for name, layer, base in (
-            ("ColumnParallelLinear[gelu]", col, lambda t: F.gelu(F.linear(t, col.weight, col.bias))),
-            ("RowParallelLinear", row, lambda t: F.linear(t, row.weight, row.bias))):
+            ("ColumnParallelLinear[gelu]", col, lambda t: F.gelu(dense_col(t))),
+            ("RowParallelLinear", row, dense_row)):
         yield name, "fwd", "x 4x16x16, 16 -> 16, tp 1", lambda layer=layer: layer(x), lambda base=base: base(x)
         yield (name, "fwd+bwd", "x 4x16x16, 16 -> 16, tp 1", _backward(lambda layer=layer: layer(x)),
                _backward(lambda base=base: base(x)))
-    yield ("VocabParallelEmbedding", "fwd", "ids 4x16, 64 x 16, tp 1", lambda: emb(ids),
-           lambda: F.embedding(ids, emb.weight))
+    yield ("VocabParallelEmbedding", "fwd", "ids 4x16, 64 x 16, tp 1", lambda: emb(ids), lambda: dense_emb(ids))
     yield ("VocabParallelEmbedding", "fwd+bwd", "ids 4x16, 64 x 16, tp 1", _backward(lambda: emb(ids)),
-           _backward(lambda: F.embedding(ids, emb.weight)))
+           _backward(lambda: dense_emb(ids)))
 
 
 def row_of(common, group: str, case: str, phase: str, sizes: str, ours_us, base_us) -> Dict[str, object]:

@@ -263,6 +263,17 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
 
 
+@pytest.fixture(autouse=True)
+def _backend_variable_read_anew():
+    """The ops read ``PARALLEL_LAYERS_BACKEND`` once (``ops/_backend.py``): a test that changed it (monkeypatch,
+    a fixture) must not leave its value cached for the tests after it."""
+    if _backend.env_changed():
+        _backend.clear_cache()
+    yield
+    if _backend.env_changed():
+        _backend.clear_cache()
+
+
 @pytest.fixture(scope="session")
 def _pools():
     from parallel_layers.testing import WorkerPool

@@ -1,6 +1,7 @@
 """benchmarks/dispatch.py: the smoke run prints a row per op and layer; the backend choice is made once and
 kept (a second call does not decide again); fused_linear's host time stays within a generous multiple of
 the torch chain it replaces (paired, interleaved medians: load on the machine hits both sides alike)."""
+import pytest
 import torch
 
 from benchmarks import dispatch
@@ -33,10 +34,28 @@ def test_backend_choice_is_cached(monkeypatch):
         adamw_step(p, g, m, v, lr=1e-3, step=2)
         assert calls == ["fused_linear", "adamw_step"]
         monkeypatch.setenv(_backend.ENV_VAR, "torch")   # a new value of the variable is a new choice
+        _backend.clear_cache()                         # (read again after the cache is cleared)
         adamw_step(p, g, m, v, lr=1e-3, step=3)
         assert _backend.resolve("adamw_step", p.device) == "torch" and calls[-1] == "adamw_step"
     finally:
         _backend.clear_cache()
+
+
+def test_backend_variable_is_read_once_per_cache(monkeypatch):
+    """``PARALLEL_LAYERS_BACKEND`` is read at the first call (os.environ costs ~2.5 us a call in a loop), and
+    again only after ``clear_backend_cache``."""
+    from parallel_layers import ops
+
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    ops.clear_backend_cache()
+    bucket = torch.empty(3)
+    ops.pack_bucket([torch.randn(3)], bucket)
+    monkeypatch.setenv(_backend.ENV_VAR, "nonsense")
+    assert _backend.env_changed()
+    ops.pack_bucket([torch.randn(3)], bucket)         # the choice made with the variable unset still holds
+    ops.clear_backend_cache()
+    with pytest.raises(ValueError, match="from PARALLEL_LAYERS_BACKEND"):
+        ops.pack_bucket([torch.randn(3)], bucket)
 
 
 def test_fused_linear_host_time_near_torch():

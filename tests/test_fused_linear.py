@@ -182,6 +182,7 @@ def test_torch_backend_matches_eager_autograd(act):
 def test_backend_choice(monkeypatch):
     x, w, b = _inputs((3, 4), 5, torch.float32, "cpu")
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    _backend.clear_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # CPU: the torch reference is this op's implementation, no warning
         assert L.fused_linear_backend(x, w, b)[0] == "torch"
@@ -191,6 +192,7 @@ def test_backend_choice(monkeypatch):
         with pytest.raises(ValueError, match="has no .* kernel"):
             fused_linear(x, w, b, backend=forced)
     monkeypatch.setenv(_backend.ENV_VAR, "cpp")  # set for a whole run: this op takes the automatic choice
+    _backend.clear_cache()
     assert L.fused_linear_backend(x, w, b)[0] == "torch"
     with pytest.raises(ValueError, match="unknown backend"):
         fused_linear(x, w, b, backend="nope")
@@ -211,6 +213,15 @@ def test_argument_errors():
         fused_linear(x, w.double(), b)
     with pytest.raises(TypeError, match="out_dtype"):
         fused_linear(x, w, b, out_dtype=torch.int32)
+    # what F.linear itself would accept: a bias that broadcasts, a 1-D weight, integer inputs
+    with pytest.raises(ValueError, match="bias has shape"):
+        fused_linear(x, w, b[:1])
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        fused_linear(x, w[0], None)
+    with pytest.raises(TypeError, match="floating point"):
+        fused_linear(x.long(), w.long(), b.long())
+    with pytest.raises(ValueError, match="weight is on meta"):
+        fused_linear(x, w.to("meta"), None)
 
 
 def test_autocast_cpu_runs_in_autocast_dtype():

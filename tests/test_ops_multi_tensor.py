@@ -234,7 +234,9 @@ def test_forced_triton_on_cpu_without_interpreter_says_why(monkeypatch):
 
 def test_backend_from_environment_variable(monkeypatch):
     monkeypatch.setenv("PARALLEL_LAYERS_BACKEND", "torch")
+    ops.clear_backend_cache()  # read once per process: anew after a change
     assert ops.resolve_backend("pack_bucket", torch.device("cpu")) == "torch"
     monkeypatch.setenv("PARALLEL_LAYERS_BACKEND", "nonsense")
+    ops.clear_backend_cache()
     with pytest.raises(ValueError, match="from PARALLEL_LAYERS_BACKEND"):
         ops.pack_bucket([torch.randn(3)])

@@ -411,6 +411,35 @@ def test_bad_input_is_a_clear_error(dist_pools):
             assert msgs[key] is not None and fragment in msgs[key], (rank, key, msgs[key])
 
 
+def body_errors_one_rank(rank, world):
+    g = cached_mesh(tp=1).tp_group
+    col, row = ColumnParallelLinear(4, 6, tp_group=g, activation="gelu"), RowParallelLinear(6, 4, tp_group=g)
+    emb = VocabParallelEmbedding(37, 4, tp_group=g)
+    return {
+        "column last dim": _message(lambda: col(torch.randn(2, 5))),
+        "row last dim": _message(lambda: row(torch.randn(2, 3))),
+        "column dtype": _message(lambda: col(torch.randn(2, 4, dtype=torch.float64))),
+        "ids out of range": _message(lambda: emb(torch.tensor([0, 37]))),
+        "ids negative": _message(lambda: emb(torch.tensor([-1, 3]))),
+    }
+
+
+def test_bad_input_at_tp_1_is_a_clear_error(dist_pools):
+    """At tp 1 the layers call the linear or the embedding first and explain its refusal (no host time spent
+    on checks a good input passes): the messages are the same as at tp 2."""
+    msgs = dist_pools(1).run(body_errors_one_rank)[0]
+    expected = {
+        "column last dim": "ColumnParallelLinear: input has last dimension 5, expected in_features=4",
+        "row last dim": "RowParallelLinear: input has last dimension 3, expected 6 (in_features/tp = 6/1",
+        "column dtype": "fused_linear: weight has dtype torch.float32 but the input has torch.float64",
+        "ids out of range": "VocabParallelEmbedding: token ids must lie in [0, 37) (the vocabulary size); "
+                            "got ids from 0 to 37",
+        "ids negative": "got ids from -1 to 3",
+    }
+    for key, fragment in expected.items():
+        assert msgs[key] is not None and fragment in msgs[key], (key, msgs[key])
+
+
 def body_sp_input_without_batch(rank, world):
     # An error raised on every rank before any collective: no rank is left waiting in one.
     group = cached_mesh(tp=world).tp_group

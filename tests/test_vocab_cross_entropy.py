@@ -243,6 +243,7 @@ def test_backend_declaration(monkeypatch):
     """An op without a C++ kernel runs its torch reference on CPU, with no warning; forcing a backend
     it lacks is an error by argument, a warning by environment variable."""
     monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    _backend.clear_cache()
     cpu = torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -250,6 +251,7 @@ def test_backend_declaration(monkeypatch):
     with pytest.raises(ValueError, match="ce_backward has no cpp kernel"):
         _backend.resolve("ce_backward", cpu, "cpp", K.BACKENDS)
     monkeypatch.setenv(_backend.ENV_VAR, "cpp")
+    _backend.clear_cache()
     _backend._warned.discard("missing:ce_backward:cpp")
     with pytest.warns(RuntimeWarning, match="has no cpp kernel"):
         assert _backend.resolve("ce_backward", cpu, None, K.BACKENDS) == "torch"

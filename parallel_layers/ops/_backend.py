@@ -23,10 +23,13 @@ op lacks falls back to the automatic choice with a one-time warning (the variabl
 test runs, and an op without that kernel has nothing else to offer).
 
 Cost per call: the choice is made once per (op, device, ``backend=``, value of ``PARALLEL_LAYERS_BACKEND``,
-op's backends) and kept, as is the kernel function it names, so a call pays two dict look-ups (the variable
-is still read on every call, so a change of it takes effect at the next call). Not kept: choices that warned
-(the warning must show again if ``_warned`` is cleared) and a forced ``triton`` on CPU, which depends on
-``TRITON_INTERPRET``. ``clear_cache()`` forgets them all.
+op's backends) and kept, as is the kernel function it names, so a call pays two dict look-ups. The
+variable is read at the first op call and again after ``clear_cache()`` (``parallel_layers.ops.
+clear_backend_cache``), as torch reads its own ``TORCH_*`` variables once: reading ``os.environ`` costs
+~2.5 us a call inside a training loop (a raised and caught ``KeyError`` when it is unset), half of the
+host time an op may add over torch's. So set it before the first call, or call ``clear_cache()`` after
+changing it. Not kept: choices that warned (the warning must show again if ``_warned`` is cleared) and
+a forced ``triton`` on CPU, which depends on ``TRITON_INTERPRET``. ``clear_cache()`` forgets them all.
 """
 from __future__ import annotations
 
@@ -47,16 +50,31 @@ _requested: Dict[tuple, str] = {}      # (backend, env value) -> requested_backe
 
 
 
+_UNREAD = object()
+_env_snapshot: list = [_UNREAD]         # PARALLEL_LAYERS_BACKEND as last read (module docstring)
+
+
 def _env_value() -> Optional[str]:
-    """``PARALLEL_LAYERS_BACKEND``'s value or None: a cache key, read on every call (about 1 us)."""
-    return os.environ.get(ENV_VAR)
+    """``PARALLEL_LAYERS_BACKEND``'s value or None, as read at the first call after ``clear_cache()``."""
+    value = _env_snapshot[0]
+    if value is _UNREAD:
+        value = _env_snapshot[0] = os.environ.get(ENV_VAR)
+    return value
+
+
+def env_changed() -> bool:
+    """Whether ``PARALLEL_LAYERS_BACKEND`` differs from what the cached choices were made with."""
+    value = _env_snapshot[0]
+    return value is not _UNREAD and value != os.environ.get(ENV_VAR)
 
 
 def clear_cache() -> None:
-    """Forget every cached backend choice and kernel (e.g. after changing what ``_availability`` sees)."""
+    """Forget every cached backend choice and kernel, and read ``PARALLEL_LAYERS_BACKEND`` again at the next
+    call (after changing the variable, or what ``_availability`` sees)."""
     _resolved.clear()
     _impls.clear()
     _requested.clear()
+    _env_snapshot[0] = _UNREAD
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -113,10 +131,11 @@ def _availability(backend: str, device: torch.device):
 
 def requested_backend(backend: Optional[str] = None) -> str:
     """The backend asked for, lower-case: the argument if given, else ``PARALLEL_LAYERS_BACKEND``, else "auto"."""
-    key = (backend, None if backend is not None else _env_value())
+    env = None if backend is not None else _env_value()
+    key = (backend, env)
     found = _requested.get(key)
     if found is None:
-        requested = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+        requested = backend if backend is not None else (env or "auto")
         found = _requested[key] = requested.strip().lower() or "auto"
     return found
 

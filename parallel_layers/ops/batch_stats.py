@@ -30,44 +30,50 @@ BACKENDS = ("triton",)  # besides the torch reference
 
 
 def reference_batch_stats(x: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
+    mu, dev2 = _reference_stats(x)
+    mean.copy_(mu)
+    m2.copy_(dev2)
+
+
+def _reference_stats(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, m2)`` of ``[B, C, L]`` ``x`` as new float32 tensors (the contract's values)."""
     n = x.shape[0] * x.shape[2]
     if n == 0:
-        mean.zero_()
-        m2.zero_()
-        return
+        zeros = torch.zeros(2, x.shape[1], dtype=torch.float32, device=x.device)
+        return zeros[0], zeros[1]
     # Shifted by each channel's first value: the variance does not change, and the reduction then works on
     # values near zero. ATen's CUDA var_mean accumulates in float32 (its CPU one in float64), and on a channel
     # of mean 1e4 and std 1 that lost M2 to 5e-5 relative on an H100 (this shift brings it to float32 rounding).
     xf = x.float()
     shift = xf[:1, :, :1]
     var, mu = torch.var_mean(xf - shift, dim=(0, 2), correction=0)
-    mean.copy_(mu + shift.reshape(-1))
-    m2.copy_(var * n)
+    return mu + shift.view(-1), var * n
 
 
 def batch_stats(x: torch.Tensor, backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """``(mean, m2, count)`` per channel of ``x`` (``[B, C, *]``, channels in dim 1): float32 ``[C]`` each,
     and ``count = B * prod(spatial dims)`` as a Python int (the shape gives it: no host sync)."""
     op = "batch_stats"
-    _checks.tensor(op, "x", x, dtypes=_checks.FLOAT_DTYPES, contiguous=False)
-    if x.dim() < 2:
+    if not (isinstance(x, torch.Tensor) and x.dtype in _checks.FLOAT_DTYPES and x.dim() >= 2):
+        _checks.tensor(op, "x", x, dtypes=_checks.FLOAT_DTYPES, contiguous=False)
         raise ValueError(f"{op}: x must have a batch and a channel dim ([B, C, *]), got shape {tuple(x.shape)}")
-    b, c = x.shape[0], x.shape[1]
-    length = 1
-    for d in x.shape[2:]:
-        length *= d
-    x3 = x.contiguous().view(b, c, length)
-    count = b * x3.shape[2]
+    shape = x.shape
+    b, c = shape[0], shape[1]
+    numel = shape.numel()
+    length = numel // (b * c) if b * c else shape[2:].numel()
+    count = b * length
+    x3 = x.view(b, c, length) if x.is_contiguous() else x.contiguous().view(b, c, length)
+    if _backend.resolve(op, x.device, backend, BACKENDS) == "torch":
+        # the reference's values as new tensors: no outputs to allocate and copy into
+        return (*_reference_stats(x3), count)
     mean = torch.empty(c, dtype=torch.float32, device=x.device)
     m2 = torch.empty(c, dtype=torch.float32, device=x.device)
     if c:
-        _impl(op, x.device, backend)(x3, mean, m2)
+        _triton_kernel()(x3, mean, m2)
     return mean, m2, count
 
 
-def _impl(op: str, device: torch.device, backend: Optional[str]):
-    if _backend.resolve(op, device, backend, BACKENDS) == "torch":
-        return reference_batch_stats
+def _triton_kernel():
     # triton_kernels/__init__.py exports the multi-tensor ops only; this one lives in its own module.
     from ..triton_kernels import batch_stats as tk
     return tk.batch_stats

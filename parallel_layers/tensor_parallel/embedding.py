@@ -81,19 +81,23 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"{name}: token ids must be an integer tensor, got {ids.dtype}")
-        if ids.numel():
-            lo, hi = (int(v) for v in torch.aminmax(ids))  # one host sync; nn.Embedding would assert on GPU
-            if lo < 0 or hi >= self.num_embeddings:
-                raise ValueError(f"{name}: token ids must lie in [0, {self.num_embeddings}) (the vocabulary "
-                                 f"size); got ids from {lo} to {hi}")
         if self.sequence_parallel:
             check_sequence_input(name, ids, self.tp_size, "dim 1 of the ids, reduce-scattered over the TP group",
                                  min_dim=2)
         if self.tp_size == 1:
-            out = F.embedding(ids, self.weight, self._local_padding_idx)
-        else:
+            if ids.is_cpu:  # F.embedding refuses an id outside the table itself: explain it only then
+                try:
+                    out = F.embedding(ids, self.weight, self._local_padding_idx)
+                except IndexError:
+                    self._check_ids(ids)
+                    raise
+            else:
+                self._check_ids(ids)
+                out = F.embedding(ids, self.weight, self._local_padding_idx)
+        else:  # the other ranks' ids are masked out here: one outside the vocabulary would pass silently
+            self._check_ids(ids)
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
             out = F.embedding(local, self.weight, self._local_padding_idx)
@@ -103,6 +107,21 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size == 1:
             return out  # the all-reduce over one rank is the identity: skip its Function's host time
         return reduce_from_tensor_parallel_region(out, self.tp_group)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """Ids outside ``[0, num_embeddings)`` are an error naming the range. On CUDA the check is queued on the
+        stream (``torch._assert_async``: a device-side assert with this message) instead of reading the ids
+        back, which would stall the host at every forward."""
+        if not ids.numel() or ids.is_meta:
+            return
+        lo, hi = torch.aminmax(ids)
+        what = (f"{type(self).__name__}: token ids must lie in [0, {self.num_embeddings}) (the vocabulary size)")
+        if ids.is_cuda:
+            torch._assert_async((lo >= 0) & (hi < self.num_embeddings), what)
+            return
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= self.num_embeddings:
+            raise ValueError(f"{what}; got ids from {lo} to {hi}")
 
     @classmethod
     def from_dense(cls, module: nn.Embedding, *, tp_group, **kwargs) -> "VocabParallelEmbedding":

@@ -160,9 +160,18 @@ class ColumnParallelLinear(nn.Module):
         set_parameter(self, "bias", b, tensor_parallel=True, partition_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"{type(self).__name__}: input has last dimension {x.shape[-1]}, expected "
-                             f"in_features={self.in_features} (input shape {tuple(x.shape)})")
+        if self.tp_size == 1 and not self.sequence_parallel:
+            # nothing to gather or copy: the linear alone, its input explained only if it fails (host time)
+            try:
+                return fused_linear(x, self.weight, self.bias, activation=self.activation)
+            except (ValueError, RuntimeError) as exc:
+                error = self._input_error(x)
+                if error is None:
+                    raise
+                raise error from exc
+        error = self._input_error(x)
+        if error is not None:
+            raise error
         if self.sequence_parallel:
             check_sequence_input(type(self).__name__, x, self.tp_size, "")
             x = gather_from_sequence_parallel_region(x, self.tp_group, dim=1)
@@ -172,6 +181,12 @@ class ColumnParallelLinear(nn.Module):
         if self.gather_output and self.tp_size > 1:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
+
+    def _input_error(self, x: torch.Tensor) -> Optional[ValueError]:
+        if x.shape[-1] == self.in_features:
+            return None
+        return ValueError(f"{type(self).__name__}: input has last dimension {x.shape[-1]}, expected "
+                          f"in_features={self.in_features} (input shape {tuple(x.shape)})")
 
     @classmethod
     def from_dense(cls, module: nn.Linear, *, tp_group, **kwargs) -> "ColumnParallelLinear":
@@ -238,6 +253,31 @@ class RowParallelLinear(nn.Module):
         set_parameter(self, "bias", b, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1 and not self.sequence_parallel:
+            # nothing to scatter or reduce: the linear with its bias fused, its input explained only if it fails
+            try:
+                return fused_linear(x, self.weight, self.bias)
+            except (ValueError, RuntimeError) as exc:
+                error = self._input_error(x)
+                if error is None:
+                    raise
+                raise error from exc
+        error = self._input_error(x)
+        if error is not None:
+            raise error
+        name = type(self).__name__
+        if self.sequence_parallel:
+            check_sequence_input(name, x, self.tp_size, "dim 1 of the input, reduce-scattered over the TP group")
+        if not self.input_is_parallel and self.tp_size > 1:
+            x = scatter_to_tensor_parallel_region(x, self.tp_group)
+        y = fused_linear(x, self.weight, None)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, dim=1)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+    def _input_error(self, x: torch.Tensor) -> Optional[ValueError]:
         name = type(self).__name__
         expected = self.in_features_per_partition if self.input_is_parallel else self.in_features
         if x.shape[-1] != expected:
@@ -251,20 +291,9 @@ class RowParallelLinear(nn.Module):
                         "'config_attrs': ['num_attention_heads', 'num_key_value_heads']} (see "
                         "tensor_parallel.parallelize; Parallel3D takes it as tp_plan=), and sections for a "
                         "fused projection")
-            raise ValueError(f"{name}: input has last dimension {x.shape[-1]}, expected {expected} ({what}; "
-                             f"input_is_parallel={self.input_is_parallel}, input shape {tuple(x.shape)}){hint}")
-        if self.sequence_parallel:
-            check_sequence_input(name, x, self.tp_size, "dim 1 of the input, reduce-scattered over the TP group")
-        if not self.input_is_parallel and self.tp_size > 1:
-            x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        if self.tp_size == 1 and not self.sequence_parallel:
-            return fused_linear(x, self.weight, self.bias)  # nothing to reduce: fuse the bias too
-        y = fused_linear(x, self.weight, None)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, dim=1)
-        else:
-            y = reduce_from_tensor_parallel_region(y, self.tp_group)
-        return y if self.bias is None else y + self.bias
+            return ValueError(f"{name}: input has last dimension {x.shape[-1]}, expected {expected} ({what}; "
+                              f"input_is_parallel={self.input_is_parallel}, input shape {tuple(x.shape)}){hint}")
+        return None
 
     @classmethod
     def from_dense(cls, module: nn.Linear, *, tp_group, **kwargs) -> "RowParallelLinear":
