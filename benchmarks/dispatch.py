@@ -175,9 +175,11 @@ def op_cases() -> Iterator[Tuple[str, str, str, Callable, Callable]]:
     ops.block_attention_forward(q, k, vv, pos, pos, seg, seg, True, 0.25, out, lse)
     dout, delta = rnd(1, 2, 8, 16), (out * rnd(1, 2, 8, 16)).sum(-1)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(vv)
+    # with the queries' final ``out``, as ring attention (its one caller) hands it: on CPU the op then runs
+    # ATen's flash backward; the reference takes ``delta`` alone
     yield ("block_attention_backward", "fwd", "q, k, v 1x2x8x16, causal",
            lambda: ops.block_attention_backward(q, k, vv, pos, pos, seg, seg, True, 0.25, lse, dout, delta,
-                                                dq, dk, dv),
+                                                dq, dk, dv, out=out),
            lambda: ba.reference_block_attention_backward(q, k, vv, pos, pos, seg, seg, True, 0.25, lse, dout,
                                                          delta, dq, dk, dv))
 

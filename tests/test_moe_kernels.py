@@ -57,6 +57,23 @@ def test_router_topk_matches_the_reference(target, scoring, norm, top_k, dtype):
     torch.testing.assert_close(grad.float(), ref_grad.float(), **ROUTER_TOL)
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_router_backward_formula_is_autograds_bit_for_bit(scoring, norm, scale):
+    """The fused router's backward (ATen's backward formulas, called without building a graph) gives the bits
+    autograd gives through the reference's weight formula for the same choice."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        logits = torch.randn(37, 8, generator=g) * 3
+        experts = torch.topk(torch.rand(37, 8, generator=g), 3, dim=-1).indices
+        grad = torch.randn(37, 3, generator=g)
+        x = logits.clone().requires_grad_()
+        (want,) = torch.autograd.grad(moe_routing.chosen_weights(x, experts, scoring, norm, scale), x, grad)
+        got = moe_routing.chosen_weights_backward(grad, logits, experts, scoring, norm, scale)
+        assert bits_equal(got, want)
+
+
 def test_router_topk_ties(target):
     """Equal scores: the C++ kernel picks what torch.topk picks on CPU (its own algorithm); Triton takes the
     lower index first."""

@@ -38,6 +38,9 @@ void register_cpu_ops(pybind11::module_& m) {
         "Router scores, top-k, normalisation and per-expert counts in one pass (see parallel_layers.ops.moe_routing)",
         "logits"_a, "bias"_a, "top_k"_a, "sigmoid"_a, "norm"_a, "scale"_a, "weights"_a, "experts"_a, "counts"_a,
         release_gil());
+  m.def("cpu_router_topk_backward", &pl_cpu::router_topk_backward,
+        "The router weights' gradient with respect to the logits (see parallel_layers.ops.moe_routing)",
+        "logits"_a, "experts"_a, "grad_weights"_a, "sigmoid"_a, "norm"_a, "scale"_a, "grad_logits"_a, release_gil());
   m.def("cpu_moe_permute_index", &pl_cpu::moe_permute_index,
         "Counts and stable positions of the (token, slot) pairs by expert (see parallel_layers.ops.moe_permute)",
         "experts"_a, "num_experts"_a, "counts"_a, "positions"_a, "order"_a, release_gil());

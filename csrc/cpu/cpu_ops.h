@@ -33,6 +33,8 @@ void unpack_bucket(at::Tensor bucket, std::vector<at::Tensor> dsts, std::vector<
 // moe.cpp
 void router_topk(at::Tensor logits, std::optional<at::Tensor> bias, int64_t top_k, bool sigmoid, bool norm,
                  double scale, at::Tensor weights, at::Tensor experts, at::Tensor counts);
+void router_topk_backward(at::Tensor logits, at::Tensor experts, at::Tensor grad_weights, bool sigmoid, bool norm,
+                          double scale, at::Tensor grad_logits);
 void moe_permute_index(at::Tensor experts, int64_t num_experts, at::Tensor counts, at::Tensor positions,
                        at::Tensor order);
 void moe_gather_rows(at::Tensor src, at::Tensor order, int64_t top_k, std::optional<at::Tensor> scale,

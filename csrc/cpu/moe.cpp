@@ -36,6 +36,23 @@ void topk_like_torch(std::vector<Pair>& queue, const float* values, int64_t n, i
   }
 }
 
+// One row's scores in float32: sigmoid(logits), or the softmax over the row (max-subtracted, sequential sum).
+template <class Tag>
+void row_scores(const typename Tag::T* row, int64_t E, bool sigmoid, float* score) {
+  if (sigmoid) {
+    for (int64_t e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-Tag::load(row[e])));
+    return;
+  }
+  float m = -INFINITY;
+  for (int64_t e = 0; e < E; ++e) m = std::max(m, Tag::load(row[e]));
+  float total = 0.0f;
+  for (int64_t e = 0; e < E; ++e) {
+    score[e] = std::exp(Tag::load(row[e]) - m);
+    total += score[e];
+  }
+  for (int64_t e = 0; e < E; ++e) score[e] = score[e] / total;
+}
+
 template <class Tag>
 void router_rows(const typename Tag::T* logits, const float* bias, int64_t T, int64_t E, int64_t k, bool sigmoid,
                  bool norm, float scale, float* weights, int64_t* experts) {
@@ -43,25 +60,8 @@ void router_rows(const typename Tag::T* logits, const float* bias, int64_t T, in
     std::vector<float> score(E), choice(E);
     std::vector<Pair> queue(E);
     for (int64_t t = begin; t < end; ++t) {
-      const typename Tag::T* row = logits + t * E;
-      if (sigmoid) {
-        for (int64_t e = 0; e < E; ++e) {
-          score[e] = 1.0f / (1.0f + std::exp(-Tag::load(row[e])));
-          choice[e] = bias ? score[e] + bias[e] : score[e];
-        }
-      } else {
-        float m = -INFINITY;
-        for (int64_t e = 0; e < E; ++e) m = std::max(m, Tag::load(row[e]));
-        float total = 0.0f;
-        for (int64_t e = 0; e < E; ++e) {
-          score[e] = std::exp(Tag::load(row[e]) - m);
-          total += score[e];
-        }
-        for (int64_t e = 0; e < E; ++e) {
-          score[e] = score[e] / total;
-          choice[e] = score[e];
-        }
-      }
+      row_scores<Tag>(logits + t * E, E, sigmoid, score.data());
+      for (int64_t e = 0; e < E; ++e) choice[e] = (sigmoid && bias) ? score[e] + bias[e] : score[e];
       topk_like_torch(queue, choice.data(), E, k);
       float* w = weights + t * k;
       float sum = 0.0f;
@@ -78,6 +78,46 @@ void router_rows(const typename Tag::T* logits, const float* bias, int64_t T, in
       if (scale != 1.0f) {
         for (int64_t j = 0; j < k; ++j) w[j] = w[j] * scale;
       }
+    }
+  });
+}
+
+// The gradient of the chosen weights with respect to the logits, row by row (the chain of the reference's
+// weight formula, written out): scale, then the normalisation's quotient rule, then the softmax's or the
+// sigmoid's derivative. Experts of a row are distinct (top-k), so each chosen expert gets one slot's gradient.
+template <class Tag>
+void router_backward_rows(const typename Tag::T* logits, const int64_t* experts, const float* grad, int64_t T,
+                          int64_t E, int64_t k, bool sigmoid, bool norm, float scale, typename Tag::T* out) {
+  at::parallel_for(0, T, kTokenGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> score(E), dq(k);
+    for (int64_t t = begin; t < end; ++t) {
+      row_scores<Tag>(logits + t * E, E, sigmoid, score.data());
+      const int64_t* ex = experts + t * k;
+      const float* g = grad + t * k;
+      float total = 0.0f, dot = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        dq[j] = scale != 1.0f ? g[j] * scale : g[j];
+        total += score[ex[j]];
+        dot += dq[j] * score[ex[j]];
+      }
+      if (norm) {
+        const float denom = sigmoid ? total + 1e-20f : total;
+        const float shift = dot / denom / denom;
+        for (int64_t j = 0; j < k; ++j) dq[j] = dq[j] / denom - shift;
+      }
+      typename Tag::T* o = out + t * E;
+      if (sigmoid) {
+        for (int64_t e = 0; e < E; ++e) o[e] = Tag::store(0.0f);
+        for (int64_t j = 0; j < k; ++j) {
+          const float s = score[ex[j]];
+          o[ex[j]] = Tag::store(dq[j] * (s * (1.0f - s)));
+        }
+        continue;
+      }
+      float inner = 0.0f;   // sum over experts of (upstream gradient x score): only the chosen ones are non-zero
+      for (int64_t j = 0; j < k; ++j) inner += dq[j] * score[ex[j]];
+      for (int64_t e = 0; e < E; ++e) o[e] = Tag::store(-score[e] * inner);
+      for (int64_t j = 0; j < k; ++j) o[ex[j]] = Tag::store(score[ex[j]] * (dq[j] - inner));
     }
   });
 }
@@ -173,6 +213,30 @@ void router_topk(at::Tensor logits, std::optional<at::Tensor> bias, int64_t top_
   std::fill(c, c + E, 0);
   const int64_t* e = experts.data_ptr<int64_t>();
   for (int64_t i = 0; i < T * top_k; ++i) ++c[e[i]];
+}
+
+void router_topk_backward(at::Tensor logits, at::Tensor experts, at::Tensor grad_weights, bool sigmoid, bool norm,
+                          double scale, at::Tensor grad_logits) {
+  const char* op = "router_topk_backward";
+  check_cpu_contig(op, "logits", logits);
+  check_float_dtype(op, "logits", logits);
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must be [T, E], got ", logits.sizes());
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == T, op, ": experts must be [T, k], got ", experts.sizes());
+  const int64_t k = experts.size(1);
+  check_rows(op, "experts", experts, T, k);
+  check_dtype(op, "experts", experts, at::kLong);
+  check_rows(op, "grad_weights", grad_weights, T, k);
+  check_dtype(op, "grad_weights", grad_weights, at::kFloat);
+  check_rows(op, "grad_logits", grad_logits, T, E);
+  TORCH_CHECK(grad_logits.scalar_type() == logits.scalar_type(), op, ": grad_logits must have the logits' dtype");
+  dispatch_dtype(logits.scalar_type(), "router_topk_backward: logits", [&](auto tag) {
+    using Tag = decltype(tag);
+    using V = typename Tag::T;
+    router_backward_rows<Tag>(reinterpret_cast<const V*>(logits.data_ptr()), experts.data_ptr<int64_t>(),
+                              grad_weights.data_ptr<float>(), T, E, k, sigmoid, norm, static_cast<float>(scale),
+                              reinterpret_cast<V*>(grad_logits.data_ptr()));
+  });
 }
 
 void moe_permute_index(at::Tensor experts, int64_t num_experts, at::Tensor counts, at::Tensor positions,

@@ -22,14 +22,14 @@ with no C++ kernel, on CPU) the torch reference *is* that op's implementation, w
 op lacks falls back to the automatic choice with a one-time warning (the variable is set for whole
 test runs, and an op without that kernel has nothing else to offer).
 
-Cost per call: the choice is made once per (op, device, ``backend=``, value of ``PARALLEL_LAYERS_BACKEND``,
-op's backends) and kept, as is the kernel function it names, so a call pays two dict look-ups. The
-variable is read at the first op call and again after ``clear_cache()`` (``parallel_layers.ops.
-clear_backend_cache``), as torch reads its own ``TORCH_*`` variables once: reading ``os.environ`` costs
-~2.5 us a call inside a training loop (a raised and caught ``KeyError`` when it is unset), half of the
-host time an op may add over torch's. So set it before the first call, or call ``clear_cache()`` after
-changing it. Not kept: choices that warned (the warning must show again if ``_warned`` is cleared) and
-a forced ``triton`` on CPU, which depends on ``TRITON_INTERPRET``. ``clear_cache()`` forgets them all.
+Cost per call: the choice is made once per (op, device, ``backend=``, op's backends) and kept, as is the
+kernel function it names, so a call pays two dict look-ups. ``PARALLEL_LAYERS_BACKEND`` is read at the first
+op call and again after ``clear_cache()`` (``parallel_layers.ops.clear_backend_cache``), as torch reads its
+own ``TORCH_*`` variables once: reading ``os.environ`` costs ~2.5 us a call inside a training loop (a raised
+and caught ``KeyError`` when it is unset), half of the host time an op may add over torch's. So set it
+before the first call, or call ``clear_cache()`` after changing it. Not kept: choices that warned (the
+warning must show again if ``_warned`` is cleared) and a forced ``triton`` on CPU, which depends on
+``TRITON_INTERPRET``. ``clear_cache()`` forgets them all.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ BACKENDS = ("torch", "cpp", "triton", "cuda")
 ENV_VAR = "PARALLEL_LAYERS_BACKEND"
 
 _warned: set = set()
-_resolved: Dict[tuple, str] = {}       # (op, device, backend, env value, backends) -> backend name
+_resolved: Dict[tuple, str] = {}       # (op, device, backend, backends) -> backend name
 _impls: Dict[tuple, Callable] = {}     # (op, device, backend name) -> kernel function
 _requested: Dict[tuple, str] = {}      # (backend, env value) -> requested_backend's answer
 
@@ -146,7 +146,9 @@ def resolve(op: str, device: torch.device, backend: Optional[str] = None,
 
     ``backends``: the backends ``op`` implements (``torch`` is implied: every op has its reference).
     """
-    key = (op, device, backend, _env_value(), backends)
+    # no variable's value in the key: the choices are made with the value read since the last clear_cache(),
+    # which forgets them all
+    key = (op, device, backend, backends)
     try:
         name = _resolved.get(key)
     except TypeError:               # backends given as a list: not hashable, decide without the cache

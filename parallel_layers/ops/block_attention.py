@@ -107,9 +107,33 @@ def reference_block_attention_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, caus
         dk += torch.matmul(ds.transpose(-1, -2), qc).sum(2) * scale
 
 
+def _valid(q, k, v, q_pos, k_pos, q_seg, k_seg, fp32_outputs) -> bool:
+    """Whether every check of ``_check`` passes and no tensor needs a copy, in one expression: a call with good
+    arguments pays ~3 us here instead of ~25 us through ``_check``'s per-tensor messages (run only then)."""
+    dev, dt, i64, f32 = q.device, q.dtype, torch.int64, torch.float32
+    kshape = k.shape
+    ok = (q.dim() == 4 and k.dim() == 4 and kshape == v.shape and dt in _checks.FLOAT_DTYPES
+          and k.dtype == dt and v.dtype == dt and k.device == dev and v.device == dev
+          and kshape[0] == q.shape[0] and kshape[3] == q.shape[3] and kshape[1] and not q.shape[1] % kshape[1]
+          and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+          and q_pos.shape == q.shape[2:3] and k_pos.shape == kshape[2:3]
+          and q_seg.shape == (q.shape[0], q.shape[2]) and k_seg.shape == (kshape[0], kshape[2]))
+    if not ok:
+        return False
+    for t in (q_pos, k_pos, q_seg, k_seg):
+        if t.dtype != i64 or t.device != dev or not t.is_contiguous():
+            return False
+    for _, t, shape in fp32_outputs:
+        if t.dtype != f32 or t.device != dev or t.shape != shape or not t.is_contiguous():
+            return False
+    return True
+
+
 def _check(op, q, k, v, q_pos, k_pos, q_seg, k_seg, fp32_outputs):
     """Validate; returns ``(q, k, v, q_pos, k_pos, q_seg, k_seg)`` with unit last strides and contiguous
     index tensors."""
+    if _valid(q, k, v, q_pos, k_pos, q_seg, k_seg, fp32_outputs):
+        return q, k, v, q_pos, k_pos, q_seg, k_seg
     dev = q.device
     _checks.tensor(op, "q", q, dtypes=_checks.FLOAT_DTYPES, contiguous=False)
     for name, t in (("k", k), ("v", v)):

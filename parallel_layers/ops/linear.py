@@ -44,6 +44,7 @@ from . import _backend, linear_dispatch
 
 ACTIVATIONS = (None, "gelu", "silu")
 OP = "fused_linear"
+_KERNELS = ("triton",)  # the backends with a kernel for this op, besides the torch reference
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -66,7 +67,7 @@ def _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend:
     """("triton" or "torch", why) for this 2-D call (see the module docstring): ``_backend.resolve`` for an
     op whose only kernel is Triton, the kernel's dtype rule (forced: an error; automatic: the reference),
     then on CUDA the measured choice of ``linear_dispatch``."""
-    name = _backend.resolve(OP, x2d.device, backend, backends=("triton",))
+    name = _backend.resolve(OP, x2d.device, backend, backends=_KERNELS)
     forced = _backend.requested_backend(backend) != "auto"
     if name != "triton":
         return name, "forced" if forced else f"no triton kernel for {x2d.device.type} tensors here"
@@ -249,8 +250,27 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
             return fused_linear(x, weight, bias, activation=activation, out_dtype=out_dtype, backend=backend)
-    if not torch.compiler.is_compiling() and _backend.resolve(OP, x.device, backend, ("triton",)) == "torch":
-        return _torch_call(x, weight, bias, activation, out_dtype)
+    if not torch.compiler.is_compiling() and _backend.resolve(OP, x.device, backend, _KERNELS) == "torch":
+        # torch's own kernels, called as a user calls them, with their own autograd (the Function's results,
+        # ATen's ops either way, without its host time), written out here: every Python call on this path is
+        # host time a training step pays. Checked first only what torch would *accept* wrongly: a weight that
+        # is not 2-D (``F.linear`` takes a 1-D one), a bias that would broadcast, a non-float input or
+        # ``out_dtype``, an unknown activation, a meta parameter beside a real input (a model never
+        # materialized: torch would return a meta result); what torch refuses (sizes, dtypes, devices)
+        # ``_check`` then explains (its ~1 us a call is paid only on error).
+        if (weight.dim() != 2 or not x.is_floating_point() or activation not in ACTIVATIONS
+                or weight.is_meta != x.is_meta or (out_dtype is not None and not out_dtype.is_floating_point)
+                or (bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]
+                                          or bias.is_meta != x.is_meta))):
+            _check(x, weight, bias, activation, out_dtype)
+        try:
+            y = F.linear(x, weight, bias)
+        except (RuntimeError, TypeError):
+            _check(x, weight, bias, activation, out_dtype)
+            raise
+        if activation is not None:
+            y = F.gelu(y) if activation == "gelu" else F.silu(y)
+        return y if out_dtype is None else y.to(out_dtype)
     _check(x, weight, bias, activation, out_dtype)
     two_d = x.dim() == 2  # no reshapes (and no view nodes in the graph) for the common 2-D call
     lead = x.shape[:-1]
@@ -270,21 +290,3 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         y = (_triton_forward if name == "triton" else _torch_forward)(x2d, weight, bias, activation, out_dtype,
                                                                        False)[0]
     return y if two_d else y.reshape(*lead, weight.shape[0])
-
-
-def _torch_call(x, weight, bias, activation, out_dtype):
-    """The reference, called as a user calls it, with torch's own autograd (the Function's results, ATen's
-    ops either way, without its host time). Only what torch would *accept* wrongly is checked before the
-    call: a weight that is not 2-D (``F.linear`` takes a 1-D one), a bias that would broadcast, a
-    non-float input or ``out_dtype``, an unknown activation, a meta parameter beside a real input (a model
-    never materialized: torch would return a meta result); anything torch refuses (sizes, dtypes,
-    devices) is then explained by ``_check`` (the full check costs ~1 us a call, paid only on error)."""
-    if (weight.dim() != 2 or not x.is_floating_point() or activation not in ACTIVATIONS or weight.is_meta != x.is_meta
-            or (bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or bias.is_meta != x.is_meta))
-            or (out_dtype is not None and not out_dtype.is_floating_point)):
-        _check(x, weight, bias, activation, out_dtype)
-    try:
-        return reference_linear_epilogue(x, weight, bias, activation, out_dtype)
-    except (RuntimeError, TypeError):
-        _check(x, weight, bias, activation, out_dtype)
-        raise

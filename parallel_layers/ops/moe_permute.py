@@ -98,7 +98,13 @@ class FusedPermute(torch.autograd.Function):
         counts = torch.empty(num_experts, dtype=torch.int64, device=device)
         positions = torch.empty_like(flat)
         order = torch.empty_like(flat)
-        _kernel("moe_permute_index", device, name)(flat, num_experts, counts, positions, order)
+        try:
+            _kernel("moe_permute_index", device, name)(flat, num_experts, counts, positions, order)
+        except RuntimeError:
+            _check_expert_range(flat, num_experts)
+            raise
+        if n_kept is None:  # a CPU kernel's counts: reading them back is no device sync
+            n_kept = int(counts.sum())
         order = order[:n_kept]
         permuted = hidden.new_empty(n_kept, hidden.shape[1])
         _kernel("moe_gather_rows", device, name)(hidden.contiguous(), order, top_k, None, permuted)
@@ -151,8 +157,9 @@ class FusedUnpermute(torch.autograd.Function):
 def permute_tokens(hidden: torch.Tensor, experts: torch.Tensor, num_experts: int, *, backend=None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hidden [T, H]``, ``experts [T, k]`` (``-1``: dropped) -> ``(permuted [N, H], order [N], counts [E])``
-    (see the module docstring); differentiable with respect to ``hidden``. One host sync (``N`` sizes the
-    output, and the expert indices are checked against ``num_experts``)."""
+    (see the module docstring); differentiable with respect to ``hidden``. On CUDA one host sync (``N`` sizes
+    the output, and the expert indices are checked against ``num_experts``); the C++ kernel checks the indices
+    and counts ``N`` in its own pass."""
     op = "permute"
     if not isinstance(hidden, torch.Tensor) or not isinstance(experts, torch.Tensor) or hidden.dim() != 2 \
             or experts.dim() != 2 or experts.shape[0] != hidden.shape[0]:
@@ -162,20 +169,29 @@ def permute_tokens(hidden: torch.Tensor, experts: torch.Tensor, num_experts: int
     if experts.dtype != torch.int64 or experts.device != hidden.device:
         raise ValueError(f"{op}: experts must be int64 on {hidden.device} (the router's); got {experts.dtype} on "
                          f"{experts.device}; convert with experts.to({hidden.device!s}, torch.int64)")
-    flat = experts.reshape(-1)
-    kept = flat >= 0
-    if flat.is_meta:                 # the planner's probe: no values to read; every pair kept (moe.meta)
-        n_kept, largest = flat.numel(), 0
-    else:
-        n_kept, largest = torch.stack([kept.sum(), flat.max() if flat.numel() else flat.new_zeros(())]).tolist()
-    if largest >= num_experts:
-        raise ValueError(f"{op}: experts holds index {largest} but there are num_experts={num_experts}; the "
-                         f"router and the experts must agree on the number of experts")
     # meta (the planner's probe): the reference's ops, which meta tensors run, with no fallback warning
     name = None if hidden.is_meta else fused_backend("moe_permute_index", hidden.device, backend, hidden)
+    if name == "cpp":
+        # the C++ index kernel refuses an index past num_experts itself (explained then) and its counts give N:
+        # no separate pass over the experts
+        return FusedPermute.apply(hidden, experts, num_experts, None, name)
+    flat = experts.reshape(-1)
+    if flat.is_meta:                 # the planner's probe: no values to read; every pair kept (moe.meta)
+        n_kept = flat.numel()
+    else:
+        n_kept, largest = torch.stack([(flat >= 0).sum(), flat.max() if flat.numel() else flat.new_zeros(())]).tolist()
+        if largest >= num_experts:
+            _check_expert_range(flat, num_experts)
     if name is None:
         return reference_permute(hidden, experts, num_experts, n_kept)
     return FusedPermute.apply(hidden, experts, num_experts, n_kept, name)
+
+
+def _check_expert_range(flat: torch.Tensor, num_experts: int) -> None:
+    largest = int(flat.max()) if flat.numel() else 0
+    if largest >= num_experts:
+        raise ValueError(f"permute: experts holds index {largest} but there are num_experts={num_experts}; the "
+                         f"router and the experts must agree on the number of experts")
 
 
 def unpermute_tokens(expert_out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_tokens: int, *,

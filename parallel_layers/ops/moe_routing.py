@@ -23,10 +23,13 @@ softmax/sigmoid, so the weights agree with :func:`reference_router_topk` to a fe
 ``rtol=1e-6, atol=1e-7``), not bit for bit. That is why ``moe.route`` keeps the reference unless a fused
 backend is asked for.
 
-Gradient: :func:`router_topk` returns weights differentiable with respect to ``logits``. On a fused backend the
-backward recomputes the reference's weight formula (``softmax``/``sigmoid``, ``gather`` of the chosen experts,
-the normalisation and the scale) in torch from the saved logits and experts, so its gradient is the one
-autograd gives through the reference for the same choice.
+Gradient: :func:`router_topk` returns weights differentiable with respect to ``logits``; on a fused backend the
+backward recomputes the scores from the saved logits. ``cpp``: one C++ call (``router_topk_backward``, the chain
+rule of the weight formula written out per row; it agrees with autograd through the reference to float32
+rounding, as the forward's weights do). ``triton``: the ATen backward formulas of the reference's weight formula
+(``softmax``/``sigmoid``, ``gather`` of the chosen experts, the normalisation and the scale) in autograd's order
+(:func:`chosen_weights_backward`), so its gradient is the one autograd gives through :func:`chosen_weights` for
+the same choice, bit for bit.
 """
 from __future__ import annotations
 
@@ -90,7 +93,7 @@ def reference_router_topk(logits: torch.Tensor, top_k: int, scoring: str = "soft
 
 class _FusedRouterTopK(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, impl, top_k, scoring, norm, bias, scale):
+    def forward(ctx, logits, impl, top_k, scoring, norm, bias, scale, backward_impl):
         T, E = logits.shape
         weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
         experts = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
@@ -98,17 +101,47 @@ class _FusedRouterTopK(torch.autograd.Function):
         impl(logits, bias, top_k, scoring == "sigmoid", norm, float(scale), weights, experts, counts)
         ctx.save_for_backward(logits, experts)
         ctx.options = (scoring, norm, scale)
+        ctx.backward_impl = backward_impl
         ctx.mark_non_differentiable(experts, counts)
         return weights, experts, counts
 
     @staticmethod
     def backward(ctx, grad_weights, _grad_experts, _grad_counts):
         logits, experts = ctx.saved_tensors
-        with torch.enable_grad():
-            x = logits.detach().float().requires_grad_()
-            weights = chosen_weights(x, experts, *ctx.options)
-            (grad,) = torch.autograd.grad(weights, x, grad_weights)
-        return grad.to(logits.dtype), None, None, None, None, None, None
+        scoring, norm, scale = ctx.options
+        if ctx.backward_impl is not None:  # the C++ kernel: one call instead of a dozen torch ops (host time)
+            grad = torch.empty_like(logits)
+            ctx.backward_impl(logits, experts, grad_weights.float().contiguous(), scoring == "sigmoid", norm,
+                              float(scale), grad)
+            return grad, None, None, None, None, None, None, None
+        grad = chosen_weights_backward(grad_weights, logits.float(), experts, scoring, norm, scale)
+        return grad.to(logits.dtype), None, None, None, None, None, None, None
+
+
+def chosen_weights_backward(grad: torch.Tensor, logits32: torch.Tensor, experts: torch.Tensor, scoring: str,
+                            norm_topk_prob: bool, routed_scaling_factor: float) -> torch.Tensor:
+    """The gradient of :func:`chosen_weights` with respect to ``logits32``: the ATen backward formulas autograd
+    runs through it, called in the same order (so the same bits), without building a graph in the backward
+    (that cost ~90 us of host time a call)."""
+    grad = grad.float()
+    if routed_scaling_factor != 1.0:
+        grad = grad * routed_scaling_factor                                  # MulBackward0 (by a scalar)
+    if scoring == "softmax":
+        scores = torch.softmax(logits32, dim=-1)
+    else:
+        scores = torch.sigmoid(logits32)
+    chosen = scores.gather(1, experts)
+    if norm_topk_prob:
+        total = chosen.sum(dim=-1, keepdim=True)
+        if scoring == "sigmoid":
+            total = total + 1e-20                                            # AddBackward0 passes it through
+        # DivBackward0: grad / total for the numerator, -grad * (chosen / total / total) summed to [T, 1] for the sum
+        grad_total = (-grad * (chosen / total / total)).sum(dim=-1, keepdim=True)
+        grad = grad / total + grad_total.expand_as(chosen)                   # SumBackward0 expands it back
+    grad = torch.zeros_like(scores).scatter_add_(1, experts, grad)           # GatherBackward0
+    if scoring == "softmax":
+        return torch.ops.aten._softmax_backward_data(grad, scores, -1, torch.float32)
+    return torch.ops.aten.sigmoid_backward(grad, scores)
 
 
 def check_router_args(op: str, logits: torch.Tensor, top_k: int, scoring: str,
@@ -146,5 +179,8 @@ def router_topk(logits: torch.Tensor, top_k: int, scoring: str = "softmax", norm
     impl = _backend.kernel(OP, logits.device, name, reference_router_topk, BACKENDS)
     bias = None if expert_bias is None else expert_bias.detach().to(device=logits.device,
                                                                     dtype=torch.float32).contiguous()
+    backward_impl = None
+    if name == "cpp" and torch.is_grad_enabled() and logits.requires_grad:
+        backward_impl = _backend.kernel(OP + "_backward", logits.device, "cpp", chosen_weights_backward, ("cpp",))
     return _FusedRouterTopK.apply(logits.contiguous(), impl, top_k, scoring, norm_topk_prob, bias,
-                                  routed_scaling_factor)
+                                  routed_scaling_factor, backward_impl)
