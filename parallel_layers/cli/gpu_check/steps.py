@@ -105,6 +105,10 @@ def plan(out: str, python: str = sys.executable, build: Optional[Step] = None) -
         Step("host-offload-benchmark", [python, "-m", "benchmarks.host_offload", "--quick",
                                         "--csv", os.path.join(out, "host_offload.csv")], 90, env=COMPILED,
              dry_argv=[python, "-m", "benchmarks.host_offload", "--smoke", "--no-csv"]),
+        # the kernels at the sizes the GPU targets are defined at (64M-element flat buffers, 2,000-100,000
+        # tensors): last, as it has no bound worth a guess before a first run; `--only` runs it alone
+        Step("kernel-benchmarks-full", kernels + ["--device", "cuda", "--csv", os.path.join(out, "kernels.csv")],
+             240, env=COMPILED, dry_argv=kernels + ["--smoke", "--device", "cpu", "--no-csv", "--only", "sgd"]),
     ]
     return steps
 
