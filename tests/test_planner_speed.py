@@ -56,6 +56,33 @@ def test_the_fast_path_ranks_as_the_full_probe(both):
     assert [ties[lay] for lay in order] == [ties[p.layout] for p in full]
 
 
+def test_streaming_zero2_scaled_from_two_and_three_blocks_is_the_full_probe(monkeypatch):
+    """A streaming ZeRO-2 rank (pp 1, untied) whose blocks span several 25 MB buckets: its static terms probed at
+    2 and 3 blocks and scaled to 8 (the streamed buckets' bytes constant) equal the full probe's, and the
+    scaled path is the one taken."""
+    cfg = GPTConfig(vocab_size=256, n_layer=8, n_head=8, d_model=1024, max_seq_len=64, tie_embeddings=False)
+    req = Request(cfg, world=4, global_batch=8, seq_len=64, memory_bytes=1e12)
+    prof = load_profile("h100")
+    layouts = [(Layout(dp=4, zero=2, checkpoint=ck), None) for ck in (False, True)]
+    scaled = []
+    real = rep.scale_streaming
+    monkeypatch.setattr(rep, "scale_streaming", lambda *a: scaled.append(a[2]) or real(*a))
+    fast = plan(req, prof, layouts)
+    assert len(scaled) == 2 and all(flight > 0 for flight in scaled), scaled
+    monkeypatch.setattr(rep, "why_exact", lambda req, layout: "the full probe, for the comparison")
+    full = plan(req, prof, layouts)
+    assert len(scaled) == 2
+    by_layout = {p.layout: p for p in full}
+    for p in fast:
+        q = by_layout[p.layout]
+        assert p.step_s == pytest.approx(q.step_s, rel=1e-5), p.layout.name()
+        for mine, theirs in zip(p.memory, q.memory):
+            for term in ("parameters", "gradients", "optimizer"):       # what the static probe holds: exact
+                assert mine[term] == theirs[term], (p.layout.name(), term)
+            for term, value in theirs.items():
+                assert mine[term] == pytest.approx(value, rel=MEMORY_TOLERANCE, abs=64), (p.layout.name(), term)
+
+
 def test_the_sampled_loss_counts_what_the_whole_loop_does():
     """The cross entropy's row loop on meta run for three chunks and charged for the rest counts the same ops,
     traffic, FLOPs and peak as running every chunk (a 32k vocabulary: 256 chunks here)."""

@@ -129,11 +129,30 @@ def _each_rank(req: Request, layout: Layout, probe) -> list:
     return ranks
 
 
-def _static_ranks(req: Request, layout: Layout) -> list:
-    """What every pipeline rank of ``layout`` holds, probed on its own mesh (twins shared)."""
-    return _each_rank(req, layout, lambda p3d: (static_terms(p3d, req.seq_len // layout.cp), sync_bytes(p3d),
-                                                streams_gradients(p3d), reduction_shard_bytes(p3d),
-                                                gathers_per_unit(p3d)))
+def _static_ranks(req: Request, layout: Layout, in_flight: Optional[list] = None) -> list:
+    """What every pipeline rank of ``layout`` holds, probed on its own mesh (twins shared). ``in_flight``: a list
+    that gets each probed rank's streamed bucket bytes (None where the rank does not stream)."""
+    def probe(p3d):
+        buckets: dict = {}
+        terms = static_terms(p3d, req.seq_len // layout.cp, buckets)
+        if in_flight is not None:
+            in_flight.append(buckets.get("in_flight"))
+        return terms, sync_bytes(p3d), streams_gradients(p3d), reduction_shard_bytes(p3d), gathers_per_unit(p3d)
+    return _each_rank(req, layout, probe)
+
+
+def _scaled_streaming_static(req: Request, layout: Layout) -> Optional[list]:
+    """A streaming ZeRO-2 rank's static terms from probes at 2 and 3 blocks (:func:`.representative.
+    scale_streaming`), or None where its streamed bucket bytes are not yet constant at those depths."""
+    probes, flights = [], []
+    for n in rep.STREAM_BLOCKS:
+        flight: list = []
+        probes.append(_static_ranks(rep.with_layers(req, n), layout, flight))
+        flights.append(flight[0])
+    if flights[0] != flights[1]:
+        return None
+    # (None at both: the rank does not stream after all, e.g. tied embeddings: every term is linear)
+    return [rep.scale_streaming(probes[0][0], probes[1][0], flights[0] or 0, req.n_layer())]
 
 
 def _microbatch_ranks(req: Request, one: Layout, b: int) -> list:
@@ -183,13 +202,14 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
             layout.checkpoint if layout.zero == 2 and layout.pp == 1 else None)
     if skey not in cache:
         blocks = rep.stage_blocks(req, layout)
+        streaming = scaled and rep.streams(layout) and blocks[0] > rep.STREAM_BLOCKS[-1]
         if scaled and not rep.streams(layout) and (len(set(blocks)) > 1 or blocks[0] not in rep.STATIC_BLOCKS):
             probes = [_static_ranks(rep.with_layers(req, layout.pp * layout.num_chunks * n), layout)
                       for n in rep.STATIC_BLOCKS]
             cache[skey] = [rep.scale_static(r1, r2, rep.rank_blocks(req, layout, r))
                            for r, (r1, r2) in enumerate(zip(*probes))]
         else:
-            cache[skey] = _static_ranks(req, layout)
+            cache[skey] = (streaming and _scaled_streaming_static(req, layout)) or _static_ranks(req, layout)
     z3 = layout.zero == 3
     probe_schedule = _probe_schedule(layout)
     akey = ("micro-batch", layout.tp, layout.pp, layout.cp, layout.ep, layout.num_chunks, probe_schedule,

@@ -31,9 +31,13 @@ full probe's on a model where both run.
 Layers that do not split evenly into the stages: each stage takes its own count (:func:`stage_blocks`, the
 package's split), a micro-batch's costs scaled to it, a rank's static terms to its chunks' total.
 
+A streaming ZeRO-2 rank (pp 1) holds, instead of its stage's full gradients, the most buckets in flight at
+once: not linear in the blocks, but a window sliding over more blocks of the same buckets. Its static terms
+are probed at 2 and 3 blocks (:func:`scale_streaming`) and scaled where those bytes are the same at both;
+else at full depth.
+
 Where the argument does not hold the layout is probed at full depth (:func:`why_exact`): FP8 training (its
-account of converted GEMMs is per layer), a streaming ZeRO-2 rank (its gradient memory is the most buckets
-in flight at once, not linear in the blocks), tied embeddings on a V schedule (the first and the last chunk
+account of converted GEMMs is per layer), tied embeddings on a V schedule (the first and the last chunk
 share one weight on rank 0) and Hugging Face configs whose layers differ (a per-layer list, such as
 ``layer_types``).
 """
@@ -51,6 +55,7 @@ from .probe import ChunkCost
 from .spec import Request
 
 STATIC_BLOCKS = (1, 2)           # blocks a chunk the static probes run; the real count is extrapolated from them
+STREAM_BLOCKS = (2, 3)           # the same for a streaming ZeRO-2 rank (pp 1): see scale_streaming
 SHAPE_BLOCKS = (1, 2, 3)         # blocks the micro-batch probes of a stage shape run
 
 
@@ -86,7 +91,7 @@ def why_exact(req: Request, layout: Layout) -> Optional[str]:
 
 def streams(layout: Layout) -> bool:
     """Whether the rank may stream ZeRO-2 gradients (``probe.streams_gradients``: pp = 1): its static terms
-    are probed at full depth."""
+    are scaled by :func:`scale_streaming`, not :func:`scale_static`."""
     return layout.zero == 2 and layout.pp == 1
 
 
@@ -177,5 +182,24 @@ def scale_static(r1: tuple, r2: tuple, blocks: List[int]) -> tuple:
     return static, sync, streamed, line(red1, red2), per_unit
 
 
-__all__ = ["STATIC_BLOCKS", "SHAPE_BLOCKS", "why_exact", "streams", "with_layers", "stage_shape", "shape_layout",
-           "stage_blocks", "rank_blocks", "shape_depths", "scale_chunk", "scale_static"]
+def scale_streaming(r2: tuple, r3: tuple, in_flight: int, k: int) -> tuple:
+    """A streaming ZeRO-2 rank's static probe at ``k`` blocks (one chunk, pp 1) from its probes at 2 and 3
+    blocks, whose streamed bucket bytes were both ``in_flight``. Every term but those bytes is linear in the
+    blocks (parameters, optimizer state, the gradient shard, sync bytes); the streamed bytes are the most
+    gradient memory of a few consecutive buckets in flight at once, a window that a deeper model slides over
+    more blocks of the same buckets: constant once it is constant from 2 blocks to 3 (where it is not, the
+    caller probes at full depth)."""
+    (s2, y2, _, red2, _), (s3, y3, streamed, red3, per_unit) = r2, r3
+
+    def line(a, b):
+        return a + (k - 2) * (b - a)
+    linear2, linear3 = dict(s2, gradients=s2["gradients"] - in_flight), dict(s3, gradients=s3["gradients"] - in_flight)
+    static = {t: line(linear2.get(t, 0), linear3.get(t, 0)) for t in s3}
+    static["gradients"] += in_flight
+    sync = {t: line(y2.get(t, 0), y3.get(t, 0)) for t in y3}
+    return static, sync, streamed, line(red2, red3), per_unit
+
+
+__all__ = ["STATIC_BLOCKS", "STREAM_BLOCKS", "SHAPE_BLOCKS", "why_exact", "streams", "with_layers", "stage_shape",
+           "shape_layout", "stage_blocks", "rank_blocks", "shape_depths", "scale_chunk", "scale_static",
+           "scale_streaming"]
