@@ -73,14 +73,22 @@ def _new_dim_group(ranks_of_dim: List[List[int]], dim: str, timeout: datetime.ti
     world = dist.get_world_size()
     if len(ranks_of_dim) == 1 and group_timeout(dist.group.WORLD) == timeout:
         return dist.group.WORLD                      # the dimension is the world: its group serves
-    mine, me, alone = None, dist.get_rank(), plays_one_rank()
-    for ranks in ranks_of_dim:
+    mine = own_group(ranks_of_dim, dist.get_rank(), timeout, lambda ranks: f"ParallelMesh {dim} group {ranks}")
+    assert mine is not None and sum(map(len, ranks_of_dim)) == world
+    return mine
+
+
+def own_group(groups: Sequence[List[int]], me: int, timeout: datetime.timedelta, describe):
+    """This rank's group among ``groups`` (rank lists), or None if it is in none. A collective over the world:
+    every rank creates every group, in the same order (``dist.new_group``'s rule), except in a world that
+    :func:`plays_one_rank`, where only this rank's own are made. ``describe(ranks)``: the group's description."""
+    mine, alone = None, plays_one_rank()
+    for ranks in groups:
         if alone and me not in ranks:
             continue
-        group = dist.new_group(ranks, timeout=timeout, group_desc=f"ParallelMesh {dim} group {ranks}")
+        group = dist.new_group(ranks, timeout=timeout, group_desc=describe(ranks))
         if me in ranks:
             mine = group
-    assert mine is not None and sum(map(len, ranks_of_dim)) == world
     return mine
 
 
@@ -175,15 +183,9 @@ class ParallelMesh:
         (every rank calls it then, in the same order), and kept: each model built on the mesh reuses it
         (a new gloo group per model kept three more threads polling in every long-lived process)."""
         if not hasattr(self, "_tied_stage_group"):
-            mine, alone = None, plays_one_rank()
-            for ranks in grid_ranks(self.sizes, ["pp"]) if self.pp > 1 else []:
-                if alone and self.rank not in (ranks[0], ranks[-1]):
-                    continue
-                group = dist.new_group([ranks[0], ranks[-1]], timeout=self.timeout,
-                                       group_desc=f"tied embedding group [{ranks[0]}, {ranks[-1]}]")
-                if self.rank in (ranks[0], ranks[-1]):
-                    mine = group
-            self._tied_stage_group = mine
+            ends = [[ranks[0], ranks[-1]] for ranks in grid_ranks(self.sizes, ["pp"])] if self.pp > 1 else []
+            self._tied_stage_group = own_group(ends, self.rank, self.timeout,
+                                               lambda ranks: f"tied embedding group {ranks}")
         return self._tied_stage_group
 
     def group_over(self, dims: Sequence[str]):
@@ -209,14 +211,8 @@ class ParallelMesh:
         world (every rank calls it, in the same order); the caller keeps it."""
         for dim in dims:
             self.group(dim)
-        mine, alone = None, plays_one_rank()
-        for ranks in grid_ranks(self.sizes, list(dims)):
-            if alone and self.rank not in ranks:
-                continue
-            group = dist.new_group(ranks, timeout=self.timeout, group_desc=f"{purpose} {ranks}")
-            if self.rank in ranks:
-                mine = group
-        return mine
+        return own_group(grid_ranks(self.sizes, list(dims)), self.rank, self.timeout,
+                         lambda ranks: f"{purpose} {ranks}")
 
     @property
     def replicas(self) -> int:
