@@ -178,9 +178,6 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
         except BaseException:  # noqa: BLE001 - report everything, including assertion failures
             results.put((call_id, rank, False, traceback.format_exc()))
             continue            # the pool restarts after a failure; a peer may still be in a collective
-        if _evicted:            # an evicted mesh's groups were made before this body
-            _evicted.clear()
-            groups_before = {dist.group.WORLD}
         _release_groups_since(groups_before)
     dist.destroy_process_group()
 
@@ -282,26 +279,16 @@ class WorkerPool:
         return [pickle.loads(results[r]) for r in range(self.world_size)]
 
 
-_MESHES: dict = {}              # shape -> mesh, the least recently used first
-MESHES_KEPT = 6                 # meshes a worker keeps (a test file uses a few shapes, the suite ~30)
-_evicted: list = []             # whether a mesh left the cache during the body: its groups are released after it
+_MESHES: dict = {}
 
 
 def cached_mesh(dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, **more: int):
     """Inside a worker: one ``ParallelMesh`` per shape (``ParallelMesh``'s sizes: any dimension of
     :data:`~parallel_layers.dimensions.DIMENSIONS`, missing ones 1), reused across test bodies (creating
-    process groups is a collective and costs time on every call). The ``MESHES_KEPT`` most recently used are
-    kept: every gloo group keeps a loop thread waking 100 times a second, and a suite's ~30 shapes kept in each
-    of its workers made ~50k context switches a second on two cores. An evicted mesh's groups are destroyed
-    after the body (every rank makes the same calls, so all of them evict the same mesh)."""
+    process groups is a collective and costs time on every call)."""
     from ..dimensions import check_sizes
     key = tuple(check_sizes(dict(dp=dp, tp=tp, pp=pp, cp=cp, **more), "cached_mesh").items())
-    mesh = _MESHES.pop(key, None)
-    if mesh is None:
+    if key not in _MESHES:
         from ..mesh import ParallelMesh
-        mesh = ParallelMesh(**dict(key))
-    _MESHES[key] = mesh
-    while len(_MESHES) > MESHES_KEPT:
-        del _MESHES[next(iter(_MESHES))]
-        _evicted.append(True)
-    return mesh
+        _MESHES[key] = ParallelMesh(**dict(key))
+    return _MESHES[key]
