@@ -63,11 +63,12 @@ def reference_linear_epilogue(x, weight, bias, activation, out_dtype):
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend: Optional[str]) -> Tuple[str, str]:
+def _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend: Optional[str],
+                    resolved: Optional[str] = None) -> Tuple[str, str]:
     """("triton" or "torch", why) for this 2-D call (see the module docstring): ``_backend.resolve`` for an
-    op whose only kernel is Triton, the kernel's dtype rule (forced: an error; automatic: the reference),
-    then on CUDA the measured choice of ``linear_dispatch``."""
-    name = _backend.resolve(OP, x2d.device, backend, backends=_KERNELS)
+    op whose only kernel is Triton (``resolved``: its answer, where the caller has it), the kernel's dtype rule
+    (forced: an error; automatic: the reference), then on CUDA the measured choice of ``linear_dispatch``."""
+    name = resolved or _backend.resolve(OP, x2d.device, backend, backends=_KERNELS)
     forced = _backend.requested_backend(backend) != "auto"
     if name != "triton":
         return name, "forced" if forced else f"no triton kernel for {x2d.device.type} tensors here"
@@ -250,7 +251,9 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         bias = bias.to(dt) if bias is not None else None
         with torch.autocast(device_type, enabled=False):
             return fused_linear(x, weight, bias, activation=activation, out_dtype=out_dtype, backend=backend)
-    if not torch.compiler.is_compiling() and _backend.resolve(OP, x.device, backend, _KERNELS) == "torch":
+    compiling = torch.compiler.is_compiling()
+    resolved = None if compiling else _backend.resolve(OP, x.device, backend, _KERNELS)
+    if resolved == "torch":
         # torch's own kernels, called as a user calls them, with their own autograd (the Function's results,
         # ATen's ops either way, without its host time), written out here: every Python call on this path is
         # host time a training step pays. Checked first only what torch would *accept* wrongly: a weight that
@@ -278,10 +281,10 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
     save_pre = grad and activation is not None  # = _needs_pre(x, weight, bias, activation)
-    if torch.compiler.is_compiling():
+    if compiling:
         y = fused_linear_op(x2d, weight, bias, activation, out_dtype, backend, save_pre)[0]
         return y if two_d else y.reshape(*lead, weight.shape[0])
-    name, _ = _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend)
+    name, _ = _choose_backend(x2d, weight, bias, activation, out_dtype, save_pre, backend, resolved)
     if name == "torch":
         return reference_linear_epilogue(x, weight, bias, activation, out_dtype)
     if grad:

@@ -166,14 +166,15 @@ def scale_chunk(costs: Dict[int, ChunkCost], k: int) -> ChunkCost:
                                **line)
 
 
-def scale_static(r1: tuple, r2: tuple, blocks: List[int]) -> tuple:
+def scale_static(r1: tuple, r2: tuple, blocks: List[int], first: int = 1) -> tuple:
     """One rank's static probe (terms, sync bytes, streamed, reduction shard, per unit) for chunks of
-    ``blocks`` blocks from its probes at 1 and 2 blocks in every chunk: the second probe adds one block to
-    each chunk, so each block beyond the first of a chunk adds ``1 / chunks`` of the difference."""
-    if len(set(blocks)) == 1 and blocks[0] <= 2:
-        return (r1, r2)[blocks[0] - 1]
+    ``blocks`` blocks from its probes at ``first`` and ``first + 1`` blocks in every chunk: the second probe
+    adds one block to each chunk, so each block beyond the ``first`` of a chunk adds ``1 / chunks`` of the
+    difference."""
+    if len(set(blocks)) == 1 and blocks[0] - first in (0, 1):
+        return (r1, r2)[blocks[0] - first]
     (s1, y1, _, red1, _), (s2, y2, streamed, red2, per_unit) = r1, r2
-    extra = (sum(blocks) - len(blocks)) / len(blocks)
+    extra = (sum(blocks) - first * len(blocks)) / len(blocks)
 
     def line(a, b):
         return a + round(extra * (b - a))
@@ -189,15 +190,10 @@ def scale_streaming(r2: tuple, r3: tuple, in_flight: int, k: int) -> tuple:
     gradient memory of a few consecutive buckets in flight at once, a window that a deeper model slides over
     more blocks of the same buckets: constant once it is constant from 2 blocks to 3 (where it is not, the
     caller probes at full depth)."""
-    (s2, y2, _, red2, _), (s3, y3, streamed, red3, per_unit) = r2, r3
-
-    def line(a, b):
-        return a + (k - 2) * (b - a)
-    linear2, linear3 = dict(s2, gradients=s2["gradients"] - in_flight), dict(s3, gradients=s3["gradients"] - in_flight)
-    static = {t: line(linear2.get(t, 0), linear3.get(t, 0)) for t in s3}
-    static["gradients"] += in_flight
-    sync = {t: line(y2.get(t, 0), y3.get(t, 0)) for t in y3}
-    return static, sync, streamed, line(red2, red3), per_unit
+    def linear_part(r):
+        return (dict(r[0], gradients=r[0]["gradients"] - in_flight),) + tuple(r[1:])
+    static, *rest = scale_static(linear_part(r2), linear_part(r3), [k], first=STREAM_BLOCKS[0])
+    return (dict(static, gradients=static["gradients"] + in_flight), *rest)
 
 
 __all__ = ["STATIC_BLOCKS", "STREAM_BLOCKS", "SHAPE_BLOCKS", "why_exact", "streams", "with_layers", "stage_shape",

@@ -87,15 +87,13 @@ class VocabParallelEmbedding(nn.Module):
             check_sequence_input(name, ids, self.tp_size, "dim 1 of the ids, reduce-scattered over the TP group",
                                  min_dim=2)
         if self.tp_size == 1:
-            if ids.is_cpu:  # F.embedding refuses an id outside the table itself: explain it only then
-                try:
-                    out = F.embedding(ids, self.weight, self._local_padding_idx)
-                except IndexError:
-                    self._check_ids(ids)
-                    raise
-            else:
+            if not ids.is_cpu:  # on CPU F.embedding refuses an id outside the table itself: explained only then
                 self._check_ids(ids)
+            try:
                 out = F.embedding(ids, self.weight, self._local_padding_idx)
+            except IndexError:
+                self._check_ids(ids)
+                raise
         else:  # the other ranks' ids are masked out here: one outside the vocabulary would pass silently
             self._check_ids(ids)
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)

@@ -160,15 +160,8 @@ class ColumnParallelLinear(nn.Module):
         set_parameter(self, "bias", b, tensor_parallel=True, partition_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1 and not self.sequence_parallel:
-            # nothing to gather or copy: the linear alone, its input explained only if it fails (host time)
-            try:
-                return fused_linear(x, self.weight, self.bias, activation=self.activation)
-            except (ValueError, RuntimeError) as exc:
-                error = self._input_error(x)
-                if error is None:
-                    raise
-                raise error from exc
+        if self.tp_size == 1 and not self.sequence_parallel:  # nothing to gather or copy
+            return _local_linear(x, self.weight, self.bias, self.activation, self._input_error)
         error = self._input_error(x)
         if error is not None:
             raise error
@@ -212,6 +205,19 @@ class ColumnParallelLinear(nn.Module):
                 f"activation={self.activation}")
 
 
+def _local_linear(x, weight, bias, activation, input_error: Callable[[torch.Tensor], Optional[ValueError]]):
+    """A TP layer's linear where there is nothing to communicate (tp 1, no sequence parallelism), its input
+    checked only if the linear fails (host time per call): ``input_error(x)``, the layer's own message, is
+    raised then, where it names a cause."""
+    try:
+        return fused_linear(x, weight, bias, activation=activation)
+    except (ValueError, RuntimeError) as exc:
+        error = input_error(x)
+        if error is None:
+            raise
+        raise error from exc
+
+
 # ---------------------------------------------------------------------- row parallel
 class RowParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A`` split by columns (input features) over the TP group.
@@ -253,15 +259,8 @@ class RowParallelLinear(nn.Module):
         set_parameter(self, "bias", b, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1 and not self.sequence_parallel:
-            # nothing to scatter or reduce: the linear with its bias fused, its input explained only if it fails
-            try:
-                return fused_linear(x, self.weight, self.bias)
-            except (ValueError, RuntimeError) as exc:
-                error = self._input_error(x)
-                if error is None:
-                    raise
-                raise error from exc
+        if self.tp_size == 1 and not self.sequence_parallel:  # nothing to scatter or reduce: the bias fused too
+            return _local_linear(x, self.weight, self.bias, None, self._input_error)
         error = self._input_error(x)
         if error is not None:
             raise error
