@@ -186,17 +186,19 @@ def now_iso() -> str:
 def append_csv(path: str, rows: Sequence[Dict[str, object]]) -> None:
     """Append ``rows``; write the header first if the file is new. A file written by an older harness
     whose header lacks some of ``CSV_FIELDS`` is first rewritten with those columns added (empty in
-    its old rows), so no figure of a new row is dropped and no old row changes."""
+    its old rows), so no figure of a new row is dropped and no old row changes; a row's keys beyond
+    ``CSV_FIELDS`` are columns too."""
     if not rows:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fields = CSV_FIELDS
+    # a benchmark's own figures (tokens_per_s, mfu, efficiency...) follow the common columns
+    fields = CSV_FIELDS + [k for k in dict.fromkeys(k for row in rows for k in row) if k not in CSV_FIELDS]
     new = not os.path.exists(path) or os.path.getsize(path) == 0
     if not new:
         with open(path, newline="") as fh:
             header = next(csv.reader(fh), None)
         if header:
-            fields = header + [f for f in CSV_FIELDS if f not in header]
+            fields = header + [f for f in fields if f not in header]
             if len(fields) > len(header):
                 old_rows = read_csv(path)
                 with open(path, "w", newline="") as fh:

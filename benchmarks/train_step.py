@@ -53,7 +53,8 @@ PROFILES = {
                   warmup=2),
     "smoke": dict(hidden=64, layers=2, heads=4, kv=2, ffn=128, vocab=256, seq=32, batch=2, steps=2, warmup=1),
 }
-VARIANTS = ("torch eager", "torch.compile", "ours bf16", "ours bf16 compiled", "ours fp8")
+# the compiled variants last: their compilation is the longest part, and a run cut off keeps the others
+VARIANTS = ("torch eager", "ours bf16", "ours fp8", "torch.compile", "ours bf16 compiled")
 LR, BETAS, WD, CLIP = 3e-4, (0.9, 0.95), 0.1, 1.0
 
 
@@ -210,6 +211,11 @@ def collect(profile: str, device: Optional[torch.device] = None, progress=None,
                 results[v] = measure(v, dense, size, device)
             except Exception as exc:  # noqa: BLE001 - a variant that cannot run here is a row saying why
                 results[v] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            if progress:              # each variant said as it ends: a run cut off keeps what it measured
+                r = results[v]
+                progress(f"{v}: " + (r["error"] if "error" in r else
+                                     f"median {harness.Stats.of(r['times_ms']).median_ms:.1f} ms, "
+                                     f"first loss {r['first_loss']:.4f}, peak {r['peak_bytes'] / 2**20:,.0f} MB"))
             gc.collect()                  # the variant's model and optimizer go before the next one starts
             harness.free_memory(device)
     base = results.get("torch.compile", {})
@@ -260,7 +266,8 @@ def main(argv=None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {VARIANTS}")
-    rows = collect(harness.profile_of(args), torch.device(args.device), variants=variants)
+    rows = collect(harness.profile_of(args), torch.device(args.device), variants=variants,
+                   progress=lambda line: print(line, flush=True))
     print(format_rows(rows))
     if torch.device(args.device).type == "cpu":
         print("(CPU: no bf16 matrix units or FP8; the figures check the step runs and track its overhead)")

@@ -23,7 +23,7 @@ def test_plan_orders_what_a_first_run_must_learn(tmp_path):
     steps = {s.name: s for s in plan(str(tmp_path))}
     assert list(steps) == ["build", "extension", "training-parity", "nccl-self", "gloo-dp-cuda", "cuda-tests",
                            "matmul-benchmark", "planner-device", "train-step", "kernel-benchmarks", "fp8-benchmarks",
-                           "host-offload-benchmark", "kernel-benchmarks-full"]
+                           "gemm-efficiency", "host-offload-benchmark", "kernel-benchmarks-full"]
     cuda = steps["cuda-tests"]
     assert cuda.env["TRITON_INTERPRET"] == "0" and "--junitxml" in cuda.argv and "-v" in cuda.argv
     assert cuda.env["PARALLEL_LAYERS_LINEAR_TUNING"] == "one"                  # not hundreds of kernels

@@ -15,7 +15,8 @@ whether the CUDA toolkit is missing or of another major version than torch's, th
   per dtype and shape class (``PARALLEL_LAYERS_LINEAR_TUNING=one``).
 - ``matmul-benchmark`` (full autotune), ``planner-device`` (the planner's predicted memory and step time against
   this GPU's, one rank), ``train-step`` (a ~1B Llama: ours against torch eager and torch.compile),
-  ``kernel-benchmarks`` (quick sizes), ``fp8-benchmarks``, ``host-offload-benchmark``, ``kernel-benchmarks-full``
+  ``kernel-benchmarks`` (quick sizes), ``fp8-benchmarks``, ``gemm-efficiency``, ``host-offload-benchmark``,
+  ``kernel-benchmarks-full``
   (the kernels at the sizes the GPU targets are defined at): CSV rows in DIR.
 
 ``--budget`` caps the whole run (steps not started once it is spent are listed "not run: no time left");

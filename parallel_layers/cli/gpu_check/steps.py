@@ -100,6 +100,10 @@ def plan(out: str, python: str = sys.executable, build: Optional[Step] = None) -
         # (the FP8 tensor cores' speedup, at the full sizes: seconds on a GPU)
         Step("fp8-benchmarks", [python, "-c", FP8_BENCHMARKS.format(out=out)], 120, env=COMPILED,
              dry_argv=[python, "-m", "benchmarks.fp8_layers", "--smoke", "--device", "cpu", "--no-csv"]),
+        # the planner's time model: matmul and attention efficiency by shape and dtype (issue 50's profiles)
+        Step("gemm-efficiency", [python, "-m", "benchmarks.gemm_efficiency", "--quick",
+                                 "--csv", os.path.join(out, "gemm_efficiency.csv")], 90, env=COMPILED,
+             dry_argv=[python, "-m", "benchmarks.gemm_efficiency", "--smoke", "--device", "cpu", "--no-csv"]),
         # ZeRO-Offload: the step with the optimizer state in host memory against on the GPU, and the overlap
         # of the gradients' copies with backward (the CUDA tests above check its results)
         Step("host-offload-benchmark", [python, "-m", "benchmarks.host_offload", "--quick",
