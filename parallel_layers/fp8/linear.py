@@ -22,6 +22,7 @@ no host sync); :meth:`FP8Linear.check_finite` raises if it is set.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,6 +38,18 @@ from .recipes import DelayedScaling, FP8Recipe, Quantized, quantize
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_takes_rowwise_scales() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row-wise scales (2.13's does; 2.11's, the GPU image's,
+    refuses all but per-tensor ones with an internal assert)."""
+    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def fp8_gemm(a: torch.Tensor, a_sinv: torch.Tensor, b: torch.Tensor, b_sinv: torch.Tensor,
              out_dtype: torch.dtype) -> torch.Tensor:
     """``(a * a_sinv) @ (b * b_sinv)^T`` for FP8 ``a`` [M, K], ``b`` [N, K] with per-block ``*_sinv``."""
@@ -46,7 +59,8 @@ def fp8_gemm(a: torch.Tensor, a_sinv: torch.Tensor, b: torch.Tensor, b_sinv: tor
     if ga == (1, 1) and gb == (1, 1) and cuda_shape_ok:
         return torch._scaled_mm(a, b.t(), scale_a=a_sinv.reshape(()), scale_b=b_sinv.reshape(()),
                                 out_dtype=out_dtype)
-    if ga in ((M, 1), (1, 1)) and gb in ((N, 1), (1, 1)) and cuda_shape_ok:
+    rowwise_ok = a.device.type != "cpu" or _cpu_takes_rowwise_scales()
+    if ga in ((M, 1), (1, 1)) and gb in ((N, 1), (1, 1)) and cuda_shape_ok and rowwise_ok:
         return torch._scaled_mm(a, b.t(), scale_a=a_sinv.expand(M, 1).contiguous(),
                                 scale_b=b_sinv.expand(N, 1).reshape(1, N).contiguous(), out_dtype=out_dtype)
     return (dequantize(a, a_sinv) @ dequantize(b, b_sinv).t()).to(out_dtype)
