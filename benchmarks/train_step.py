@@ -195,7 +195,8 @@ def collect(profile: str, device: Optional[torch.device] = None, progress=None,
             variants=VARIANTS) -> List[Dict[str, object]]:
     """The rows (``parallel_layers bench`` calls it as every benchmark's ``collect``)."""
     device = device or torch.device("cpu")
-    if device.type == "cuda":
+    if device.type == "cuda":                 # "cuda" alone names no index, which set_device needs
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     size = PROFILES[profile]
     dense = llama(size)

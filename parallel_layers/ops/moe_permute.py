@@ -20,7 +20,8 @@ Kernel contracts (backends ``cpp`` and ``triton``; ``T`` tokens, ``k`` slots, ``
 Exactness against the torch references (:func:`reference_permute`, :func:`reference_unpermute`, plain indexing
 that autograd differentiates): the forward gathers, the index, ``unpermute``'s float32 result and both
 backward gathers are bit-identical for float32, bfloat16 and float16; the permute backward is bit-identical for
-float32 (index_add_ adds in position order, as the kernel does) while for bf16/fp16 the kernel accumulates in
+float32 on the CPU (its index_add_ adds in position order, as the kernel does; CUDA's adds with atomics, in no
+fixed order, so there the reference is a float32 rounding apart) while for bf16/fp16 the kernel accumulates in
 float32 and rounds once where the reference's index_add_ rounds after every add (identical for ``k <= 2`` up
 to a double rounding). The weights' gradient is torch math (a row-wise dot over ``H`` whose order only ATen
 fixes), so it is the reference's exactly. Other dtypes (e.g. float64) run the reference.
