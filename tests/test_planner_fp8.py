@@ -31,7 +31,8 @@ def test_fp8_step_is_faster_than_bf16_on_an_h100_at_a_gemm_dominated_shape():
     bf16 = predict(_req(), lay, BUILTIN["h100"], cache)
     for recipe in RECIPES:
         fp8 = predict(_req(fp8=True, fp8_recipe=recipe), lay, BUILTIN["h100"], cache)
-        assert fp8.step_s < 0.85 * bf16.step_s, (recipe, fp8.step_s, bf16.step_s)
+        # the H200's measured rates at these shapes: FP8 GEMMs 1.3-1.6x bf16's, less the casts and attention
+        assert fp8.step_s < 0.95 * bf16.step_s, (recipe, fp8.step_s, bf16.step_s)
         # parameters, gradients and optimizer state unchanged (fp32 master weights, the weight in the model dtype)
         for term in ("parameters", "gradients", "optimizer"):
             assert fp8.memory[0][term] == bf16.memory[0][term]

@@ -81,6 +81,10 @@ _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_atten
                "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_efficient_attention_backward", "convolution", "convolution_backward",
                "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+_ATTENTION_OPS = {name for name in _MATMUL_OPS if "attention" in name}
+_CAUSAL_ARG = {"_scaled_dot_product_flash_attention_for_cpu": 4,            # where each op takes is_causal
+               "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
+               "_scaled_dot_product_flash_attention": 4, "_scaled_dot_product_flash_attention_backward": 8}
 _FREE_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "permute", "reshape", "detach", "slice",
              "select", "split", "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "alias", "chunk",
              "unbind", "empty", "empty_like", "new_empty", "empty_strided", "lift_fresh", "_to_copy_meta"}
@@ -169,6 +173,27 @@ class FlopTally(TorchDispatchMode):
         self.formulas = dict(flop_registry)
         self.formulas.update({op: shape_wrapper(f) for op, f in (extra or {}).items()})
         self.total = 0
+        # what a GPU's rate depends on beside the FLOPs (``Profile.matmul_seconds``): the matmuls' FLOPs over
+        # their reduction dim K, their output dims N and M; the attention ops' FLOPs as counted (the whole
+        # square) and as computed (half of it for a causal kernel)
+        self.shape = [0.0, 0.0, 0.0, 0.0, 0.0]
+
+    def _tally_shape(self, name: str, args, kwargs, flops: int) -> None:
+        if name in _ATTENTION_OPS:
+            # torch's formulas count the whole [s, s] square; a causal kernel computes half of it
+            at = _CAUSAL_ARG.get(name, len(args))
+            causal = kwargs.get("is_causal", args[at] if at < len(args) else False)
+            self.shape[3] += flops
+            self.shape[4] += flops / 2 if causal is True else flops
+            return
+        mats = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}.get(name)
+        if mats is None or flops == 0:
+            return
+        a, b = args[mats[0]], args[mats[1]]
+        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        self.shape[0] += flops / max(k, 1)
+        self.shape[1] += flops / max(n, 1)
+        self.shape[2] += flops / max(m, 1)
 
     def get_total_flops(self) -> int:
         return self.total
@@ -183,7 +208,9 @@ class FlopTally(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = self.formulas.get(func.overloadpacket)
         if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out)
+            self.total += flops
+            self._tally_shape(func.overloadpacket.__name__, args, kwargs, flops)
         return out
 
 

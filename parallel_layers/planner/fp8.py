@@ -229,8 +229,25 @@ def chunk_terms(acct: FP8Account, recipe: str, checkpoint: bool) -> dict:
         d_saved = sum(saved_bytes(g, recipe) for g in acct.gemms) - acct.freed
         d_peak = d_saved
     weights = {g.name: g.n * g.k * (g.w_size - 1) for g in acct.gemms}   # what an FP8 gather saves
+    shape_f, shape_b = gemm_shapes(acct.gemms)
+    if checkpoint:
+        shape_b = tuple(a + b for a, b in zip(shape_b, shape_f))
     return dict(flops_f=ff, flops_b=fb, cast_f=cf, cast_b=cb, saved=d_saved, peak=d_peak,
-                gather_saved=sum(weights.values()))
+                gather_saved=sum(weights.values()), shape_f=shape_f, shape_b=shape_b)
+
+
+def gemm_shapes(gemms: List[FP8Gemm]):
+    """The FP8 GEMMs' shape tallies (FLOPs over K, N, M, as ``accounting.FlopTally.shape``) forward and backward:
+    forward [m, k] x [k, n]; dgrad [m, n] x [n, k]; wgrad [n, m] x [m, k]."""
+    fwd, bwd = [0.0] * 5, [0.0] * 5
+    for g in gemms:
+        f = 2.0 * g.m * g.k * g.n
+        for tally, (red, out_n, out_m) in ((fwd, (g.k, g.n, g.m)),) + \
+                ((bwd, (g.n, g.k, g.m)),) * g.dgrad + ((bwd, (g.m, g.k, g.n)),) * g.wgrad:
+            tally[0] += f / red
+            tally[1] += f / out_n
+            tally[2] += f / out_m
+    return tuple(fwd), tuple(bwd)
 
 
 __all__ = ["FP8Gemm", "FP8Account", "cast_bytes", "saved_bytes", "converted_linears", "linear_calls", "fp8_rate",

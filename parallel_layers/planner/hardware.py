@@ -9,9 +9,12 @@ Built-in profiles come from vendor data sheets (dense tensor-core peaks, no spar
   each way); NDR InfiniBand 400 Gb/s per GPU (50 GB/s).
 * H200 SXM: H100's compute; HBM3e 4.8 TB/s, 141 GB.
 
-The achieved fraction of those peaks is not on a data sheet: the built-ins assume ``efficiency`` 0.5
-of peak for matmuls and 0.7 of HBM bandwidth, and NCCL-like link latencies (5 us per ring step over
-NVLink, 10 us over InfiniBand). Those are assumptions, said so in the output; ``--calibrate``
+The achieved fraction of those peaks is not on a data sheet. The Hopper profiles (H100, H200) charge each
+matmul by its shape with rates measured on an H200 (``HOPPER_GEMM_CURVE``: bf16 31-76% of peak, FP8 15-69%,
+the small reduction dims slowest) and attention at 50% of the FLOPs it computes (half the square where
+causal); the A100's assumes ``efficiency`` 0.5 of peak for
+every matmul (no A100 has been measured). All assume 0.7 of HBM bandwidth and NCCL-like link latencies (5 us
+per ring step over NVLink, 10 us over InfiniBand): assumptions, said so in the output; ``--calibrate``
 (:mod:`.calibrate`) replaces every figure with one measured on the machine.
 
 Collective cost (alpha-beta, ring algorithms, as NCCL's defaults for large messages): over a group of
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
               "all_gather": lambda n: n - 1, "send": lambda n: 1, "all_to_all": lambda n: n - 1}
@@ -63,6 +66,11 @@ class Profile:
     notes: str = ""
     async_dispatch: bool = False
     sends_held: bool = False
+    # measured GPU matmul rates by shape (None: every matmul FLOP at ``flops``): per precision the coefficients
+    # (c0, cK, cN, cM) of peak seconds per FLOP, 1 / efficiency = c0 + cK / K + cN / N + cM / M for a GEMM
+    # [M, K] x [K, N]; attention's FLOPs at ``attention_efficiency`` of the peak
+    gemm_curve: Optional[Dict[str, List[float]]] = None
+    attention_efficiency: Optional[float] = None
 
     def link(self, kind: str, inter_node: bool) -> Link:
         table = self.inter if inter_node else self.intra
@@ -77,6 +85,20 @@ class Profile:
 
     def matmul_rate(self, precision: str) -> float:
         return self.flops.get(precision) or self.flops["fp32"]
+
+    def matmul_seconds(self, precision: str, flops: float, shape=(0.0,) * 5) -> float:
+        """Seconds of ``flops`` matmul and attention FLOPs; ``shape``: the probe's tallies of them (their
+        FLOPs over K, N and M, the attention FLOPs counted and those computed: ``accounting.FlopTally.shape``),
+        which the measured curve reads. Without a curve for ``precision`` (or with no tallies) every FLOP goes
+        at ``flops``."""
+        curve = (self.gemm_curve or {}).get(precision)
+        if curve is None or flops <= 0 or not any(shape):
+            return flops / self.matmul_rate(precision) if flops > 0 else 0.0
+        peak = self.peak_flops.get(precision) or self.peak_flops["fp32"]
+        counted, computed = min(shape[3], flops), min(shape[4], flops)
+        c0, ck, cn, cm = curve
+        gemm = c0 * (flops - counted) + ck * shape[0] + cn * shape[1] + cm * shape[2]
+        return (gemm + computed / (self.attention_efficiency or 1.0 / c0)) / peak
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,10 +115,33 @@ class Profile:
             json.dump(self.to_json(), fh, indent=1)
 
 
-def _gpu(name, peaks, hbm, nvlink_each_way, ib_per_gpu, efficiency=0.5, notes=""):
-    return Profile(name=name, flops={k: v * efficiency for k, v in peaks.items()}, peak_flops=dict(peaks),
+# Hopper's matmul and attention rates by shape, fitted on one H200 (benchmarks/results/gemm_efficiency.csv,
+# ``python -m benchmarks.gemm_efficiency --quick`` under gpu-check, 2026-11-29, torch 2.11 cuBLAS / cuDNN):
+# 1 / efficiency = c0 + cK / K + cN / N (+ cM / M, taken equal to the N term: M was 8192 throughout and
+# the output's two dims tile alike), least squares over 24 projection shapes of hidden 2048-8192 at tp 1
+# and 4, median |error| 4.3% (bf16) / 7.1% (fp8), worst 16% / 17%. The H100 shares the SMs and the
+# library; its lower HBM bandwidth touches memory-bound work, not these compute-bound shapes. Causal
+# flash attention forward + backward at head dim 128: 44-56% of peak on the FLOPs it computes (0.5 here).
+_HOPPER_C_N = {"bf16": 307.9, "fp8": 1220.9}
+HOPPER_GEMM_CURVE = {
+    "bf16": [1.2227 - _HOPPER_C_N["bf16"] / 8192, 868.5, _HOPPER_C_N["bf16"], _HOPPER_C_N["bf16"]],
+    "fp8": [1.0323 - _HOPPER_C_N["fp8"] / 8192, 2233.9, _HOPPER_C_N["fp8"], _HOPPER_C_N["fp8"]],
+}
+HOPPER_GEMM_CURVE["fp16"] = HOPPER_GEMM_CURVE["bf16"]
+HOPPER_EFFICIENCY = {"bf16": 0.66, "fp16": 0.66, "fp8": 0.52}   # the measured medians: what a flat rate uses
+
+
+def _gpu(name, peaks, hbm, nvlink_each_way, ib_per_gpu, efficiency=0.5, notes="", measured_curve=None):
+    flat = {k: v * efficiency for k, v in peaks.items()}
+    if measured_curve is not None:
+        flat.update({k: peaks[k] * e for k, e in HOPPER_EFFICIENCY.items() if k in peaks})
+        notes = notes or ("data-sheet peaks; matmul and attention rates by shape measured on an H200 "
+                          "(bf16 median 66% of peak, fp8 52%), 70% of HBM bandwidth, ring collectives with "
+                          "NCCL-like latencies")
+    return Profile(name=name, flops=flat, peak_flops=dict(peaks),
                    mem_bw=hbm * 0.7, intra={"*": Link(5e-6, 1.0 / nvlink_each_way)},
                    inter={"*": Link(10e-6, 1.0 / ib_per_gpu)}, fragmentation=0.05, measured=False, async_dispatch=True,
+                   gemm_curve=measured_curve, attention_efficiency=0.5 if measured_curve else None,
                    notes=notes or f"data-sheet peaks; assumed {efficiency:.0%} matmul efficiency, 70% of HBM "
                                   f"bandwidth, ring collectives with NCCL-like latencies")
 
@@ -105,9 +150,9 @@ BUILTIN: Dict[str, Profile] = {
     "a100": _gpu("A100 SXM 80GB", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
                  2039e9, 300e9, 25e9),
     "h100": _gpu("H100 SXM", {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-                 3350e9, 450e9, 50e9),
+                 3350e9, 450e9, 50e9, measured_curve=HOPPER_GEMM_CURVE),
     "h200": _gpu("H200 SXM", {"fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-                 4800e9, 450e9, 50e9),
+                 4800e9, 450e9, 50e9, measured_curve=HOPPER_GEMM_CURVE),
 }
 
 

@@ -243,13 +243,18 @@ def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
 
 
 def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float, fp8_flops: float = 0.0,
-                  cast_bytes: float = 0.0) -> float:
+                  cast_bytes: float = 0.0, shape=(0.0,) * 5, fp8_shape=(0.0,) * 5) -> float:
     """One forward or backward: its FLOPs at the precision's matmul rate (``fp8_flops`` of them, FP8 training's
     GEMMs, at the fp8 rate instead), its memory traffic (and FP8 casts' ``cast_bytes``) at the bandwidth, its
-    operator calls' overhead and its collectives."""
-    device = max(flops - fp8_flops, 0) / prof.matmul_rate(req.precision) + (traffic + cast_bytes) / prof.mem_bw
+    operator calls' overhead and its collectives; ``shape`` / ``fp8_shape``: the shape tallies of ``flops`` and
+    of the FP8 GEMMs among them, which a profile with a measured curve reads."""
+    kept = max(flops - fp8_flops, 0)
     if fp8_flops:
-        device += fp8_flops / fp8_rate(prof, req)
+        shape = tuple(max(a - b, 0.0) for a, b in zip(shape[:3], fp8_shape[:3])) + tuple(shape[3:])
+    device = prof.matmul_seconds(req.precision, kept, shape) + (traffic + cast_bytes) / prof.mem_bw
+    if fp8_flops:
+        fp8_rate(prof, req)                       # a profile without FP8 tensor cores: refused, said why
+        device += prof.matmul_seconds("fp8", fp8_flops, fp8_shape)
     host = ops * prof.op_overhead
     t = (max(device, host) if prof.async_dispatch else device + host) * slow
     for name, sizes in colls.items():
@@ -321,10 +326,11 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     for r, pr in enumerate(probes):
         for c, cc in enumerate(pr.chunks):
             t8 = f8[r][c] or dict(flops_f=0, flops_b=0, cast_f=0, cast_b=0)
+            zero = (0.0,) * 5
             f = phase_seconds(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow,
-                              t8["flops_f"], t8["cast_f"])
+                              t8["flops_f"], t8["cast_f"], cc.shape_f, t8.get("shape_f", zero))
             b = phase_seconds(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow,
-                              t8["flops_b"], t8["cast_b"])
+                              t8["flops_b"], t8["cast_b"], cc.shape_b, t8.get("shape_b", zero))
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b

@@ -293,6 +293,10 @@ class ChunkCost:
     first_peak: int = 0        # the first micro-batch's peak (what its backward made of those counted as it went)
     persist_untallied: int = 0  # of ``persist``, what the tally did not see made (ZeRO-3's unit buffers, resized)
     fp8: Optional[object] = None  # FP8 training asked: the chunk's converted GEMMs (``planner.fp8.FP8Account``)
+    # the matmuls' FLOPs over K, N, M and the attention FLOPs counted and computed (``accounting.FlopTally.shape``),
+    # forward / backward
+    shape_f: tuple = (0.0,) * 5
+    shape_b: tuple = (0.0,) * 5
 
 
 def _on_meta(dev, tallies):
@@ -384,7 +388,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
                         # what the last phase dropped in cycles is gone before we count (a full pass before a
                         # forward: a checkpointed backward leaves its recomputation's tensors to the collector)
                         gc.collect() if phase == "F" else gc.collect(0)
-                        before_flops = flops.get_total_flops()
+                        before_flops, before_shape = flops.get_total_flops(), list(flops.shape)
                         before_traffic, before_ops = tally.traffic, tally.ops
                         before_coll = {k: len(v) for k, v in tally.collectives.items()}
                         tally.reset_peak()
@@ -408,6 +412,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
                                 if len(v) > before_coll.get(k, 0)}
                         phases.append(dict(peak=tally.peak - start, live=tally.live - start, saved=saved,
                                            flops=flops.get_total_flops() - before_flops,
+                                           shape=tuple(now - was for now, was in zip(flops.shape, before_shape)),
                                            traffic=tally.traffic - before_traffic, coll=coll,
                                            ops=tally.ops - before_ops))
             f1, b1, f2, b2 = phases
@@ -432,7 +437,8 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
             costs.append(ChunkCost(
                 saved=f2["saved"], peak=max(f1["peak"], b1["peak"], f2["peak"] + persist, b2["peak"] + persist),
                 persist=persist, first_peak=max(f1["peak"], b1["peak"]), persist_untallied=untallied, fp8=acct,
-                flops_f=f2["flops"], flops_b=b2["flops"], traffic_f=f2["traffic"],
+                flops_f=f2["flops"], flops_b=b2["flops"], shape_f=f2["shape"], shape_b=b2["shape"],
+                traffic_f=f2["traffic"],
                 traffic_b=b2["traffic"], ops_f=f2["ops"], ops_b=b2["ops"], coll_f=f2["coll"], coll_b=b2["coll"],
                 out_shape=hidden_shape[0] if hidden_shape else (),
                 out_bytes=(torch.Size(hidden_shape[0]).numel() * torch.empty(0, dtype=hidden_shape[1]).element_size()

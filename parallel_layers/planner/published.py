@@ -164,9 +164,9 @@ def breakdown(req: Request, pred: Prediction, prof: Profile, cache: Optional[dic
     for pr in probes:
         acc = dict.fromkeys(parts, 0.0)
         for cc in pr.chunks:
-            for fl, tr, ops, coll in ((cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f),
-                                      (cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b)):
-                acc["matmul"] += phase_seconds(req, lay, prof, fl, 0, 0, {}, slow) * lay.num_microbatches
+            for fl, shape, tr, ops, coll in ((cc.flops_f, cc.shape_f, cc.traffic_f, cc.ops_f, cc.coll_f),
+                                             (cc.flops_b, cc.shape_b, cc.traffic_b, cc.ops_b, cc.coll_b)):
+                acc["matmul"] += phase_seconds(req, lay, prof, fl, 0, 0, {}, slow, shape=shape) * lay.num_microbatches
                 acc["traffic"] += phase_seconds(req, lay, prof, 0, tr, 0, {}, slow) * lay.num_microbatches
                 acc["op_overhead"] += phase_seconds(req, lay, prof, 0, 0, ops, {}, slow) * lay.num_microbatches
                 acc["tp_comm"] += phase_seconds(req, lay, prof, 0, 0, 0, coll, slow) * lay.num_microbatches

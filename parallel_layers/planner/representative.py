@@ -159,6 +159,8 @@ def scale_chunk(costs: Dict[int, ChunkCost], k: int) -> ChunkCost:
     line = {f: _line(getattr(c2, f), getattr(c3, f), k - 1)
             for f in ("saved", "persist", "flops_f", "flops_b", "traffic_f", "traffic_b", "ops_f", "ops_b",
                       "persist_untallied")}
+    for f in ("shape_f", "shape_b"):
+        line[f] = tuple(_line(a, b, k - 1) for a, b in zip(getattr(c2, f), getattr(c3, f)))
     kept = c3.saved - c2.saved                 # what one more block keeps for backward
     return dataclasses.replace(c3, peak=c3.peak + (k - 3) * (kept + c3.persist - c2.persist),
                                first_peak=c3.first_peak + (k - 3) * kept,
