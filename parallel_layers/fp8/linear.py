@@ -142,7 +142,7 @@ class FP8LinearFunction(torch.autograd.Function):
         y = fp8_gemm(qx.data, qx.scale_inv, qw.data, qw.scale_inv, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        flag.copy_(torch.maximum(flag, (bad_x | bad_w).float().reshape(1)))
+        torch.maximum(flag, (bad_x | bad_w).reshape(1), out=flag)
         # backward reads x^T (wgrad) and W^T (dgrad) only: keep one layout of each, and nothing it will not use
         ctx.plan, ctx.flag = plan, flag
         ctx.qx = _backward_layout(qx) if weight.requires_grad else None
@@ -162,7 +162,7 @@ class FP8LinearFunction(torch.autograd.Function):
                            shard_dim=plan.grad_shard_dim, row_group=plan.row_group, state=plan.states.get("grad"),
                            margin=r.margin,
                            transpose=per_tensor and ctx.needs_input_grad[1], backend=plan.backend)
-        ctx.flag.copy_(torch.maximum(ctx.flag, bad.float().reshape(1)))
+        torch.maximum(ctx.flag, bad.reshape(1), out=ctx.flag)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(qg.data, qg.scale_inv, *_t(ctx.qw), ctx.x_dtype)

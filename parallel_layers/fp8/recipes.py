@@ -82,12 +82,15 @@ class FP8Recipe:
 
 def scale_from_amax(amax: torch.Tensor, fmt, margin: int = 0,
                     previous: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(scale, nonfinite)`` for the amaxes ``amax`` (see the module docstring); ``nonfinite`` is a 0-dim bool."""
-    fmax = FP8_MAX[fp8_dtype(fmt, "scale_from_amax")] / 2.0 ** margin
-    scale = torch.div(torch.full_like(amax, fmax), amax)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
-    finite = torch.isfinite(amax)
-    fallback = torch.ones_like(scale) if previous is None else previous.expand_as(scale)
+    """``(scale, nonfinite)`` for the amaxes ``amax`` (see the module docstring); ``nonfinite`` is a 0-dim bool.
+
+    Eight small ops (each a kernel launch on a GPU, where a step quantizes three tensors per linear layer):
+    an amax is never negative, so ``amax < inf`` is ``isfinite`` (NaN fails it too), and the division by a CPU
+    scalar tensor is the elementwise ``fmax / amax`` without filling a tensor with ``fmax`` first."""
+    fmax = torch.tensor(FP8_MAX[fp8_dtype(fmt, "scale_from_amax")] / 2.0 ** margin, dtype=torch.float32)
+    finite = amax < float("inf")
+    scale = torch.div(fmax, amax).clamp_(max=FP32_MAX)          # amax 0: inf -> the largest float32
+    fallback = 1.0 if previous is None else previous.expand_as(scale)
     scale = torch.where(finite & (amax > 0), scale, fallback)
     return scale, ~finite.all()
 
@@ -116,7 +119,7 @@ class DelayedScaling:
         scale recomputed (``update="cast"``), or into the pending max until :meth:`commit` (``"step"``).
         A non-finite amax leaves the state unchanged; returns the 0-dim bool ``nonfinite``."""
         amax = amax.reshape(()).to(self.amax_history.device)
-        finite = torch.isfinite(amax)
+        finite = amax < float("inf")                      # an amax is never negative: isfinite in one op
         if self.update_every == "step":
             self.pending_amax = torch.where(finite, torch.maximum(self.pending_amax, amax), self.pending_amax)
         else:
