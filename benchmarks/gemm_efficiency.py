@@ -11,7 +11,9 @@ widths, as tp splits them), plus ``torch._scaled_mm`` in FP8 e4m3 with per-tenso
 ``parallel_layers.fp8`` runs) where the device has FP8 units. Attention: ``scaled_dot_product_attention``
 (causal, bf16, head dim 64/128; forward, and forward + backward) at sequence lengths 1k-8k, counted as
 4*b*h*s^2*d/2 FLOPs forward (causal half) and 3.5x that forward + backward (the backward's five products
-against the forward's two, flash attention's recompute included).
+against the forward's two, flash attention's recompute included). At the end, the curve
+``planner.hardware.fit_gemm_curve`` fits to the GEMM rows of each dtype (what ``HOPPER_GEMM_CURVE`` holds for
+the H200 run of 2026-11-29, whose rows had M 8192 only; the M term is now measured with M 2048 and 8192).
 
 Each case: warm-up, then the median of CUDA-event-timed calls with L2 flushed (``harness.time_call``);
 ``tflops`` the achieved rate, ``efficiency`` that over the data sheet's dense peak of the dtype
@@ -27,6 +29,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from parallel_layers.planner.hardware import fit_gemm_curve
+
 from . import harness
 
 CSV_NAME = "gemm_efficiency.csv"
@@ -40,7 +44,7 @@ def gemm_shapes(profile: str) -> List[tuple]:
     if profile == "smoke":
         return [(64, 128, 64), (128, 64, 128)]
     hidden = _HIDDEN if profile == "full" else _HIDDEN[1:4]
-    tokens = (4096, 16384) if profile == "full" else (8192,)
+    tokens = (2048, 4096, 16384) if profile == "full" else (2048, 8192)     # M varied: the curve's M term
     shapes = []
     for h, ffn in hidden:
         for tp in (1, 4):
@@ -159,6 +163,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = collect(harness.profile_of(args), torch.device(args.device), progress=lambda s: print(s, flush=True))
     print(format_rows(rows))
+    for dtype in ("bf16", "fp8"):
+        samples = [tuple(int(part[1:]) for part in r["sizes"].split()) + (r["efficiency"],) for r in rows
+                   if r["case"] == "gemm" and r["dtype"] == dtype and r["efficiency"]]
+        if len(samples) >= 4:       # what planner.hardware.HOPPER_GEMM_CURVE holds, refitted on this GPU
+            print(f"fitted {dtype} curve (c0, cK, cN, cM):", [round(c, 6) for c in fit_gemm_curve(samples)])
     harness.append_and_report(rows, harness.csv_target(args, args.csv))
     return 0
 

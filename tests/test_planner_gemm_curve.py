@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from parallel_layers.planner.accounting import FlopTally, attention_flop_formulas
-from parallel_layers.planner.hardware import BUILTIN, Profile
+from parallel_layers.planner.hardware import BUILTIN, HOPPER_GEMM_CURVE, Profile, fit_gemm_curve
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "gemm_efficiency.csv")
 
@@ -94,3 +94,20 @@ def test_the_h200_profile_predicts_the_measured_training_step():
     pred = predict(req, Layout(zero=1, num_microbatches=1), BUILTIN["h200"], {})
     assert abs(pred.step_s * 1e3 / measured_ms - 1) <= 0.10, (pred.step_s, measured_ms)
     assert abs(pred.peak_bytes / 2**20 / measured_mb - 1) <= 0.10, (pred.peak_bytes, measured_mb)
+
+
+def test_the_built_in_curve_is_the_fit_of_the_committed_rows():
+    with open(RESULTS, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["device"] == "NVIDIA H200" and r["case"] == "gemm"]
+    for dtype in ("bf16", "fp8"):
+        samples = [tuple(int(re.search(d + r"(\d+)", r["sizes"]).group(1)) for d in "MNK") + (float(r["efficiency"]),)
+                   for r in rows if r["dtype"] == dtype]
+        fitted = fit_gemm_curve(samples)
+        assert all(abs(a / b - 1) < 1e-4 for a, b in zip(fitted, HOPPER_GEMM_CURVE[dtype])), (dtype, fitted)
+
+
+def test_the_fit_recovers_a_curve_whose_m_varies():
+    truth = [1.1, 900.0, 300.0, 150.0]
+    samples = [(m, n, k, 1 / (truth[0] + truth[1] / k + truth[2] / n + truth[3] / m))
+               for m in (1024, 4096) for n in (1024, 8192) for k in (512, 4096)]
+    assert all(abs(a / b - 1) < 1e-9 for a, b in zip(fit_gemm_curve(samples), truth))

@@ -115,6 +115,20 @@ class Profile:
             json.dump(self.to_json(), fh, indent=1)
 
 
+def fit_gemm_curve(samples) -> List[float]:
+    """(c0, cK, cN, cM) of ``1 / efficiency = c0 + cK / K + cN / N + cM / M`` fitted by least squares to
+    ``samples`` of (M, N, K, efficiency). Where every sample has the same M the M term cannot be told from c0:
+    it is taken equal to the N term (the output's two dims tile alike) and c0 keeps the rest."""
+    import torch
+    m, n, k, eff = (torch.tensor([float(s[i]) for s in samples], dtype=torch.float64) for i in range(4))
+    one_m = bool((m == m[0]).all())
+    cols = [torch.ones_like(k), 1 / k, 1 / n] + ([] if one_m else [1 / m])
+    coef = torch.linalg.lstsq(torch.stack(cols, 1), (1 / eff).unsqueeze(1)).solution.squeeze(1).tolist()
+    if one_m:
+        return [coef[0] - coef[2] / float(m[0]), coef[1], coef[2], coef[2]]
+    return coef
+
+
 # Hopper's matmul and attention rates by shape, fitted on one H200 (benchmarks/results/gemm_efficiency.csv,
 # ``python -m benchmarks.gemm_efficiency --quick`` under gpu-check, 2026-11-29, torch 2.11 cuBLAS / cuDNN):
 # 1 / efficiency = c0 + cK / K + cN / N (+ cM / M, taken equal to the N term: M was 8192 throughout and
@@ -122,10 +136,10 @@ class Profile:
 # and 4, median |error| 4.3% (bf16) / 7.1% (fp8), worst 16% / 17%. The H100 shares the SMs and the
 # library; its lower HBM bandwidth touches memory-bound work, not these compute-bound shapes. Causal
 # flash attention forward + backward at head dim 128: 44-56% of peak on the FLOPs it computes (0.5 here).
-_HOPPER_C_N = {"bf16": 307.9, "fp8": 1220.9}
+# (fit_gemm_curve of those rows; tests/test_planner_gemm_curve.py refits them)
 HOPPER_GEMM_CURVE = {
-    "bf16": [1.2227 - _HOPPER_C_N["bf16"] / 8192, 868.5, _HOPPER_C_N["bf16"], _HOPPER_C_N["bf16"]],
-    "fp8": [1.0323 - _HOPPER_C_N["fp8"] / 8192, 2233.9, _HOPPER_C_N["fp8"], _HOPPER_C_N["fp8"]],
+    "bf16": [1.18511, 868.493, 307.859, 307.859],
+    "fp8": [0.883272, 2233.87, 1220.89, 1220.89],
 }
 HOPPER_GEMM_CURVE["fp16"] = HOPPER_GEMM_CURVE["bf16"]
 HOPPER_EFFICIENCY = {"bf16": 0.66, "fp16": 0.66, "fp8": 0.52}   # the measured medians: what a flat rate uses
@@ -168,4 +182,5 @@ def load_profile(name_or_path: str) -> Profile:
                          f"JSON file that python -m parallel_layers plan --calibrate PATH wrote") from None
 
 
-__all__ = ["Link", "Profile", "BUILTIN", "load_profile", "RING_STEPS", "RING_BYTES"]
+__all__ = ["Link", "Profile", "BUILTIN", "load_profile", "RING_STEPS", "RING_BYTES", "fit_gemm_curve",
+           "HOPPER_GEMM_CURVE"]
