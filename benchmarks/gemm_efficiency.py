@@ -61,14 +61,6 @@ def attention_shapes(profile: str) -> List[tuple]:
     return [(max(1, 16384 // s), h, s, d) for s in seqs for h, d in ((32, 128), (16, 64))]
 
 
-def _peak(device: torch.device, kind: str) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    from parallel_layers.planner.hardware import BUILTIN
-    name = torch.cuda.get_device_name(device).lower()
-    return next((BUILTIN[key].peak_flops.get(kind) for key in ("h200", "h100", "a100") if key in name), None)
-
-
 def _median_ms(fn, device, reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -122,7 +114,7 @@ def collect(profile: str, device: Optional[torch.device] = None, progress=None) 
 
     def row(case, sizes, kind, flops, ms):
         tflops = flops / (ms / 1e3) / 1e12
-        peak = _peak(device, kind)
+        peak = harness.peak_flops(device, kind)
         rows.append(dict(common, case=case, sizes=sizes, dtype=kind, backend="torch", ours_median_ms=ms,
                          tflops=tflops, efficiency=None if peak is None else tflops * 1e12 / peak,
                          baseline=f"data-sheet peak {peak / 1e12:.0f} TFLOP/s" if peak else "no peak known"))

@@ -169,6 +169,16 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def peak_flops(device: torch.device, kind: str = "bf16") -> Optional[float]:
+    """The data sheet's dense peak FLOP/s of ``kind`` for a GPU the planner has a profile of (the
+    denominator of MFU and of a matmul's efficiency); None on a CPU or another GPU."""
+    if device.type != "cuda":
+        return None
+    from parallel_layers.planner.hardware import BUILTIN
+    name = torch.cuda.get_device_name(device).lower()
+    return next((BUILTIN[key].peak_flops.get(kind) for key in ("h200", "h100", "a100") if key in name), None)
+
+
 def versions() -> Dict[str, str]:
     # importlib.metadata rather than ``import triton``: importing triton initialises its drivers,
     # which is slow and pointless on a CPU-only machine.

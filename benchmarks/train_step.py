@@ -167,14 +167,6 @@ def measure(variant: str, dense, size: dict, device) -> Dict[str, object]:
     return {"first_loss": first, "times_ms": [t * 1e3 for t in times], "peak_bytes": _peak_bytes(device, start)}
 
 
-def _peak_flops(device) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    from parallel_layers.planner.hardware import BUILTIN
-    name = torch.cuda.get_device_name(device).lower()
-    return next((BUILTIN[key].peak_flops["bf16"] for key in ("h200", "h100", "a100") if key in name), None)
-
-
 @contextlib.contextmanager
 def _one_rank_world(device):
     """A process group of one rank (``Parallel3D`` needs one): NCCL on a GPU, gloo on the CPU."""
@@ -201,7 +193,7 @@ def collect(profile: str, device: Optional[torch.device] = None, progress=None,
     size = PROFILES[profile]
     dense = llama(size)
     tokens = size["batch"] * size["seq"]
-    flops, peak = model_flops(dense, size, tokens), _peak_flops(device)
+    flops, peak = model_flops(dense, size, tokens), harness.peak_flops(device)
     common = harness.common_fields(profile, device, torch.get_num_threads())
     results = {}
     with _one_rank_world(device):

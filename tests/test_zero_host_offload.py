@@ -203,7 +203,7 @@ def _close(new, ref, start):
 
 def body_cuda_parity(rank, world, stage, dtype):
     # deterministic backward (the embedding's, by sorting instead of atomics): both runs then hand the optimizers
-    # the same gradients, so what differs is the optimizers alone (fp16's atomic sums differ by an ulp, 1e-3)
+    # the same gradients, so what differs is the optimizers alone
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:

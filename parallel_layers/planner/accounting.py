@@ -82,9 +82,23 @@ _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_atten
                "_scaled_dot_product_efficient_attention_backward", "convolution", "convolution_backward",
                "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
 _ATTENTION_OPS = {name for name in _MATMUL_OPS if "attention" in name}
-_CAUSAL_ARG = {"_scaled_dot_product_flash_attention_for_cpu": 4,            # where each op takes is_causal
-               "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
-               "_scaled_dot_product_flash_attention": 4, "_scaled_dot_product_flash_attention_backward": 8}
+
+
+def add_gemm_shape(tally, flops: float, m: int, k: int, n: int) -> None:
+    """Add a GEMM [m, k] x [k, n] of ``flops`` to ``tally``'s first three terms (FLOPs over K, N, M: what
+    ``Profile.matmul_seconds`` reads; ``FlopTally.shape`` and the planner's FP8 GEMMs keep them alike)."""
+    tally[0] += flops / max(k, 1)
+    tally[1] += flops / max(n, 1)
+    tally[2] += flops / max(m, 1)
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    """The ``is_causal`` argument of an attention op, found by name in its schema (False where it has none)."""
+    if "is_causal" in kwargs:
+        return kwargs["is_causal"] is True
+    names = [a.name for a in func._schema.arguments]
+    at = names.index("is_causal") if "is_causal" in names else len(args)
+    return at < len(args) and args[at] is True
 _FREE_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "permute", "reshape", "detach", "slice",
              "select", "split", "split_with_sizes", "unsqueeze", "squeeze", "as_strided", "alias", "chunk",
              "unbind", "empty", "empty_like", "new_empty", "empty_strided", "lift_fresh", "_to_copy_meta"}
@@ -178,22 +192,18 @@ class FlopTally(TorchDispatchMode):
         # square) and as computed (half of it for a causal kernel)
         self.shape = [0.0, 0.0, 0.0, 0.0, 0.0]
 
-    def _tally_shape(self, name: str, args, kwargs, flops: int) -> None:
+    def _tally_shape(self, func, args, kwargs, flops: int) -> None:
+        name = func.overloadpacket.__name__
         if name in _ATTENTION_OPS:
             # torch's formulas count the whole [s, s] square; a causal kernel computes half of it
-            at = _CAUSAL_ARG.get(name, len(args))
-            causal = kwargs.get("is_causal", args[at] if at < len(args) else False)
             self.shape[3] += flops
-            self.shape[4] += flops / 2 if causal is True else flops
+            self.shape[4] += flops / 2 if _is_causal(func, args, kwargs) else flops
             return
         mats = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}.get(name)
         if mats is None or flops == 0:
             return
         a, b = args[mats[0]], args[mats[1]]
-        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-        self.shape[0] += flops / max(k, 1)
-        self.shape[1] += flops / max(n, 1)
-        self.shape[2] += flops / max(m, 1)
+        add_gemm_shape(self.shape, flops, a.shape[-2], a.shape[-1], b.shape[-1])
 
     def get_total_flops(self) -> int:
         return self.total
@@ -210,7 +220,7 @@ class FlopTally(TorchDispatchMode):
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
             self.total += flops
-            self._tally_shape(func.overloadpacket.__name__, args, kwargs, flops)
+            self._tally_shape(func, args, kwargs, flops)
         return out
 
 

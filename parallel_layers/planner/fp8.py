@@ -41,7 +41,7 @@ from typing import Callable, List, Tuple
 import torch
 import torch.nn as nn
 
-from .accounting import OpTally
+from .accounting import OpTally, add_gemm_shape
 
 # the last name of a module that is not converted: the LM head, the MoE router and gates
 NOT_CONVERTED = re.compile(r"(^|\.)(lm_head|head|output|router|gate|shared_expert_gate|score)$")
@@ -242,11 +242,11 @@ def gemm_shapes(gemms: List[FP8Gemm]):
     fwd, bwd = [0.0] * 5, [0.0] * 5
     for g in gemms:
         f = 2.0 * g.m * g.k * g.n
-        for tally, (red, out_n, out_m) in ((fwd, (g.k, g.n, g.m)),) + \
-                ((bwd, (g.n, g.k, g.m)),) * g.dgrad + ((bwd, (g.m, g.k, g.n)),) * g.wgrad:
-            tally[0] += f / red
-            tally[1] += f / out_n
-            tally[2] += f / out_m
+        add_gemm_shape(fwd, f, g.m, g.k, g.n)
+        if g.dgrad:
+            add_gemm_shape(bwd, f, g.m, g.n, g.k)
+        if g.wgrad:
+            add_gemm_shape(bwd, f, g.n, g.m, g.k)
     return tuple(fwd), tuple(bwd)
 
 
