@@ -198,8 +198,28 @@ def test_pack_unpack_round_trip(target):
 
 
 # ------------------------------------------------------------------------------------- bad input
-def test_multi_tensor_bad_input_names_the_argument():
+def _cpu_backends():
+    from parallel_layers.ops import _backend
+    return ["torch"] + (["cpp"] if _backend.resolve("multi_tensor_cast", torch.device("cpu")) == "cpp" else [])
+
+
+@pytest.mark.parametrize("backend", _cpu_backends())
+def test_multi_tensor_bad_input_names_the_argument(backend, monkeypatch):
+    """The same errors whichever backend runs: the C++ ones check the lists themselves (no Python pass over
+    thousands of tensors) and the Python checks then name the fault."""
+    monkeypatch.setenv("PARALLEL_LAYERS_BACKEND", backend)
+    from parallel_layers.ops import _backend
+    _backend.clear_cache()
     a, b = torch.randn(4), torch.randn(5)
+    bf = torch.empty(4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"srcs\[1\] has dtype float16 but srcs\[0\] has"):
+        ops.multi_tensor_cast([a, b.half()], [bf, torch.empty(5, dtype=torch.bfloat16)])
+    with pytest.raises(TypeError, match=r"dsts\[1\] must be a torch.Tensor, got str"):
+        ops.multi_tensor_cast([a, b], [bf, "x"])
+    with pytest.raises(TypeError, match=r"srcs\[1\] has dtype int64"):
+        ops.pack_bucket([a, torch.arange(3)], torch.empty(20))
+    with pytest.raises(ValueError, match=r"dsts\[1\] must be contiguous"):
+        ops.unpack_bucket(torch.empty(40), [a, torch.randn(4, 4).t()])
     with pytest.raises(TypeError, match=r"tensors\[1\] has dtype float16 but tensors\[0\] has"):
         ops.unscale_and_norm([a, b.half()])
     with pytest.raises(TypeError, match="tensors must be a list or tuple"):

@@ -200,6 +200,16 @@ def _resolve(op: str, device: torch.device, backend: Optional[str], backends: Se
     return "torch", False
 
 
+# backends whose entry points check every tensor of a list (type, dtype, device, layout, sizes) before any work
+SELF_CHECKING = ("cpp", "cuda")
+
+
+def checks_inputs(op: str, device: Optional[torch.device], backend: Optional[str],
+                  backends: Sequence[str] = BACKENDS) -> bool:
+    """Whether the backend chosen for ``op`` on ``device`` validates its arguments itself (``SELF_CHECKING``)."""
+    return isinstance(device, torch.device) and resolve(op, device, backend, backends) in SELF_CHECKING
+
+
 def kernel(op: str, device: torch.device, backend: Optional[str], reference: Callable,
            backends: Sequence[str] = BACKENDS) -> Callable:
     """The function implementing ``op``'s kernel contract on the chosen backend (``backends``: the

@@ -34,12 +34,16 @@ def tensor(op: str, name: str, t, *, dtypes=None, device=None, numel=None, flat=
     return t
 
 
-def tensor_list(op: str, name: str, ts, *, dtypes=None, device=None) -> list:
-    """A non-nested list of contiguous tensors sharing one dtype and one device."""
+def tensor_list(op: str, name: str, ts, *, dtypes=None, device=None, kernel_checks: bool = False) -> list:
+    """A non-nested list of contiguous tensors sharing one dtype and one device.
+
+    ``kernel_checks``: the kernel about to run checks every item itself before any work (the C++ backends):
+    only the list is checked here, since a Python pass costs ~0.3-0.6 us a tensor, which on a GPU is most
+    of a multi-tensor op's time over thousands of small tensors. Wrap the call in ``explain_kernel_error``."""
     if isinstance(ts, torch.Tensor) or not isinstance(ts, (list, tuple)):
         raise TypeError(f"{op}: {name} must be a list or tuple of tensors, got {type(ts).__name__}")
     ts = list(ts)
-    if not ts:
+    if not ts or (kernel_checks and isinstance(ts[0], torch.Tensor)):
         return ts
     first = ts[0]
     dev = device if device is not None else getattr(first, "device", None)
@@ -51,6 +55,17 @@ def tensor_list(op: str, name: str, ts, *, dtypes=None, device=None) -> list:
             raise TypeError(f"{op}: {name}[{i}] has dtype {_short(t.dtype)} but {name}[0] has "
                             f"{_short(first.dtype)}; call the op once per dtype")
     return ts
+
+
+def explain_kernel_error(call, recheck):
+    """Run ``call()``, a kernel that validated its own arguments (``tensor_list(kernel_checks=True)``); if it
+    refuses them, ``recheck()`` runs the full Python checks, which raise the usual error naming the fault
+    (a TypeError or ValueError with the fix); where they find none the kernel's own error stands."""
+    try:
+        return call()
+    except (RuntimeError, TypeError):      # TypeError: pybind11 refusing a list item that is no tensor
+        recheck()
+        raise
 
 
 def _uniform(ts, dtypes, device) -> bool:

@@ -48,7 +48,9 @@ def pack_bucket(srcs: Sequence[torch.Tensor], bucket: Optional[torch.Tensor] = N
     ``offsets`` default to packing back to back. Returns the bucket.
     """
     op = "pack_bucket"
-    srcs = _checks.tensor_list(op, "srcs", srcs, dtypes=_checks.FLOAT_DTYPES)
+    first = srcs[0] if isinstance(srcs, (list, tuple)) and srcs else None
+    native = _backend.checks_inputs(op, getattr(first, "device", None), backend)
+    srcs = _checks.tensor_list(op, "srcs", srcs, dtypes=_checks.FLOAT_DTYPES, kernel_checks=native)
     sizes = [s.numel() for s in srcs]
     if bucket is None:
         if not srcs:
@@ -65,7 +67,8 @@ def pack_bucket(srcs: Sequence[torch.Tensor], bucket: Optional[torch.Tensor] = N
         return bucket
     scale_t = _checks.scalar_tensor(op, "scale", scale, bucket.device)
     impl = _backend.kernel(op, bucket.device, backend, reference_pack_bucket)
-    impl(srcs, bucket, offs, scale_t)
+    _checks.explain_kernel_error(lambda: impl(srcs, bucket, offs, scale_t),
+                                 lambda: _checks.tensor_list(op, "srcs", srcs, dtypes=_checks.FLOAT_DTYPES))
     return bucket
 
 
@@ -75,10 +78,14 @@ def unpack_bucket(bucket: torch.Tensor, dsts: Sequence[torch.Tensor], *, scale: 
     """Write (or with ``accumulate``, add) ``bucket`` slices times ``scale`` into ``dsts``."""
     op = "unpack_bucket"
     _checks.tensor(op, "bucket", bucket, dtypes=_checks.FLOAT_DTYPES, flat=True)
-    dsts = _checks.tensor_list(op, "dsts", dsts, dtypes=_checks.FLOAT_DTYPES, device=bucket.device)
+    native = _backend.checks_inputs(op, bucket.device, backend)
+    dsts = _checks.tensor_list(op, "dsts", dsts, dtypes=_checks.FLOAT_DTYPES, device=bucket.device,
+                               kernel_checks=native)
     if not dsts:
         return
     offs, _ = _checks.offsets_for(op, [d.numel() for d in dsts], offsets, bucket.numel())
     scale_t = _checks.scalar_tensor(op, "scale", scale, bucket.device)
     impl = _backend.kernel(op, bucket.device, backend, reference_unpack_bucket)
-    impl(bucket, dsts, offs, scale_t, bool(accumulate))
+    _checks.explain_kernel_error(
+        lambda: impl(bucket, dsts, offs, scale_t, bool(accumulate)),
+        lambda: _checks.tensor_list(op, "dsts", dsts, dtypes=_checks.FLOAT_DTYPES, device=bucket.device))

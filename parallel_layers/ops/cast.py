@@ -30,6 +30,18 @@ def reference_multi_tensor_cast(srcs, dsts, scale, found_inf):
     found_inf.copy_(torch.where(nonfinite, torch.ones_like(found_inf), found_inf))
 
 
+def _check_sizes(op, srcs, dsts) -> None:
+    for i, (s, d) in enumerate(zip(srcs, dsts)):
+        if s.numel() != d.numel():
+            raise ValueError(f"{op}: srcs[{i}] has {s.numel()} elements but dsts[{i}] has {d.numel()}")
+
+
+def _check_pairs(op, srcs, dsts, dev) -> None:
+    _checks.tensor_list(op, "srcs", srcs, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor_list(op, "dsts", dsts, dtypes=_checks.FLOAT_DTYPES, device=dev)
+    _check_sizes(op, srcs, dsts)
+
+
 def multi_tensor_cast(srcs: Sequence[torch.Tensor], dsts: Optional[Sequence[torch.Tensor]] = None, *,
                       dtype: Optional[torch.dtype] = None, scale: Union[float, torch.Tensor] = 1.0,
                       found_inf: Optional[torch.Tensor] = None,
@@ -40,7 +52,9 @@ def multi_tensor_cast(srcs: Sequence[torch.Tensor], dsts: Optional[Sequence[torc
     Returns ``dsts``.
     """
     op = "multi_tensor_cast"
-    srcs = _checks.tensor_list(op, "srcs", srcs, dtypes=_checks.FLOAT_DTYPES)
+    first = srcs[0] if isinstance(srcs, (list, tuple)) and srcs else None
+    native = _backend.checks_inputs(op, getattr(first, "device", None), backend)
+    srcs = _checks.tensor_list(op, "srcs", srcs, dtypes=_checks.FLOAT_DTYPES, kernel_checks=native)
     if dsts is None:
         if dtype is None:
             raise ValueError(f"{op}: pass dsts, or dtype= to allocate them")
@@ -48,14 +62,13 @@ def multi_tensor_cast(srcs: Sequence[torch.Tensor], dsts: Optional[Sequence[torc
             raise TypeError(f"{op}: dtype={dtype} is not one of float32, bfloat16, float16")
         dsts = [torch.empty_like(s, dtype=dtype) for s in srcs]
     dev = srcs[0].device if srcs else None
-    dsts = _checks.tensor_list(op, "dsts", dsts, dtypes=_checks.FLOAT_DTYPES, device=dev)
+    dsts = _checks.tensor_list(op, "dsts", dsts, dtypes=_checks.FLOAT_DTYPES, device=dev, kernel_checks=native)
     if len(dsts) != len(srcs):
         raise ValueError(f"{op}: got {len(srcs)} srcs but {len(dsts)} dsts")
     if dtype is not None and dsts and dsts[0].dtype != dtype:
         raise TypeError(f"{op}: dtype={dtype} but dsts have dtype {dsts[0].dtype}")
-    for i, (s, d) in enumerate(zip(srcs, dsts)):
-        if s.numel() != d.numel():
-            raise ValueError(f"{op}: srcs[{i}] has {s.numel()} elements but dsts[{i}] has {d.numel()}")
+    if not native:
+        _check_sizes(op, srcs, dsts)
     if not srcs:
         return dsts
     scale_t = _checks.scalar_tensor(op, "scale", scale, dev)
@@ -63,5 +76,5 @@ def multi_tensor_cast(srcs: Sequence[torch.Tensor], dsts: Optional[Sequence[torc
         found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
     inf_t = _checks.scalar_tensor(op, "found_inf", found_inf, dev)
     impl = _backend.kernel(op, dev, backend, reference_multi_tensor_cast)
-    impl(srcs, dsts, scale_t, inf_t)
+    _checks.explain_kernel_error(lambda: impl(srcs, dsts, scale_t, inf_t), lambda: _check_pairs(op, srcs, dsts, dev))
     return dsts

@@ -45,7 +45,9 @@ def unscale_and_norm(tensors: Sequence[torch.Tensor], *, inv_scale: Union[float,
     ``found_inf`` may be passed in to accumulate into (e.g. one flag across several dtypes).
     """
     op = "unscale_and_norm"
-    tensors = _checks.tensor_list(op, "tensors", tensors, dtypes=_checks.FLOAT_DTYPES)
+    first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else None
+    native = _backend.checks_inputs(op, getattr(first, "device", None), backend)
+    tensors = _checks.tensor_list(op, "tensors", tensors, dtypes=_checks.FLOAT_DTYPES, kernel_checks=native)
     if tensors:
         dev = tensors[0].device
     elif isinstance(found_inf, torch.Tensor):
@@ -63,5 +65,6 @@ def unscale_and_norm(tensors: Sequence[torch.Tensor], *, inv_scale: Union[float,
         norm.zero_()
         return norm, inf_t
     impl = _backend.kernel(op, dev, backend, reference_unscale_and_norm)
-    impl(tensors, inv_t, inf_t, norm, bool(unscale))
+    _checks.explain_kernel_error(lambda: impl(tensors, inv_t, inf_t, norm, bool(unscale)),
+                                 lambda: _checks.tensor_list(op, "tensors", tensors, dtypes=_checks.FLOAT_DTYPES))
     return norm, inf_t
