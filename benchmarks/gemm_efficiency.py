@@ -27,8 +27,15 @@ import os
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
+from parallel_layers.planner.calibrate_gpu import (
+    attention_calls,
+    attention_flops,
+    attention_shapes,
+    fp8_matmul_call,
+    gemm_shapes,
+    matmul_call,
+)
 from parallel_layers.planner.hardware import fit_gemm_curve
 
 from . import harness
@@ -36,73 +43,10 @@ from . import harness
 CSV_NAME = "gemm_efficiency.csv"
 CSV_PATH = os.path.join(harness.RESULTS_DIR, CSV_NAME)
 
-_HIDDEN = [(1024, 2816), (2048, 5632), (4096, 14336), (8192, 28672), (16384, 53248)]
-
-
-def gemm_shapes(profile: str) -> List[tuple]:
-    """(M, N, K) of a layer's four projections at each hidden size, at tp 1 and tp 4, for two token counts."""
-    if profile == "smoke":
-        return [(64, 128, 64), (128, 64, 128)]
-    hidden = _HIDDEN if profile == "full" else _HIDDEN[1:4]
-    tokens = (2048, 4096, 16384) if profile == "full" else (2048, 8192)     # M varied: the curve's M term
-    shapes = []
-    for h, ffn in hidden:
-        for tp in (1, 4):
-            for m in tokens:
-                shapes += [(m, 3 * h // tp, h), (m, h, h // tp), (m, 2 * ffn // tp, h), (m, h, ffn // tp)]
-    return sorted(set(shapes))
-
-
-def attention_shapes(profile: str) -> List[tuple]:
-    """(batch, heads, seq, head_dim)."""
-    if profile == "smoke":
-        return [(1, 2, 64, 32)]
-    seqs = (1024, 2048, 4096, 8192) if profile == "full" else (2048, 8192)
-    return [(max(1, 16384 // s), h, s, d) for s in seqs for h, d in ((32, 128), (16, 64))]
-
-
 def _median_ms(fn, device, reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     return harness.Stats.of([harness.time_call(fn, device) for _ in range(reps)]).median_ms
-
-
-def _fp8_matmul(m: int, n: int, k: int, device):
-    """A callable running ``torch._scaled_mm`` in e4m3 at this shape, or None where it cannot run here."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return None
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return None
-    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
-    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
-    one = torch.ones((), device=device)
-    fn = lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-    try:
-        fn()
-    except RuntimeError:
-        return None
-    return fn
-
-
-def _matmul(m: int, n: int, k: int, device, dtype):
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    w = torch.randn(n, k, device=device, dtype=dtype)
-    return lambda: torch.matmul(x, w.t())
-
-
-def _attention(b: int, h: int, s: int, d: int, device, dtype):
-    """Causal SDPA's forward alone (no autograd) and its forward + backward, at these sizes."""
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
-
-    def fwd():
-        with torch.no_grad():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    def fwd_bwd():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return torch.autograd.grad(out, (q, k, v), grad)
-    return fwd, fwd_bwd
 
 
 def collect(profile: str, device: Optional[torch.device] = None, progress=None) -> List[Dict[str, object]]:
@@ -124,16 +68,16 @@ def collect(profile: str, device: Optional[torch.device] = None, progress=None) 
     kind = "bf16" if dtype == torch.bfloat16 else "fp32"
     for m, n, k in gemm_shapes(profile):
         sizes = f"M{m} N{n} K{k}"
-        row("gemm", sizes, kind, 2.0 * m * n * k, _median_ms(_matmul(m, n, k, device, dtype), device, reps, warmup))
-        fp8 = _fp8_matmul(m, n, k, device)
+        row("gemm", sizes, kind, 2.0 * m * n * k, _median_ms(matmul_call(m, n, k, device, dtype), device, reps,
+                                                              warmup))
+        fp8 = fp8_matmul_call(m, n, k, device)
         if fp8 is not None:
             row("gemm", sizes, "fp8", 2.0 * m * n * k, _median_ms(fp8, device, reps, warmup))
     for b, h, s, d in attention_shapes(profile):
-        fwd, fwd_bwd = _attention(b, h, s, d, device, dtype)
-        fwd_flops = 4.0 * b * h * s * s * d / 2
+        fwd, fwd_bwd = attention_calls(b, h, s, d, device, dtype)
+        fwd_flops, both_flops = attention_flops(b, h, s, d)
         row("attention_fwd", f"b{b} h{h} s{s} d{d}", kind, fwd_flops, _median_ms(fwd, device, reps, warmup))
-        row("attention_fwd_bwd", f"b{b} h{h} s{s} d{d}", kind, 3.5 * fwd_flops,
-            _median_ms(fwd_bwd, device, reps, warmup))
+        row("attention_fwd_bwd", f"b{b} h{h} s{s} d{d}", kind, both_flops, _median_ms(fwd_bwd, device, reps, warmup))
     harness.free_memory(device)
     return rows
 

@@ -10,7 +10,8 @@ bf16 (fp32 master weights, fused AdamW), layouts of one rank (micro-batches, che
 * predicted: ``parallel_layers.planner.predict`` (the package's own code on the meta device) for the same
   request and layout, with two profiles: the built-in data-sheet one of the GPU (``h100``: 50% of the bf16
   peak, 70% of HBM bandwidth), and one calibrated here: this GPU's measured bf16 matmul rate at the model's
-  shape, copy bandwidth and per-operator time (the planner's ``--calibrate`` measures CPUs over gloo).
+  shape, copy bandwidth and per-operator time; and a third, what ``plan --calibrate`` writes on a GPU
+  (``planner.calibrate_gpu``: the matmul curve over projection shapes, attention, copy and per-op time).
 * measured: memory, ``torch.cuda.max_memory_allocated`` over a step after a warm-up step, above what the
   process held before the model was built (on CPU: the planner's own ``measure`` accounting); time, the
   median of the timed steps, each ending in a device synchronisation.
@@ -26,6 +27,8 @@ import time
 from typing import Callable, List, Optional
 
 import torch
+
+from parallel_layers.planner.calibrate_gpu import calibrate_device
 
 from . import harness
 
@@ -135,6 +138,9 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     gpu = device.type == "cuda"
     sheet = load_profile(sheet_for(device))
     cases, calibrated = [], {}
+    if progress:
+        progress("calibrating as plan --calibrate does (matmul curve, attention, copy, per-op)")
+    whole = calibrate_device(device, "quick" if gpu else "smoke")
     for size in prof["gpts"]:
         cfg = GPTConfig(max_seq_len=s, **size)
         for layout in layouts():
@@ -151,7 +157,8 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
         if progress:
             progress(f"predicting {req.describe_model()} {layout.name()}")
         cache: dict = {}
-        preds.append((predict(req, layout, sheet, cache), predict(req, layout, cal, cache)))
+        preds.append((predict(req, layout, sheet, cache), predict(req, layout, cal, cache),
+                      predict(req, layout, whole, cache)))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     if gpu:
@@ -162,7 +169,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     rows, common = [], dict(harness.common_fields(mode, device, torch.get_num_threads()), dtype="bf16",
                             backend="nccl" if gpu else "gloo")
     try:
-        for (cfg, layout, req, _cal), (p_sheet, p_cal) in zip(cases, preds):
+        for (cfg, layout, req, _cal), (p_sheet, p_cal, p_whole) in zip(cases, preds):
             label = f"{req.describe_model()} b{b} s{s} {layout.name()}"
             if progress:
                 progress(f"measuring {label}")
@@ -170,31 +177,35 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
             x = torch.randint(0, cfg.vocab_size, (b, s), generator=gen).to(device)
             y = torch.randint(0, cfg.vocab_size, (b, s), generator=gen).to(device)
             got = measure(cfg, layout, device, (x, y), prof["steps"])
-            rows += _rows(common, label, p_sheet, p_cal, got)
+            rows += _rows(common, label, p_sheet, p_cal, p_whole, got)
     finally:
         dist.destroy_process_group()
     rows += summary_rows(common, rows)
     for (d_model, m_rows), cal in calibrated.items():      # what the calibrated predictions used
         rows.append(dict(common, case="planner_device_profile", sizes=f"d {d_model}, {m_rows} rows",
                          x=cal.flops["bf16"] / 1e12, gbps=cal.mem_bw / 1e9, baseline=cal.notes))
+    rows.append(dict(common, case="planner_device_profile", sizes="plan --calibrate",
+                     x=whole.matmul_rate("bf16") / 1e12, gbps=whole.mem_bw / 1e9,
+                     baseline=f"{whole.notes}; curve {whole.gemm_curve}"))
     return rows
 
 
-def _rows(common, label, pred_sheet, pred_cal, got) -> List[dict]:
+def _rows(common, label, pred_sheet, pred_cal, pred_whole, got) -> List[dict]:
     pred_mem = sum(pred_sheet.memory[0].values())
     mem_err = (pred_mem - got["peak_bytes"]) / got["peak_bytes"]
     out = [dict(common, case="planner_device_memory", sizes=label, mem_mb=got["peak_bytes"] / 2**20,
                 x=pred_mem / 2**20,
                 baseline=f"predicted {pred_mem / 2**20:.0f} MiB ({mem_err:+.1%}); measured "
                          f"max_memory_allocated {got['peak_bytes'] / 2**20:.0f} MiB")]
-    for name, pred in (("data sheet", pred_sheet), ("calibrated", pred_cal)):
+    for name, pred in (("data sheet", pred_sheet), ("calibrated", pred_cal), ("plan --calibrate", pred_whole)):
         err = (pred.step_s - got["step_s"]) / got["step_s"]
         out.append(dict(common, case="planner_device_time", sizes=f"{label} [{name}]",
                         ours_median_ms=got["step_s"] * 1e3, base_median_ms=pred.step_s * 1e3,
                         baseline=f"predicted {pred.step_s * 1e3:.1f} ms ({err:+.0%}) with the {name} profile"))
     print(f"{label:44s} memory {got['peak_bytes'] / 2**20:8.0f} MiB, predicted {pred_mem / 2**20:8.0f} "
           f"({mem_err:+.1%}) | step {got['step_s'] * 1e3:8.1f} ms, predicted {pred_sheet.step_s * 1e3:8.1f} "
-          f"(sheet) {pred_cal.step_s * 1e3:8.1f} (calibrated)", flush=True)
+          f"(sheet) {pred_cal.step_s * 1e3:8.1f} (calibrated) {pred_whole.step_s * 1e3:8.1f} (plan --calibrate)",
+          flush=True)
     return out
 
 
@@ -207,7 +218,7 @@ def summary_rows(common, rows) -> List[dict]:
                 x=statistics.median(mem), target="median <= 5%, worst <= 15%",
                 met=bool(statistics.median(mem) <= 0.05 and max(mem) <= 0.15),
                 baseline=f"median |error| {statistics.median(mem):.1%}, worst {max(mem):.1%}")]
-    for name in ("data sheet", "calibrated"):
+    for name in ("data sheet", "calibrated", "plan --calibrate"):
         t = [r for r in rows if r["case"] == "planner_device_time" and r["sizes"].endswith(f"[{name}]")]
         pred, meas = [r["base_median_ms"] for r in t], [r["ours_median_ms"] for r in t]
         rho = spearman(pred, meas) if len(t) > 1 else float("nan")

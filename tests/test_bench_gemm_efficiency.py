@@ -10,11 +10,12 @@ from benchmarks import gemm_efficiency, harness
 def test_gemm_efficiency_smoke_counts_flops_of_each_case():
     rows = gemm_efficiency.collect("smoke", torch.device("cpu"))
     cases = [(r["case"], r["sizes"]) for r in rows]
-    assert cases == [("gemm", "M64 N128 K64"), ("gemm", "M128 N64 K128"), ("attention_fwd", "b1 h2 s64 d32"),
+    assert cases == [("gemm", "M64 N128 K64"), ("gemm", "M128 N64 K128"), ("gemm", "M64 N64 K256"),
+                     ("gemm", "M256 N128 K64"), ("attention_fwd", "b1 h2 s64 d32"),
                      ("attention_fwd_bwd", "b1 h2 s64 d32")]
     gemm = rows[0]
     assert abs(gemm["tflops"] - 2 * 64 * 128 * 64 / (gemm["ours_median_ms"] / 1e3) / 1e12) < 1e-12
-    fwd, both = rows[2], rows[3]
+    fwd, both = rows[4], rows[5]
     fwd_flops = 4 * 1 * 2 * 64 * 64 * 32 / 2
     assert abs(fwd["tflops"] * fwd["ours_median_ms"] / 1e3 * 1e12 - fwd_flops) < 1e-3 * fwd_flops
     assert abs(both["tflops"] * both["ours_median_ms"] / 1e3 * 1e12 - 3.5 * fwd_flops) < 1e-3 * fwd_flops

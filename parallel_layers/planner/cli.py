@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+import torch
+
 from ..cpu_affinity import available_cores
 from .hardware import BUILTIN, load_profile
 from .search import PLANNED_SCHEDULES, candidate_layouts, draw, plan, to_json
@@ -64,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{usable_cores()} cores usable here)")
     ap.add_argument("--json", help="write every layout's prediction here")
     ap.add_argument("--png", help="draw the memory bars and step times here")
-    ap.add_argument("--calibrate", metavar="PATH", help="measure this machine over --world gloo ranks, save the "
-                                                        "profile to PATH, and stop")
+    ap.add_argument("--calibrate", metavar="PATH", help="measure this machine and save the profile to PATH, then "
+                                                        "stop: on a GPU its matmul curve, attention, copy and "
+                                                        "per-op rates; on CPUs also collectives over --world "
+                                                        "gloo ranks")
     return ap
 
 
@@ -101,6 +105,14 @@ def _row(p) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.calibrate and torch.cuda.is_available():
+        from .calibrate_gpu import calibrate_device
+        prof = calibrate_device(torch.device("cuda", torch.cuda.current_device()),
+                                progress=lambda s: print(f"  {s}", file=sys.stderr, flush=True))
+        prof.save(args.calibrate)
+        print(f"calibrated profile saved to {args.calibrate}: {prof.notes}; matmul curve (c0, cK, cN, cM) "
+              f"{ {k: [round(c, 4) for c in v] for k, v in (prof.gemm_curve or {}).items()} }")
+        return 0
     if args.calibrate:
         from .calibrate import calibrate
         prof = calibrate(world=args.world)
