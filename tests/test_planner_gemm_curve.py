@@ -46,17 +46,20 @@ def test_flop_tally_counts_attention_apart():
 def test_the_curve_reproduces_the_h200_rows_it_was_fitted_on():
     with open(RESULTS, newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r["device"] == "NVIDIA H200" and r["case"] == "gemm"]
-    assert len(rows) >= 40
+    assert len(rows) >= 140
     prof = BUILTIN["h200"]
     errors = {"bf16": [], "fp8": []}
+    large = {"bf16": [], "fp8": []}
     for r in rows:
         m, n, k = (int(re.search(d + r"(\d+)", r["sizes"]).group(1)) for d in "MNK")
         flops = 2.0 * m * n * k
         predicted = prof.matmul_seconds(r["dtype"], flops, (flops / k, flops / n, flops / m, 0.0, 0.0))
         errors[r["dtype"]].append(abs(predicted * 1e3 / float(r["ours_median_ms"]) - 1))
-    for dtype, bound in (("bf16", 0.06), ("fp8", 0.10)):
+        if m * n * k >= 2 ** 34:         # the smallest GEMMs' fixed cost per call is not in the curve
+            large[r["dtype"]].append(errors[r["dtype"]][-1])
+    for dtype, bound, worst in (("bf16", 0.07, 0.30), ("fp8", 0.08, 0.40)):
         errs = sorted(errors[dtype])
-        assert errs[len(errs) // 2] <= bound and errs[-1] <= 0.25, (dtype, errs)
+        assert errs[len(errs) // 2] <= bound and max(large[dtype]) <= worst, (dtype, errs)
 
 
 def test_a_profile_without_a_curve_charges_the_flat_rate_and_survives_json(tmp_path):
@@ -77,8 +80,8 @@ def test_a_profile_without_a_curve_charges_the_flat_rate_and_survives_json(tmp_p
 
 def test_the_h200_profile_predicts_the_measured_training_step():
     """benchmarks/train_step.py's "ours bf16" on one H200 (Llama 1.1B, 4 x 2048 tokens, ZeRO-1 bf16): the
-    planner's step with the measured curve within 10% (it was 171.6 ms predicted for 162.2 measured; the flat
-    50% efficiency predicted 190.2), its peak memory within 10%."""
+    planner's step with the measured curve within 10% (the fit of 2026-11-30 predicts 174.4 ms for 163.0 (+7.0%)
+    measured; the flat 50% efficiency predicted 190.2), its peak memory within 10%."""
     from transformers import LlamaConfig
 
     from parallel_layers.composition.layout import Layout

@@ -116,30 +116,34 @@ class Profile:
 
 
 def fit_gemm_curve(samples) -> List[float]:
-    """(c0, cK, cN, cM) of ``1 / efficiency = c0 + cK / K + cN / N + cM / M`` fitted by least squares to
-    ``samples`` of (M, N, K, efficiency). Where every sample has the same M the M term cannot be told from c0:
-    it is taken equal to the N term (the output's two dims tile alike) and c0 keeps the rest."""
+    """(c0, cK, cN, cM) of ``1 / efficiency = c0 + cK / K + cN / N + cM / M`` fitted to ``samples`` of (M, N, K,
+    efficiency) by least squares on the relative error of the predicted time (each row's equation scaled by its
+    efficiency: the slow small shapes would otherwise outweigh the large ones a training step is made of).
+    Where every sample has the same M the M term cannot be told from c0: it is taken equal to the N term (the
+    output's two dims tile alike) and c0 keeps the rest."""
     import torch
     m, n, k, eff = (torch.tensor([float(s[i]) for s in samples], dtype=torch.float64) for i in range(4))
     one_m = bool((m == m[0]).all())
     cols = [torch.ones_like(k), 1 / k, 1 / n] + ([] if one_m else [1 / m])
-    coef = torch.linalg.lstsq(torch.stack(cols, 1), (1 / eff).unsqueeze(1)).solution.squeeze(1).tolist()
+    a = torch.stack(cols, 1) * eff.unsqueeze(1)
+    coef = torch.linalg.lstsq(a, torch.ones_like(eff).unsqueeze(1)).solution.squeeze(1).tolist()
     if one_m:
         return [coef[0] - coef[2] / float(m[0]), coef[1], coef[2], coef[2]]
     return coef
 
 
 # Hopper's matmul and attention rates by shape, fitted on one H200 (benchmarks/results/gemm_efficiency.csv,
-# ``python -m benchmarks.gemm_efficiency --quick`` under gpu-check, 2026-11-29, torch 2.11 cuBLAS / cuDNN):
-# 1 / efficiency = c0 + cK / K + cN / N (+ cM / M, taken equal to the N term: M was 8192 throughout and
-# the output's two dims tile alike), least squares over 24 projection shapes of hidden 2048-8192 at tp 1
-# and 4, median |error| 4.3% (bf16) / 7.1% (fp8), worst 16% / 17%. The H100 shares the SMs and the
-# library; its lower HBM bandwidth touches memory-bound work, not these compute-bound shapes. Causal
-# flash attention forward + backward at head dim 128: 44-56% of peak on the FLOPs it computes (0.5 here).
+# ``python -m benchmarks.gemm_efficiency --quick`` under gpu-check, two runs of 2026-11-29/30, torch 2.11 cuBLAS):
+# 1 / efficiency = c0 + cK / K + cN / N + cM / M over 72 projection shapes (hidden 2048-8192, tp 1 and 4, M 2048
+# and 8192) per dtype, median |error| 6.3% (bf16) / 7.4% (fp8); the worst are the smallest GEMMs (2048^2 x 512:
+# 69% / 117%), whose fixed cost per call the four terms do not hold (over 2^34 M*N*K: worst 26% / 36% in time). The H100
+# shares the SMs and the library; its lower HBM bandwidth touches memory-bound work, not these compute-bound
+# shapes. Causal flash attention forward + backward at head dim 128: 44-56% of peak on the FLOPs it computes
+# (0.5 here). ``plan --calibrate`` on a GPU measures the same (``calibrate_gpu``).
 # (fit_gemm_curve of those rows; tests/test_planner_gemm_curve.py refits them)
 HOPPER_GEMM_CURVE = {
-    "bf16": [1.18511, 868.493, 307.859, 307.859],
-    "fp8": [0.883272, 2233.87, 1220.89, 1220.89],
+    "bf16": [1.143067, 1000.42745, 570.871467, 83.580217],
+    "fp8": [0.96392, 2044.04112, 1646.113933, 538.636242],
 }
 HOPPER_GEMM_CURVE["fp16"] = HOPPER_GEMM_CURVE["bf16"]
 HOPPER_EFFICIENCY = {"bf16": 0.66, "fp16": 0.66, "fp8": 0.52}   # the measured medians: what a flat rate uses
