@@ -260,3 +260,19 @@ def test_backend_from_environment_variable(monkeypatch):
     ops.clear_backend_cache()
     with pytest.raises(ValueError, match="from PARALLEL_LAYERS_BACKEND"):
         ops.pack_bucket([torch.randn(3)])
+
+
+def test_automatic_choice_on_cuda_prefers_the_cuda_kernels(monkeypatch):
+    """Where an op has both, CUDA tensors get the C++ CUDA kernel (faster on an H200 for every such op: the
+    host's time per launch), Triton where the op has no CUDA kernel or the extension was built without CUDA."""
+    from parallel_layers.ops import _backend
+    monkeypatch.setenv("PARALLEL_LAYERS_BACKEND", "auto")
+    _backend.clear_cache()
+    have = {"cuda", "triton"}
+    monkeypatch.setattr(_backend, "_availability",
+                        lambda name, device: (object(), None) if name in have else (None, "absent here"))
+    gpu = torch.device("cuda", 0)
+    assert _backend._resolve("multi_tensor_cast", gpu, None, _backend.BACKENDS)[0] == "cuda"
+    assert _backend._resolve("fp8_cast", gpu, None, ("torch", "triton"))[0] == "triton"
+    have.discard("cuda")
+    assert _backend._resolve("multi_tensor_cast", gpu, None, _backend.BACKENDS)[0] == "triton"

@@ -49,17 +49,14 @@ def test_the_curve_reproduces_the_h200_rows_it_was_fitted_on():
     assert len(rows) >= 140
     prof = BUILTIN["h200"]
     errors = {"bf16": [], "fp8": []}
-    large = {"bf16": [], "fp8": []}
     for r in rows:
         m, n, k = (int(re.search(d + r"(\d+)", r["sizes"]).group(1)) for d in "MNK")
         flops = 2.0 * m * n * k
-        predicted = prof.matmul_seconds(r["dtype"], flops, (flops / k, flops / n, flops / m, 0.0, 0.0))
+        predicted = prof.matmul_seconds(r["dtype"], flops, (flops / k, flops / n, flops / m, 0.0, 0.0, 1))
         errors[r["dtype"]].append(abs(predicted * 1e3 / float(r["ours_median_ms"]) - 1))
-        if m * n * k >= 2 ** 34:         # the smallest GEMMs' fixed cost per call is not in the curve
-            large[r["dtype"]].append(errors[r["dtype"]][-1])
-    for dtype, bound, worst in (("bf16", 0.07, 0.30), ("fp8", 0.08, 0.40)):
+    for dtype, bound, worst in (("bf16", 0.07, 0.30), ("fp8", 0.07, 0.50)):
         errs = sorted(errors[dtype])
-        assert errs[len(errs) // 2] <= bound and max(large[dtype]) <= worst, (dtype, errs)
+        assert errs[len(errs) // 2] <= bound and errs[-1] <= worst, (dtype, errs)
 
 
 def test_a_profile_without_a_curve_charges_the_flat_rate_and_survives_json(tmp_path):
@@ -80,7 +77,7 @@ def test_a_profile_without_a_curve_charges_the_flat_rate_and_survives_json(tmp_p
 
 def test_the_h200_profile_predicts_the_measured_training_step():
     """benchmarks/train_step.py's "ours bf16" on one H200 (Llama 1.1B, 4 x 2048 tokens, ZeRO-1 bf16): the
-    planner's step with the measured curve within 10% (the fit of 2026-11-30 predicts 174.4 ms for 163.0 (+7.0%)
+    planner's step with the measured curve within 10% (the fit of 2026-11-30 predicts 170.8 ms for 163.0 (+4.8%)
     measured; the flat 50% efficiency predicted 190.2), its peak memory within 10%."""
     from transformers import LlamaConfig
 
@@ -106,11 +103,23 @@ def test_the_built_in_curve_is_the_fit_of_the_committed_rows():
         samples = [tuple(int(re.search(d + r"(\d+)", r["sizes"]).group(1)) for d in "MNK") + (float(r["efficiency"]),)
                    for r in rows if r["dtype"] == dtype]
         fitted = fit_gemm_curve(samples)
-        assert all(abs(a / b - 1) < 1e-4 for a, b in zip(fitted, HOPPER_GEMM_CURVE[dtype])), (dtype, fitted)
+        assert all(abs(a - b) <= 1e-4 * max(abs(b), 1.0) for a, b in zip(fitted, HOPPER_GEMM_CURVE[dtype])), fitted
 
 
 def test_the_fit_recovers_a_curve_whose_m_varies():
-    truth = [1.1, 900.0, 300.0, 150.0]
-    samples = [(m, n, k, 1 / (truth[0] + truth[1] / k + truth[2] / n + truth[3] / m))
+    truth = [1.1, 900.0, 300.0, 150.0, 2.0]        # the last: the fixed cost per call, over 1e9 / (M N K)
+    samples = [(m, n, k, 1 / (truth[0] + truth[1] / k + truth[2] / n + truth[3] / m + truth[4] * 1e9 / (m * n * k)))
                for m in (1024, 4096) for n in (1024, 8192) for k in (512, 4096)]
     assert all(abs(a / b - 1) < 1e-9 for a, b in zip(fit_gemm_curve(samples), truth))
+
+
+def test_the_fit_never_leaves_a_term_negative():
+    """A term that fits below zero is dropped: a shape smaller than those measured must not get a negative time."""
+    samples = [(m, n, k, 1 / (1.0 + 500.0 / k + 200.0 / n - 300.0 / m)) for m in (2048, 8192)
+               for n in (1024, 4096, 8192) for k in (1024, 4096)]
+    curve = fit_gemm_curve(samples)
+    assert len(curve) == 5 and min(curve) >= 0 and curve[3] == 0.0
+    prof = BUILTIN["h200"]
+    flops = 2.0 * 16 * 8192 * 8192                    # M 16: far below the measured shapes
+    tiny = prof.matmul_seconds("bf16", flops, (flops / 8192, flops / 8192, flops / 16, 0.0, 0.0, 1))
+    assert tiny > flops / prof.peak_flops["bf16"]

@@ -84,12 +84,20 @@ _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_atten
 _ATTENTION_OPS = {name for name in _MATMUL_OPS if "attention" in name}
 
 
+# the terms of a shape tally (``FlopTally.shape``, what ``Profile.matmul_seconds`` reads): the matmuls' FLOPs over
+# their K, N and M, the attention FLOPs counted (the whole square) and computed (half for a causal kernel), and
+# the number of GEMM calls (each pays a fixed cost that the FLOP terms do not hold)
+SHAPE_TERMS = 6
+NO_SHAPE = (0.0,) * SHAPE_TERMS
+
+
 def add_gemm_shape(tally, flops: float, m: int, k: int, n: int) -> None:
-    """Add a GEMM [m, k] x [k, n] of ``flops`` to ``tally``'s first three terms (FLOPs over K, N, M: what
-    ``Profile.matmul_seconds`` reads; ``FlopTally.shape`` and the planner's FP8 GEMMs keep them alike)."""
+    """Add one GEMM [m, k] x [k, n] of ``flops`` to ``tally`` (its K, N, M terms and its call count;
+    ``FlopTally.shape`` and the planner's FP8 GEMMs keep them alike)."""
     tally[0] += flops / max(k, 1)
     tally[1] += flops / max(n, 1)
     tally[2] += flops / max(m, 1)
+    tally[5] += 1
 
 
 def _is_causal(func, args, kwargs) -> bool:
@@ -187,10 +195,8 @@ class FlopTally(TorchDispatchMode):
         self.formulas = dict(flop_registry)
         self.formulas.update({op: shape_wrapper(f) for op, f in (extra or {}).items()})
         self.total = 0
-        # what a GPU's rate depends on beside the FLOPs (``Profile.matmul_seconds``): the matmuls' FLOPs over
-        # their reduction dim K, their output dims N and M; the attention ops' FLOPs as counted (the whole
-        # square) and as computed (half of it for a causal kernel)
-        self.shape = [0.0, 0.0, 0.0, 0.0, 0.0]
+        # what a GPU's rate depends on beside the FLOPs (``Profile.matmul_seconds``): SHAPE_TERMS above
+        self.shape = list(NO_SHAPE)
 
     def _tally_shape(self, func, args, kwargs, flops: int) -> None:
         name = func.overloadpacket.__name__

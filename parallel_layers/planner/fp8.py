@@ -41,7 +41,7 @@ from typing import Callable, List, Tuple
 import torch
 import torch.nn as nn
 
-from .accounting import OpTally, add_gemm_shape
+from .accounting import NO_SHAPE, OpTally, add_gemm_shape
 
 # the last name of a module that is not converted: the LM head, the MoE router and gates
 NOT_CONVERTED = re.compile(r"(^|\.)(lm_head|head|output|router|gate|shared_expert_gate|score)$")
@@ -239,7 +239,7 @@ def chunk_terms(acct: FP8Account, recipe: str, checkpoint: bool) -> dict:
 def gemm_shapes(gemms: List[FP8Gemm]):
     """The FP8 GEMMs' shape tallies (FLOPs over K, N, M, as ``accounting.FlopTally.shape``) forward and backward:
     forward [m, k] x [k, n]; dgrad [m, n] x [n, k]; wgrad [n, m] x [m, k]."""
-    fwd, bwd = [0.0] * 5, [0.0] * 5
+    fwd, bwd = list(NO_SHAPE), list(NO_SHAPE)
     for g in gemms:
         f = 2.0 * g.m * g.k * g.n
         add_gemm_shape(fwd, f, g.m, g.k, g.n)

@@ -86,18 +86,20 @@ class Profile:
     def matmul_rate(self, precision: str) -> float:
         return self.flops.get(precision) or self.flops["fp32"]
 
-    def matmul_seconds(self, precision: str, flops: float, shape=(0.0,) * 5) -> float:
-        """Seconds of ``flops`` matmul and attention FLOPs; ``shape``: the probe's tallies of them (their
-        FLOPs over K, N and M, the attention FLOPs counted and those computed: ``accounting.FlopTally.shape``),
-        which the measured curve reads. Without a curve for ``precision`` (or with no tallies) every FLOP goes
-        at ``flops``."""
+    def matmul_seconds(self, precision: str, flops: float, shape=None) -> float:
+        """Seconds of ``flops`` matmul and attention FLOPs; ``shape``: the probe's tallies of them
+        (``accounting.SHAPE_TERMS``: their FLOPs over K, N and M, the attention FLOPs counted and computed, the
+        GEMM calls), which the measured curve reads. Without a curve for ``precision`` (or with no tallies)
+        every FLOP goes at ``flops``."""
         curve = (self.gemm_curve or {}).get(precision)
-        if curve is None or flops <= 0 or not any(shape):
+        if curve is None or flops <= 0 or not shape or not any(shape):
             return flops / self.matmul_rate(precision) if flops > 0 else 0.0
         peak = self.peak_flops.get(precision) or self.peak_flops["fp32"]
         counted, computed = min(shape[3], flops), min(shape[4], flops)
-        c0, ck, cn, cm = curve
-        gemm = c0 * (flops - counted) + ck * shape[0] + cn * shape[1] + cm * shape[2]
+        c0, ck, cn, cm = curve[:4]
+        calls = shape[5] if len(shape) > 5 else 0.0
+        per_call = curve[4] * 2 * GEMM_CALL_SCALE if len(curve) > 4 else 0.0       # peak FLOPs' time per call
+        gemm = c0 * (flops - counted) + ck * shape[0] + cn * shape[1] + cm * shape[2] + per_call * calls
         return (gemm + computed / (self.attention_efficiency or 1.0 / c0)) / peak
 
     def to_json(self) -> dict:
@@ -115,35 +117,54 @@ class Profile:
             json.dump(self.to_json(), fh, indent=1)
 
 
+# the per-call column of the curve's fit, 1 / (M N K) scaled to order one at the shapes measured
+GEMM_CALL_SCALE = 1e9
+
+
 def fit_gemm_curve(samples) -> List[float]:
-    """(c0, cK, cN, cM) of ``1 / efficiency = c0 + cK / K + cN / N + cM / M`` fitted to ``samples`` of (M, N, K,
-    efficiency) by least squares on the relative error of the predicted time (each row's equation scaled by its
-    efficiency: the slow small shapes would otherwise outweigh the large ones a training step is made of).
-    Where every sample has the same M the M term cannot be told from c0: it is taken equal to the N term (the
-    output's two dims tile alike) and c0 keeps the rest."""
+    """(c0, cK, cN, cM, cCall) of ``1 / efficiency = c0 + cK / K + cN / N + cM / M + cCall * 1e9 / (M N K)``
+    fitted to ``samples`` of (M, N, K, efficiency) by least squares on the relative error of the predicted time
+    (each row's equation scaled by its efficiency: the slow small shapes would otherwise outweigh the large ones
+    a training step is made of). The last term is a fixed time per GEMM call (launch, the last partial wave):
+    what makes the smallest shapes slower than the others predict; fitted where there are more samples than
+    terms, else 0. Where every sample has the same M the M term cannot be told from c0: it is taken equal to
+    the N term (the output's two dims tile alike) and c0 keeps the rest."""
     import torch
     m, n, k, eff = (torch.tensor([float(s[i]) for s in samples], dtype=torch.float64) for i in range(4))
     one_m = bool((m == m[0]).all())
-    cols = [torch.ones_like(k), 1 / k, 1 / n] + ([] if one_m else [1 / m])
-    a = torch.stack(cols, 1) * eff.unsqueeze(1)
-    coef = torch.linalg.lstsq(a, torch.ones_like(eff).unsqueeze(1)).solution.squeeze(1).tolist()
+    cols = {"K": 1 / k, "N": 1 / n}
+    if not one_m:
+        cols["M"] = 1 / m
+    if len(samples) > len(cols) + 2:
+        cols["call"] = GEMM_CALL_SCALE / (m * n * k)
+    # no term may be negative (a shape smaller than those measured would get a negative time): a term fitted
+    # below zero is dropped and the rest refitted
+    while True:
+        a = torch.stack([torch.ones_like(k)] + list(cols.values()), 1) * eff.unsqueeze(1)
+        coef = torch.linalg.lstsq(a, torch.ones_like(eff).unsqueeze(1)).solution.squeeze(1).tolist()
+        got = dict(zip(["c0"] + list(cols), coef))
+        worst = min(cols, key=lambda name: got[name])
+        if got[worst] >= 0:
+            break
+        del cols[worst]
+    c0, ck, cn = got["c0"], got.get("K", 0.0), got.get("N", 0.0)
     if one_m:
-        return [coef[0] - coef[2] / float(m[0]), coef[1], coef[2], coef[2]]
-    return coef
+        return [c0 - cn / float(m[0]), ck, cn, cn, got.get("call", 0.0)]
+    return [c0, ck, cn, got.get("M", 0.0), got.get("call", 0.0)]
 
 
 # Hopper's matmul and attention rates by shape, fitted on one H200 (benchmarks/results/gemm_efficiency.csv,
 # ``python -m benchmarks.gemm_efficiency --quick`` under gpu-check, two runs of 2026-11-29/30, torch 2.11 cuBLAS):
-# 1 / efficiency = c0 + cK / K + cN / N + cM / M over 72 projection shapes (hidden 2048-8192, tp 1 and 4, M 2048
-# and 8192) per dtype, median |error| 6.3% (bf16) / 7.4% (fp8); the worst are the smallest GEMMs (2048^2 x 512:
-# 69% / 117%), whose fixed cost per call the four terms do not hold (over 2^34 M*N*K: worst 26% / 36% in time). The H100
-# shares the SMs and the library; its lower HBM bandwidth touches memory-bound work, not these compute-bound
-# shapes. Causal flash attention forward + backward at head dim 128: 44-56% of peak on the FLOPs it computes
-# (0.5 here). ``plan --calibrate`` on a GPU measures the same (``calibrate_gpu``).
+# over 72 projection shapes per dtype (hidden 2048-8192, tp 1 and 4, M 2048 and 8192), median |error| 6.5% (bf16)
+# / 5.6% (fp8), worst 26% / 44% (the smallest, 2048 x 2048 x 512). The M term fitted below zero and was dropped;
+# the per-call term is 12 us (bf16) / 18 us (fp8) of peak-rate time per GEMM. The H100 shares the SMs and the
+# library; its lower HBM bandwidth touches memory-bound work, not these compute-bound shapes. Causal flash
+# attention forward + backward at head dim 128: 44-56% of peak on the FLOPs it computes (0.5 here).
+# ``plan --calibrate`` on a GPU measures the same (``calibrate_gpu``).
 # (fit_gemm_curve of those rows; tests/test_planner_gemm_curve.py refits them)
 HOPPER_GEMM_CURVE = {
-    "bf16": [1.143067, 1000.42745, 570.871467, 83.580217],
-    "fp8": [0.96392, 2044.04112, 1646.113933, 538.636242],
+    "bf16": [1.246653, 650.274372, 181.427796, 0.0, 5.875377],
+    "fp8": [1.282643, 1199.562877, 600.667176, 0.0, 17.587493],
 }
 HOPPER_GEMM_CURVE["fp16"] = HOPPER_GEMM_CURVE["bf16"]
 HOPPER_EFFICIENCY = {"bf16": 0.66, "fp16": 0.66, "fp8": 0.52}   # the measured medians: what a flat rate uses
@@ -187,4 +208,4 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 __all__ = ["Link", "Profile", "BUILTIN", "load_profile", "RING_STEPS", "RING_BYTES", "fit_gemm_curve",
-           "HOPPER_GEMM_CURVE"]
+           "HOPPER_GEMM_CURVE", "GEMM_CALL_SCALE"]

@@ -45,6 +45,7 @@ from ..composition.layout import Layout
 from ..dimensions import names, replicating, world_size
 from ..pipeline.schedules import SCHEDULE_SPECS, build_all, schedule_spec, simulate, simulate_timing, stage_of
 from . import representative as rep
+from .accounting import NO_SHAPE
 from .fp8 import chunk_terms, fp8_rate
 from .hardware import Profile
 from .probe import (
@@ -243,14 +244,15 @@ def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
 
 
 def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float, fp8_flops: float = 0.0,
-                  cast_bytes: float = 0.0, shape=(0.0,) * 5, fp8_shape=(0.0,) * 5) -> float:
+                  cast_bytes: float = 0.0, shape=NO_SHAPE, fp8_shape=NO_SHAPE) -> float:
     """One forward or backward: its FLOPs at the precision's matmul rate (``fp8_flops`` of them, FP8 training's
     GEMMs, at the fp8 rate instead), its memory traffic (and FP8 casts' ``cast_bytes``) at the bandwidth, its
     operator calls' overhead and its collectives; ``shape`` / ``fp8_shape``: the shape tallies of ``flops`` and
     of the FP8 GEMMs among them, which a profile with a measured curve reads."""
     kept = max(flops - fp8_flops, 0)
     if fp8_flops:
-        shape = tuple(max(a - b, 0.0) for a, b in zip(shape[:3], fp8_shape[:3])) + tuple(shape[3:])
+        # the FP8 GEMMs' terms leave the precision's own (attention's, 3 and 4, are never FP8)
+        shape = tuple(a if i in (3, 4) else max(a - b, 0.0) for i, (a, b) in enumerate(zip(shape, fp8_shape)))
     device = prof.matmul_seconds(req.precision, kept, shape) + (traffic + cast_bytes) / prof.mem_bw
     if fp8_flops:
         fp8_rate(prof, req)                       # a profile without FP8 tensor cores: refused, said why
@@ -326,7 +328,7 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     for r, pr in enumerate(probes):
         for c, cc in enumerate(pr.chunks):
             t8 = f8[r][c] or dict(flops_f=0, flops_b=0, cast_f=0, cast_b=0)
-            zero = (0.0,) * 5
+            zero = NO_SHAPE
             f = phase_seconds(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow,
                               t8["flops_f"], t8["cast_f"], cc.shape_f, t8.get("shape_f", zero))
             b = phase_seconds(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow,

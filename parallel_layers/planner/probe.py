@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..composition.layout import Layout
 from .accounting import (
+    NO_SHAPE,
     FlopTally,
     OpTally,
     attention_flop_formulas,
@@ -295,8 +296,8 @@ class ChunkCost:
     fp8: Optional[object] = None  # FP8 training asked: the chunk's converted GEMMs (``planner.fp8.FP8Account``)
     # the matmuls' FLOPs over K, N, M and the attention FLOPs counted and computed (``accounting.FlopTally.shape``),
     # forward / backward
-    shape_f: tuple = (0.0,) * 5
-    shape_b: tuple = (0.0,) * 5
+    shape_f: tuple = NO_SHAPE
+    shape_b: tuple = NO_SHAPE
 
 
 def _on_meta(dev, tallies):
