@@ -507,3 +507,19 @@ def test_the_search_can_leave_context_parallelism_out():
     assert every == {1, 2, 4}
     assert {lay.cp for lay, _ in candidate_layouts(req, cp=(1,))} == {1}
     assert {lay.cp for lay, _ in candidate_layouts(req, cp=(1, 2))} == {1, 2}
+
+
+def test_every_dimension_can_be_narrowed_and_an_empty_search_says_why(capsys):
+    from parallel_layers.planner.cli import main
+    from parallel_layers.planner.search import candidate_layouts
+    req = Request(GPTConfig(vocab_size=64, n_layer=4, n_head=2, d_model=16, max_seq_len=8), world=8,
+                  global_batch=8, seq_len=8, memory_bytes=2**30)
+    some = [lay for lay, _ in candidate_layouts(req, dp=(2,), tp=(1, 2), pp=(2,), cp=(1, 2))]
+    assert some and {(lay.dp, lay.pp) for lay in some} == {(2, 2)} and {lay.tp for lay in some} == {1, 2}
+    assert all(lay.dp * lay.tp * lay.pp * lay.cp == 8 for lay in some)
+    with pytest.raises(ValueError, match=r"--tp 3: no size divides the world of 8 ranks; name divisors of 8"):
+        list(candidate_layouts(req, tp=(3,)))
+    argv = ["--gpt", "4,16,2,64", "--world", "8", "--seq-len", "8", "--global-batch", "8"]
+    with pytest.raises(SystemExit, match=r"no layout has dp x ep x tp x pp x cp = 8 ranks with the sizes asked "
+                                         r"\(--dp 2, --tp 2, --pp 1, --cp 1\); widen one"):
+        main(argv + ["--dp", "2", "--tp", "2", "--pp", "1", "--cp", "1"])

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "layout's probe costs minutes on a large model); default: every size the world allows")
     ap.add_argument("--ep", default=None, help="expert-parallel sizes to consider for an MoE model, e.g. 1,2; "
                     "default: every size that divides the world and the experts")
+    for dim in ("dp", "tp", "pp"):
+        ap.add_argument(f"--{dim}", default=None, help=f"{dim} sizes to consider, e.g. 1,2,4 (default: every divisor "
+                                                     f"of --world)")
     ap.add_argument("--schedules", default=",".join(PLANNED_SCHEDULES))
     ap.add_argument("--checkpoint", default="off,on", help="activation checkpointing: off, on or off,on")
     ap.add_argument("--top", type=int, default=10, help="feasible layouts to print")
@@ -132,12 +135,16 @@ def main(argv=None) -> int:
     zero = [int(z) for z in args.zero.split(",")]
     ck = [{"off": False, "on": True}[c] for c in args.checkpoint.split(",")]
     try:
-        cp = None if args.cp is None else [int(c) for c in args.cp.split(",")]
-        ep = None if args.ep is None else [int(e) for e in args.ep.split(",")]
+        sizes = {dim: None if getattr(args, dim) is None else [int(c) for c in getattr(args, dim).split(",")]
+                 for dim in ("dp", "tp", "pp", "cp", "ep")}
         layouts = list(candidate_layouts(req, zero=zero, schedules=args.schedules.split(","), checkpoint=ck,
-                                         cp=cp, ep=ep))
+                                         **sizes))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    if not layouts:
+        asked = ", ".join(f"--{d} {args_of}" for d, args_of in ((d, getattr(args, d)) for d in sizes) if args_of)
+        raise SystemExit(f"planner: no layout has dp x ep x tp x pp x cp = {req.world} ranks with the sizes asked "
+                         f"({asked or 'none'}); widen one of them")
     print(f"{req.describe_model()} on {req.world} ranks ({req.devices_per_node} per node, "
           f"{args.memory_gib:g} GiB each), batch {req.global_batch} x {req.seq_len}, {req.precision}"
           f"{f' + FP8 ({req.fp8_recipe} scaling)' if req.fp8 else ''}; profile "

@@ -46,14 +46,23 @@ def zero_allowed(req: Request, zero: int) -> Optional[str]:
 def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
                       schedules: Sequence[str] = PLANNED_SCHEDULES,
                       checkpoint: Sequence[bool] = (False, True), microbatch_factors: Sequence[int] = (1, 2, 4),
-                      cp: Optional[Sequence[int]] = None, ep: Optional[Sequence[int]] = None):
+                      cp: Optional[Sequence[int]] = None, ep: Optional[Sequence[int]] = None,
+                      dp: Optional[Sequence[int]] = None, tp: Optional[Sequence[int]] = None,
+                      pp: Optional[Sequence[int]] = None):
     """``(layout, None)`` for every layout to predict and ``(layout, reason)`` for those that cannot run:
     dp x ep x tp x pp x cp = world; ZeRO stages the precision allows (:func:`zero_allowed`: fp32 0-3, bf16/fp16
     1-3, which keep fp32 master weights); with pp > 1, every schedule at ``pp x microbatch_factors``
     micro-batches; with pp = 1 one micro-batch; checkpointing off and on; ``cp``: the context-parallel sizes
     to consider (None: every one the world allows; ``(1,)`` leaves context parallelism out); ``ep``: the
     expert-parallel sizes (None: for an MoE model every one that divides both the world and its experts; a
-    dense model has ep 1)."""
+    dense model has ep 1); ``dp``, ``tp``, ``pp``: the sizes of those to consider (None: every divisor of the
+    world). A size list that leaves nothing, for the world and the others, raises ValueError saying so."""
+    wanted = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    for name, sizes in wanted.items():
+        if sizes is not None and not [s for s in sizes if s >= 1 and req.world % s == 0]:
+            every = ", ".join(map(str, divisors(req.world)))
+            raise ValueError(f"planner: --{name} {','.join(map(str, sizes))}: no size divides the world of "
+                             f"{req.world} ranks; name divisors of {req.world} ({every})")
     refused = {z: zero_allowed(req, z) for z in zero}
     zeros = [z for z in zero if refused[z] is None]
     if not zeros:
@@ -64,8 +73,9 @@ def candidate_layouts(req: Request, zero: Sequence[int] = (0, 1, 2, 3),
     ep_sizes = [e for e in divisors(req.world) if experts and experts % e == 0] if experts else [1]
     if ep is not None:
         ep_sizes = [e for e in ep_sizes if e in ep]
-    for dp, tp, pp, ep_size in itertools.product(divisors(req.world), divisors(req.world), divisors(req.world),
-                                                 ep_sizes):
+    sizes = {name: [s for s in divisors(req.world) if wanted[name] is None or s in wanted[name]]
+             for name in ("dp", "tp", "pp")}
+    for dp, tp, pp, ep_size in itertools.product(sizes["dp"], sizes["tp"], sizes["pp"], ep_sizes):
         if req.world % (dp * tp * pp * ep_size):
             continue
         cp_size = req.world // (dp * tp * pp * ep_size)
