@@ -10,6 +10,11 @@ DEPS_STAMP    := $(VENV)/.deps-torch-$(TORCH_VERSION)
 EXT_STAMP     := $(VENV)/.ext-built
 CSRC          := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh') setup.py parallel_layers/_extension.py
 PYTEST_ARGS   ?= --durations=25
+# Two pytest workers (pytest-xdist) on the 2-core CI machine: one process's tests leave the cores idle half the
+# time (ranks waiting on each other, subprocesses starting, timeouts run out on purpose); each worker keeps its
+# own pools of ranks (~8 GiB at most). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS  ?= 2
+XDIST         := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 BENCH_ARGS    ?=
 
 .PHONY: setup lint test test-fast bench bench-quick demo gpu-check gpu-check-dry device-env device-test clean
@@ -35,11 +40,11 @@ lint: $(DEPS_STAMP)
 	$(PY) -m ruff check .
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) tests
 
 # The edit loop: the suite without the tests marked slow (tests/conftest.py: SLOW); make test runs them all.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS) tests
 
 bench: setup
 	$(PY) -m parallel_layers bench --readme $(BENCH_ARGS)
