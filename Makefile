@@ -10,11 +10,11 @@ DEPS_STAMP    := $(VENV)/.deps-torch-$(TORCH_VERSION)
 EXT_STAMP     := $(VENV)/.ext-built
 CSRC          := $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh') setup.py parallel_layers/_extension.py
 PYTEST_ARGS   ?= --durations=25
-# Two pytest workers (pytest-xdist) on the 2-core CI machine: one process's tests leave the cores idle half the
-# time (ranks waiting on each other, subprocesses starting, timeouts run out on purpose); each worker keeps its
-# own pools of ranks (~8 GiB at most). TEST_WORKERS=0 runs in one process.
+# Two pytest workers (pytest-xdist) on the 2-core CI machine: one process's tests leave the cores idle much of
+# the time (ranks waiting on each other, subprocesses starting, timeouts run out on purpose): 36:37 -> 29:00 for
+# the tests here; each worker keeps its own pools of ranks (peak 17 GiB used in all). TEST_WORKERS=0: one process.
 TEST_WORKERS  ?= 2
-XDIST         := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+XDIST         := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 BENCH_ARGS    ?=
 
 .PHONY: setup lint test test-fast bench bench-quick demo gpu-check gpu-check-dry device-env device-test clean

@@ -248,34 +248,8 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-# The longest tests (30-95 s each in one process on 2 cores), run first: under `make test`'s two pytest-xdist
-# workers (`--dist worksteal`) they start early, one after another in the first worker's share, while the other
-# worker takes the short ones, and none is left to run alone at the end. File -> test function names.
-LONGEST_FIRST = {
-    "test_torchrun_restart.py": ("test_killed_twice_under_two_agents_ends_bit_identical_then_resumes_on_fewer_ranks",),
-    "test_extension.py": ("test_jit_build_when_not_prebuilt",),
-    "test_gpu_check.py": ("test_dry_run_runs_and_writes_its_summary",),
-    "test_readme.py": ("test_readme_example_runs",),
-    "test_faults.py": ("test_a_killed_or_stopped_rank_fails_the_others_within_the_timeout",),
-    "test_universal_checkpoint.py": ("test_demo_saves_and_resumes_on_another_layout",),
-    "test_ops_large_index.py": ("test_pack_and_unscale_past_2_31_elements",),
-    "test_planner.py": ("test_parallel_probes_rank_exactly_what_one_process_ranks",
-                        "test_llama3_8b_zero2_fits_with_micro_batches_of_two_on_8x80gib"),
-    "test_planner_speed.py": ("test_the_fast_path_ranks_as_the_full_probe",),
-    "test_cuda_compile.py": ("test_cu_file_compiles_for_sm80_and_sm90",),
-    "test_3d.py": ("test_demo_under_torchrun",),
-}
-
-
-def _longest_rank(item) -> int:
-    """The LONGEST_FIRST entry's place (the longest first), after them everything else in collection order."""
-    name = os.path.basename(item.module.__file__)
-    return list(LONGEST_FIRST).index(name) if item.originalname in LONGEST_FIRST.get(name, ()) else len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    """Mark the SLOW tests; keep the NCCL-rules variant only of the parameter cases its entry names; the
-    LONGEST_FIRST tests first."""
+    """Mark the SLOW tests; keep the NCCL-rules variant only of the parameter cases its entry names."""
     kept = []
     for item in items:
         if _is_slow(item):
@@ -287,13 +261,7 @@ def pytest_collection_modifyitems(config, items):
             if not any(w in rest for w in wanted):
                 continue
         kept.append(item)
-    for name, functions in LONGEST_FIRST.items():       # a renamed test must not silently lose its place
-        for function in functions:
-            if not any(os.path.basename(i.module.__file__) == name and i.originalname == function for i in items):
-                if any(os.path.basename(i.module.__file__) == name for i in items):
-                    raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names {name}::{function}, which "
-                                            f"is not collected; update the entry")
-    items[:] = sorted(kept, key=_longest_rank)
+    items[:] = kept
 
 
 @pytest.fixture(autouse=True)

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from . import gloo_device
+
 BACKEND = "nccl_rules"
 STALL_S = 1.0            # a head blocked this long is published as stalled
 _SITE_LEN = 160
@@ -226,7 +228,8 @@ class NcclRulesGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
         self._store = store
-        self._inner = dist.ProcessGroupGloo(dist.PrefixStore("inner", store), rank, size, timeout)
+        # the inner gloo group on the process's one shared transport device (testing.gloo_device: why)
+        self._inner = gloo_device.process_group(dist.PrefixStore("inner", store), rank, size, timeout)
         self.timeout_s = timeout.total_seconds()
         self._queue: "queue.Queue" = queue.Queue()
         self._queued: List[RulesWork] = []

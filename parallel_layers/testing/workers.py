@@ -148,6 +148,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, pg_timeout_s:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    from . import gloo_device
+    gloo_device.install()           # one transport device (one polling loop thread) for all the worker's groups
     if backend == "nccl_rules":     # NCCL's rules over gloo, host tensors of the package tracked
         from . import nccl_rules
         nccl_rules.register()
