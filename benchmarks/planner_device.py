@@ -28,6 +28,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from parallel_layers.planner.calibrate import op_overhead
 from parallel_layers.planner.calibrate_gpu import calibrate_device
 
 from . import harness
@@ -76,20 +77,11 @@ def _median_s(fn, device, reps: int) -> float:
 def calibrated_profile(base, device: torch.device, rows: int, d_model: int, dtype=torch.bfloat16):
     """``base`` with this device's measured matmul rate (a block's first MLP matmul, [rows, d] x [d, 4d]),
     copy bandwidth and seconds per operator call."""
-    from parallel_layers.planner.accounting import OpTally
     a = torch.randn(rows, d_model, dtype=dtype, device=device)
     w = torch.randn(d_model, 4 * d_model, dtype=dtype, device=device)
     rate = 2 * rows * d_model * 4 * d_model / _median_s(lambda: a @ w, device, 10)
     bw = harness.copy_bandwidth(device) * 1e9
-    block = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.GELU(),
-                                torch.nn.Linear(16, 16)).to(device)
-    x = torch.randn(4, 16, device=device, requires_grad=True)
-
-    def step():
-        block(x).sum().backward()
-    with OpTally() as tally:
-        step()
-    per_op = _median_s(lambda: [step() for _ in range(20)], device, 5) / (20 * tally.ops)
+    per_op = op_overhead(device=device)
     prec = "bf16" if dtype == torch.bfloat16 else "fp32"
     return dataclasses.replace(base, name=f"{harness.device_name(device)} (measured here)",
                                flops=dict(base.flops, **{prec: rate}), mem_bw=bw, op_overhead=per_op,

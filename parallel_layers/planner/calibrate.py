@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -53,20 +53,28 @@ def memory_bandwidth(nbytes: int = 128 << 20, reps: int = 5) -> float:
     return 2 * nbytes / _median_time(lambda: dst.copy_(src), reps)
 
 
-def op_overhead(reps: int = 20) -> float:
+def op_overhead(reps: int = 20, device: Optional[torch.device] = None) -> float:
     """Seconds per operator call of a training step's small ops, with everything around them (Python
-    module calls, autograd's graph, hooks): a tiny block (LayerNorm, Linear, GELU, Linear) forward and
-    backward, timed, divided by the operator calls the planner's tally counts for it."""
+    module calls, autograd's graph, hooks, a GPU's launches): a tiny block (LayerNorm, Linear, GELU, Linear)
+    forward and backward on ``device`` (default the CPU), timed to the device's end, divided by the operator
+    calls the planner's tally counts for it."""
     from .accounting import OpTally
+    device = device or torch.device("cpu")
     block = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.GELU(),
-                                torch.nn.Linear(16, 16))
-    x = torch.randn(4, 16, requires_grad=True)
+                                torch.nn.Linear(16, 16)).to(device)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
 
     def step():
         block(x).sum().backward()
     with OpTally() as tally:
         step()
-    return _median_time(lambda: [step() for _ in range(reps)], 5) / (reps * tally.ops)
+
+    def steps():
+        for _ in range(reps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return _median_time(steps, 5) / (reps * tally.ops)
 
 
 def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]:

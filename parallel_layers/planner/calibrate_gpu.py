@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .calibrate import op_overhead
 from .hardware import BUILTIN, Profile, fit_gemm_curve
 
 _HIDDEN = [(1024, 2816), (2048, 5632), (4096, 14336), (8192, 28672), (16384, 53248)]
@@ -122,21 +123,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / seconds(lambda: dst.copy_(src), device)
 
 
-def op_overhead(device: torch.device, reps: int = 20) -> float:
-    """Seconds per operator call of a training step's small ops with everything around them (Python module
-    calls, autograd, the launch): a tiny block's forward + backward over the calls the planner's tally counts."""
-    from .accounting import OpTally
-    block = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.GELU(),
-                                torch.nn.Linear(16, 16)).to(device)
-    x = torch.randn(4, 16, device=device, requires_grad=True)
-
-    def step():
-        block(x).sum().backward()
-    with OpTally() as tally:
-        step()
-    return seconds(lambda: [step() for _ in range(reps)], device, reps=5) / (reps * tally.ops)
-
-
 def builtin_for(device: torch.device) -> Optional[Profile]:
     """The built-in profile of this GPU's name, if the planner has one."""
     if device.type != "cuda":
@@ -191,7 +177,7 @@ def calibrate_device(device: torch.device, profile: str = "quick", name: Optiona
     top = "bf16" if "bf16" in peaks else "fp32"
     attention = statistics.median(rates["attention"]) / peaks[top] if rates["attention"] else None
     bw = copy_bandwidth(device)
-    per_op = op_overhead(device)
+    per_op = op_overhead(device=device)
     source = (f"peaks and links: the data sheet ({base.name})" if base is not None else
               "peaks: the best rate measured here (an unknown GPU); links: assumed NVLink 450 GB/s")
     notes = (f"measured on {label}: "
