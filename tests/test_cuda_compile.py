@@ -1,7 +1,7 @@
 """The CUDA sources compile, even on machines without a GPU.
 
 Every ``csrc/cuda/*.cu`` is plain CUDA (no torch headers), so ``nvcc -c`` builds it for sm_80 and
-sm_90 wherever nvcc exists; ``csrc/cuda/cuda_ops.cpp`` includes only ``<torch/extension.h>``, so a
+sm_90 wherever nvcc exists; ``csrc/cuda/cuda_ops.cpp`` includes only ``<torch/python.h>``, so a
 ``g++ -fsyntax-only -DWITH_CUDA`` against torch's headers checks the bindings on a CPU-only torch.
 Without nvcc the test skips, except under CI (``CI`` set), where CUDA code that is not compiled is
 CUDA code that is not checked, so a missing nvcc fails.

@@ -1,6 +1,7 @@
 // pybind11 registration of the CPU kernels and the grad-view checker: the one CPU file that includes
-// <torch/extension.h> (see cpu_ops.h for why the kernels do not).
-#include <torch/extension.h>
+// torch's pybind11 casters (see cpu_ops.h for why the kernels do not). <torch/python.h>, not
+// <torch/extension.h>: the latter adds torch's whole C++ frontend (nn, optim, data), half this file's compile.
+#include <torch/python.h>
 
 #include <string>
 #include <vector>

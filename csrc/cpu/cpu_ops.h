@@ -1,7 +1,7 @@
 // The torch-facing CPU kernels. Signatures follow the kernel contracts in parallel_layers/ops/*.py
-// exactly (positional arguments, in that order). Only ATen's tensor headers here: <torch/extension.h>
-// (pybind11 and all of torch's API) costs ~15 s of compile per file, so only the registration
-// (cpu_bindings.cpp, ../bindings.cpp) includes it.
+// exactly (positional arguments, in that order). Only ATen's tensor headers here: torch's pybind11
+// casters (<torch/python.h>) cost ~15 s of compile per file, so only the registration (cpu_bindings.cpp)
+// includes them.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 // Torch-facing bindings of the plain-CUDA kernels: argument checks, device tables, launches.
 //
-// Only <torch/extension.h> is included (no c10/cuda or ATen/cuda headers, which need CUDA toolkit
+// Only <torch/python.h> is included (no c10/cuda or ATen/cuda headers, which need CUDA toolkit
 // headers that CPU-only CI machines lack), so this file compiles, and is syntax-checked, anywhere.
 // The kernels are reached through the C launchers of launchers.h; streams arrive from Python as
 // integers (torch.cuda.current_stream().cuda_stream) and are handed on as void*.
@@ -9,7 +9,7 @@
 // allocator and used on the *current* stream, which is the stream the launchers run on, so their
 // memory is only reused after our kernels in stream order. Host tables live in pinned memory
 // from torch's caching host allocator, which keeps each block alive until its async copy is done.
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <algorithm>
 #include <map>
