@@ -1,8 +1,12 @@
 """``--calibrate``: measure this machine's figures for the time model and save them as a profile.
 
 * matmul FLOP/s of one rank (one thread, as the package's CPU ranks run; square fp32 and bf16
-  matmuls of the size given, median of a few), and how many ranks compute at once (the CPU cores this
-  process may use: more ranks than that share them);
+  matmuls of the size given, median of a few: the peak), and how many ranks compute at once (the CPU cores
+  this process may use: more ranks than that share them);
+* the fp32 matmul rate by shape over a small model's projection shapes (``calibrate_gpu.gemm_shapes("cpu")``:
+  one thread runs a 64 x 192 x 64 GEMM at a tenth of the 512-cube's rate), fitted as the GPU profiles' curve
+  (``hardware.fit_gemm_curve``), and causal attention's rate (SDPA forward + backward at small heads, the
+  same FLOP formula the probe's tally uses) as ``attention_efficiency``;
 * memory bandwidth: a rank's copy of a buffer far larger than its caches (bytes read + written / s);
 * every collective the package issues, over real process groups of ``world`` gloo ranks through the
   package's own helpers (:mod:`parallel_layers.distributed.collectives`), at two message sizes; alpha
@@ -12,6 +16,7 @@ One host: its links are "intra"; the inter-node link is set equal (nothing else 
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -77,8 +82,53 @@ def op_overhead(reps: int = 20, device: Optional[torch.device] = None) -> float:
     return _median_time(steps, 5) / (reps * tally.ops)
 
 
+# (n_layer, d_model, batch, seq) of the reference GPT the per-op and memory-bound rates are fitted on: from
+# dispatch-bound (d 32, 256 tokens) to traffic-bound (d 256, 4,096 tokens)
+BLOCK_SIZES = ((2, 32, 2, 128), (2, 64, 4, 64), (2, 128, 8, 128), (2, 256, 16, 256), (2, 128, 2, 512))
+
+
+def step_rates(profile: Profile, reps: int = 5, sizes=BLOCK_SIZES) -> Dict[str, float]:
+    """The time of an operator call and of a byte of non-matmul traffic in a real training step, fitted on
+    the reference GPT's forward + backward at ``sizes`` (one thread): each run's operator calls, traffic,
+    FLOPs and GEMM shapes tallied as the planner's probe tallies them (:class:`.accounting.OpTally`,
+    :class:`.accounting.FlopTally`), its matmul and attention time taken off at ``profile``'s rates, and the
+    rest solved by least squares as ``calls x op_overhead + bytes / mem_bw``. A step's small ops cost more than
+    a copy's bytes and a bare operator's dispatch say: module calls, autograd's nodes, elementwise math
+    (GELU's erf, softmax's exp) that a copy does not do."""
+    from ..models.gpt import GPTConfig
+    from .accounting import FlopTally, OpTally, attention_flop_formulas
+    rows, rhs = [], []
+    for n_layer, d, b, s in sizes:
+        torch.manual_seed(0)
+        model = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=max(1, d // 32), d_model=d,
+                          max_seq_len=s).build(seed=0)
+        x = torch.randint(0, 256, (b, s))
+
+        def step(model=model, x=x):
+            model(x, x)[1].backward()
+        step()
+        with OpTally() as tally, FlopTally(attention_flop_formulas()) as flops:
+            step()
+        matmul = profile.matmul_seconds("fp32", flops.get_total_flops(), tuple(flops.shape))
+        rows.append((float(tally.ops), float(tally.traffic)))
+        rhs.append(_median_time(step, reps) - matmul)
+    a = torch.tensor(rows, dtype=torch.float64)
+    scale = a.abs().max(0).values               # columns of order one: calls and bytes differ by 1e5
+    t = torch.tensor(rhs, dtype=torch.float64).unsqueeze(1)
+    # least squares on the relative error (each run's row over its own time), as the GEMM curve is fitted
+    w = 1.0 / t.clamp_min(1e-6)
+    coef = torch.linalg.lstsq(a / scale * w, t * w).solution.squeeze(1) / scale
+    per_op, per_byte = (max(float(c), 0.0) for c in coef)
+    if per_byte <= 0.0:
+        per_byte = 1.0 / profile.mem_bw
+    return {"op_overhead": per_op, "mem_bw": 1.0 / per_byte}
+
+
 def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]:
-    """On every rank: the mean time of each collective kind at SMALL and LARGE bytes (the slowest rank's).
+    """On every rank: the mean time of each collective kind at SMALL and LARGE bytes (the slowest rank's),
+    each call timed alone after about a millisecond of matmuls, as a training step calls them: between
+    pieces of compute, not back to back (a rank that has computed meanwhile wakes gloo's threads from sleep
+    and meets its peers a little apart; back to back, a 2-rank all-reduce took half the time).
 
     The mean, not the median: a step pays every collective's time, the slow wake-ups included, and on a
     shared CPU those are frequent (on the 2-core CI machine a 16 KB all-reduce of 2 ranks takes 0.2 ms or
@@ -87,6 +137,7 @@ def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]
 
     from ..distributed import collectives as C
     group = dist.group.WORLD
+    filler = torch.randn(256, 256)
     out = {}
     for kind in ("all_reduce", "reduce_scatter", "all_gather", "send"):
         times = []
@@ -104,45 +155,82 @@ def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]
                     C.all_gather_dim0(part, group, out=full)
                 elif rank < 2:                   # one pair: rank 0 sends, rank 1 receives
                     (dist.send if rank == 0 else dist.recv)(full, 1 - rank)
-                dist.barrier()
-            t = torch.tensor([_mean_time(op, reps)], dtype=torch.float64)
+            op()
+            dist.barrier()
+            spent = 0.0
+            for _ in range(reps):
+                for _ in range(5):
+                    filler @ filler
+                t0 = time.perf_counter()
+                op()
+                spent += time.perf_counter() - t0
+            dist.barrier()
+            t = torch.tensor([spent / reps], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times.append(t.item())
         out[kind] = times
     return out
 
 
+def _links(world: int, reps: int) -> Dict[str, Link]:
+    """alpha-beta links per collective kind measured over ``world`` gloo ranks started here."""
+    from ..testing.workers import WorkerPool
+    with WorkerPool(world, pg_timeout_s=120) as pool:
+        times = pool.run(_collective_rank, reps, timeout=600)[0]
+    links = {kind: _solve(kind, world, *ts) for kind, ts in times.items()}
+    links["*"] = links["all_reduce"]
+    links["all_to_all"] = links["all_gather"]
+    return links
+
+
 def _solve(kind: str, n: int, t_small: float, t_large: float) -> Link:
-    """alpha, beta from ``t = steps * alpha + factor * bytes * beta`` at the two sizes (the barrier each
-    op ends with is charged to alpha, as a collective's synchronisation is)."""
+    """alpha, beta from ``t = steps * alpha + factor * bytes * beta`` at the two sizes (the wait for the
+    peers is charged to alpha, as a collective's synchronisation is)."""
     steps, factor = RING_STEPS[kind](n), RING_BYTES[kind](n)
     beta = max((t_large - t_small) / (factor * (LARGE - SMALL)), 1e-15)
     alpha = max((t_small - factor * SMALL * beta) / steps, 0.0)
     return Link(alpha=alpha, beta=beta)
 
 
-def calibrate(world: int = 2, reps: int = 5, name: str = "this machine", collective_reps: int = 30) -> Profile:
+def calibrate(world: int = 2, reps: int = 5, name: str = "this machine", collective_reps: int = 100) -> Profile:
     """Measure and return a profile (collectives over ``world`` gloo ranks started here; each timed over
     ``collective_reps`` calls, the compute figures as the median of ``reps``)."""
-    from ..testing.workers import WorkerPool
+    from .calibrate_gpu import measure_rates
+    from .hardware import fit_gemm_curve
     torch.set_num_threads(1)
     flops = {"fp32": matmul_flops(), "bf16": matmul_flops(dtype=torch.bfloat16)}
-    bw = memory_bandwidth()
-    overhead = op_overhead()
-    with WorkerPool(world, pg_timeout_s=120) as pool:
-        times = pool.run(_collective_rank, collective_reps, timeout=600)[0]
-    links = {kind: _solve(kind, world, *ts) for kind, ts in times.items()}
-    links["*"] = links["all_reduce"]
-    links["all_to_all"] = links["all_gather"]
+    rates = measure_rates(torch.device("cpu"), "cpu", reps=reps)
+    peak = max([flops["fp32"]] + [r for *_, r in rates["gemm"]["fp32"]])
+    curve = {"fp32": fit_gemm_curve([(m, n, k, r / peak) for m, n, k, r in rates["gemm"]["fp32"]])}
+    attention = statistics.median(rates["attention"]) / peak
+    copy_bw = memory_bandwidth()
     try:
         slots = len(os.sched_getaffinity(0))
     except AttributeError:
         slots = os.cpu_count() or 1
-    return Profile(name=name, flops=flops, peak_flops=dict(flops), mem_bw=bw, intra=links,
+    links = _links(world, collective_reps)
+    exponent = 1.0
+    if 2 * slots > world:
+        # the same collectives with twice as many ranks as cores: how much longer a rank waits for peers that
+        # share its core (per ring step), as a power of the oversubscription (2 here)
+        shared = _links(2 * slots, collective_reps)
+        ratios = [shared[k].alpha / links[k].alpha for k in ("all_reduce", "reduce_scatter", "all_gather")
+                  if links[k].alpha > 0 and shared[k].alpha > 0]
+        if ratios:
+            exponent = min(max(math.log(statistics.median(ratios)) / math.log(2 * slots / max(world, slots)), 0.0),
+                           1.0)
+    prof = Profile(name=name, flops=flops, peak_flops=dict(flops, fp32=peak), mem_bw=copy_bw, intra=links,
                    inter={k: Link(v.alpha, v.beta) for k, v in links.items()}, compute_slots=slots,
-                   fragmentation=0.0, op_overhead=overhead, measured=True, sends_held=True,
-                   notes=f"calibrated: one-thread matmul and copy, collectives over {world} gloo ranks; "
-                         f"{slots} cores shared by the ranks")
+                   fragmentation=0.0, op_overhead=op_overhead(), measured=True, sends_held=True,
+                   gemm_curve=curve, attention_efficiency=attention, shared_wait_exponent=exponent)
+    step = step_rates(prof, reps)
+    prof.op_overhead, prof.mem_bw = step["op_overhead"], step["mem_bw"]
+    prof.notes = (f"calibrated: one-thread matmul (by shape for fp32), causal attention {attention:.0%} of the "
+                  f"matmul peak, a training step's small ops {prof.op_overhead * 1e6:.1f} us a call and "
+                  f"{prof.mem_bw / 1e9:.1f} GB/s of their traffic (copy {copy_bw / 1e9:.1f} GB/s), collectives over "
+                  f"{world} gloo ranks; {slots} cores shared by the ranks (collectives stretched by the "
+                  f"oversubscription to the power {exponent:.2f})")
+    return prof
 
 
-__all__ = ["calibrate", "matmul_flops", "memory_bandwidth"]
+__all__ = ["calibrate", "matmul_flops", "memory_bandwidth", "step_rates", "op_overhead"]

@@ -36,6 +36,10 @@ def gemm_shapes(profile: str = "quick") -> List[Tuple[int, int, int]]:
     at tp 1 and tp 4, for a few token counts M. ``smoke``: two tiny shapes that run anywhere."""
     if profile == "smoke":
         return [(64, 128, 64), (128, 64, 128), (64, 64, 256), (256, 128, 64)]
+    if profile == "cpu":
+        # a CPU rank's models are small: hidden 64-512 (ffn 4x), tp 1 and 2, a micro-batch of 128-2048 tokens
+        return sorted({(m, n, k) for h in (64, 128, 256, 512) for tp in (1, 2) for m in (128, 512, 2048)
+                       for n, k in ((3 * h // tp, h), (h, h // tp), (4 * h // tp, h), (h, 4 * h // tp))})
     hidden = _HIDDEN if profile == "full" else _HIDDEN[1:4]
     tokens = (2048, 4096, 16384) if profile == "full" else (2048, 8192)
     shapes = set()
@@ -50,6 +54,8 @@ def attention_shapes(profile: str = "quick") -> List[Tuple[int, int, int, int]]:
     """(batch, heads, seq, head_dim), 16k tokens each."""
     if profile == "smoke":
         return [(1, 2, 64, 32)]
+    if profile == "cpu":
+        return [(8, 4, 64, 16), (4, 2, 128, 32), (2, 8, 256, 64), (1, 4, 512, 64)]
     seqs = (1024, 2048, 4096, 8192) if profile == "full" else (2048, 8192)
     return [(max(1, 16384 // s), h, s, d) for s in seqs for h, d in ((32, 128), (16, 64))]
 

@@ -71,6 +71,10 @@ class Profile:
     # [M, K] x [K, N]; attention's FLOPs at ``attention_efficiency`` of the peak
     gemm_curve: Optional[Dict[str, List[float]]] = None
     attention_efficiency: Optional[float] = None
+    # ranks sharing cores (``compute_slots``): compute stretches by ``slow`` = ranks / slots, a collective's time
+    # by ``slow ** shared_wait_exponent`` (a waiting rank sleeps and gives its core away; it is the peers' turn
+    # to run that it waits for), measured by ``--calibrate`` from collectives at 2x oversubscription
+    shared_wait_exponent: float = 1.0
 
     def link(self, kind: str, inter_node: bool) -> Link:
         table = self.inter if inter_node else self.intra

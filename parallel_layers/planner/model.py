@@ -28,13 +28,15 @@ The gradient term, as the code allocates it (bf16/fp16 models keep fp32 gradient
 Step time: every forward and backward of the schedule costs its FLOPs at the profile's matmul rate,
 its non-matmul bytes at the memory bandwidth, its operator calls at the per-op overhead (launch or
 host dispatch: what dominates small models) and its tensor/context-parallel collectives at their
-alpha-beta cost (ranks beyond ``compute_slots`` share the compute); ``simulate_timing`` walks the
+alpha-beta cost (ranks beyond ``compute_slots`` share the cores: compute stretches by ``slow`` = ranks / slots,
+every collective by ``slow ** shared_wait_exponent``); ``simulate_timing`` walks the
 schedule with those costs and the activation send's cost as latency (the bubble). The package reduces
 gradients once per step after the pipeline has drained (no overlap with backward in ``Parallel3D``; a
 streaming ZeRO-2 and a per-unit ZeRO-3 reduce once per micro-batch, charged m times here, and the latter
 gathers every unit for each forward and backward, 2m times, with no credit for their overlap), so
 the data-parallel reduction, ZeRO-3's gather of every parameter, the tied embedding's all-reduce and the
-optimizer step (its bytes at memory bandwidth) add to it.
+optimizer step (its bytes at memory bandwidth, and where torch's optimizer steps parameter by parameter its
+operator calls: ``probe.step_tail_ops``) add to it.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from .probe import (
     microbatch_probe,
     reduction_shard_bytes,
     static_terms,
+    step_tail_ops,
     streams_gradients,
     sync_bytes,
 )
@@ -77,6 +80,7 @@ class RankProbe:
     streamed: bool = False     # ZeRO-2 reducing every micro-batch's backward bucket by bucket (probe.streams_gradients)
     reduction_shard: int = 0   # ZeRO-3: gradient shard allocated at the step's reduction (probe.reduction_shard_bytes)
     per_unit: bool = False     # ZeRO-3 gathering unit by unit (probe.gathers_per_unit)
+    tail_ops: int = 0          # operator calls of the reduction and optimizer step (probe.step_tail_ops)
 
 
 @dataclasses.dataclass
@@ -138,7 +142,8 @@ def _static_ranks(req: Request, layout: Layout, in_flight: Optional[list] = None
         terms = static_terms(p3d, req.seq_len // layout.cp, buckets)
         if in_flight is not None:
             in_flight.append(buckets.get("in_flight"))
-        return terms, sync_bytes(p3d), streams_gradients(p3d), reduction_shard_bytes(p3d), gathers_per_unit(p3d)
+        return (terms, sync_bytes(p3d), streams_gradients(p3d), reduction_shard_bytes(p3d), gathers_per_unit(p3d),
+                step_tail_ops(p3d))
     return _each_rank(req, layout, probe)
 
 
@@ -259,6 +264,7 @@ def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: 
         device += prof.matmul_seconds("fp8", fp8_flops, fp8_shape)
     host = ops * prof.op_overhead
     t = (max(device, host) if prof.async_dispatch else device + host) * slow
+    wait = slow ** prof.shared_wait_exponent
     for name, sizes in colls.items():
         kind = _COLL_KIND.get(name, "all_reduce")
         if kind is None:
@@ -269,7 +275,7 @@ def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: 
             dim, n = "ep", layout.ep
         if kind == "send":
             n = 2
-        t += sum(prof.collective_s(kind, n, nb, _spans_nodes(req, layout, dim)) for nb in sizes)
+        t += sum(prof.collective_s(kind, n, nb, _spans_nodes(req, layout, dim)) for nb in sizes) * wait
     return t
 
 
@@ -336,7 +342,8 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b
-    latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) if p > 1 else 0.0
+    wait = slow ** prof.shared_wait_exponent      # collectives of ranks that share cores (Profile)
+    latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) * wait if p > 1 else 0.0
     sim = simulate_timing(streams, v, latency=latency, durations=durations, layout=placement)
     terms = {"pipeline": sim["step"]}
     sync = max(probes, key=lambda pr: sum(pr.sync.values())).sync
@@ -356,11 +363,14 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     if any(pr.per_unit for pr in probes):      # per unit: every unit gathered for each forward and backward
         terms["zero3_gather"] *= 2 * m
     terms["tied"] = prof.collective_s("all_reduce", 2, sync.get("tied_all_reduce", 0), _spans_nodes(req, layout, "pp"))
+    for name in ("dp_reduce", "zero3_gather", "tied"):
+        terms[name] *= wait
     # the step reads and writes the rank's tensors once: optimizer state, gradients (the shard where sharded),
     # parameters
     opt_bytes = max(2 * (pr.static["optimizer"] + pr.static["gradients"] + pr.static["parameters"]
                          + pr.reduction_shard) for pr in probes)
-    terms["optimizer"] = opt_bytes / prof.mem_bw * slow
+    tail_ops = max(pr.tail_ops for pr in probes)
+    terms["optimizer"] = (opt_bytes / prof.mem_bw + tail_ops * prof.op_overhead) * slow
     step = sum(terms.values())
     tokens = req.global_batch * req.seq_len
     per_stage = layout.world // layout.pp          # the ranks of one pipeline stage, each its share of the work

@@ -250,6 +250,28 @@ def static_terms(p3d, seq_len: Optional[int] = None, buckets: Optional[dict] = N
     return out
 
 
+def step_tail_ops(p3d) -> int:
+    """Operator calls of the optimizer step where the optimizer is torch's (``zero=0``: AdamW steps parameter
+    by parameter, ~10 calls each: a step's largest host cost after the backward on a small model), run on
+    meta with zero gradients that are taken off again; linear in the blocks, as the representative probes
+    scale it. The package's ZeRO optimizers step flat buffers through one fused kernel a shard (a few calls:
+    0 here; on meta they would run the kernels' torch references instead), and the reduction's own calls,
+    which vary with the bucket count, are not counted. Call after :func:`static_terms` (whose first step
+    makes the optimizer's state)."""
+    if not type(p3d.optimizer).__module__.startswith("torch.optim"):
+        return 0
+    made = [p for g in p3d.optimizer.param_groups for p in g["params"] if p.grad is None]
+    for p in made:
+        p.grad = torch.zeros_like(p)
+    try:
+        with OpTally() as tally:
+            p3d.optimizer.step()
+    finally:
+        for p in made:
+            p.grad = None
+    return tally.ops
+
+
 def gathers_per_unit(p3d) -> bool:
     """Whether this rank's ZeRO-3 runs FSDP's schedule (``ShardedParams.per_unit``: one stage whose backwards
     are whole, nothing tied across stages): each unit gathered for its forward and again for its backward,
@@ -449,5 +471,5 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
 
 __all__ = ["fake_world", "build_rank", "static_terms", "sync_bytes", "streams_gradients", "bucket_grad_bytes",
            "buckets_in_flight_bytes", "arrival_order_bytes", "MAX_BUCKETS_IN_FLIGHT", "zero3_full_grad_bytes",
-           "reduction_shard_bytes", "gathers_per_unit", "unit_buffer_bytes",
+           "reduction_shard_bytes", "gathers_per_unit", "step_tail_ops", "unit_buffer_bytes",
            "microbatch_probe", "ChunkCost", "global_rank", "META"]
