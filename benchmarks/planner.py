@@ -1,6 +1,6 @@
 """The layout planner's predictions against measurements, on this machine (issue 33's proof).
 
-    python -m benchmarks.planner [--quick|--smoke]     # full: 26 layouts; quick: the same, 2 timed steps
+    python -m benchmarks.planner [--quick|--smoke] [--measured]  # full: 26 layouts; quick: the same, 2 timed steps
 
 Every case is a layout of 2-8 gloo ranks over the reference GPT or a Hugging Face Llama (tiny: 4 blocks,
 d 64), covering dp / tp / pp / cp, ZeRO 0-3, every schedule (gpipe, 1f1b, interleaved) and activation
@@ -125,7 +125,7 @@ def _ranks(rank: int, world: int, todo: list, steps: int):
 
 
 def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], None]] = None,
-            published_only: bool = False) -> List[dict]:
+            published_only: bool = False, measured_only: bool = False) -> List[dict]:
     """Predict and measure every case of ``mode``; one CSV row per case and measure, then the summaries,
     then (not in smoke mode) the published runs on paper (full mode: with the planner's search).
     ``device`` only names the run: the ranks are gloo processes on CPU."""
@@ -200,7 +200,7 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
     print(f"planner memory: median |error| {med:.1%}, worst {worst:.1%}; time: Spearman {rho:.2f}, median |error| "
           f"{t_err:.0%}, first {names[first]} {meas_t[first] * 1e3:.1f} ms vs fastest {fastest * 1e3:.1f} ms",
           file=sys.stderr, flush=True)
-    if not prof_cfg["smoke"]:
+    if not prof_cfg["smoke"] and not measured_only:
         rows += published_rows(pub_common, search=mode == "full", progress=progress)
     return rows
 
@@ -321,12 +321,14 @@ def main(argv=None) -> int:
                              quick_help="every layout, 2 timed steps")
     ap.add_argument("--published", action="store_true",
                     help="only the published runs on paper (no measurement; full mode: with the planner's search)")
+    ap.add_argument("--measured", action="store_true",
+                    help="only the layouts measured here (not the published runs on paper, which take minutes)")
     harness.add_csv_args(ap)
     args = ap.parse_args(argv)
     mode = harness.profile_of(args)
     t0 = time.time()
     rows = collect(mode, torch.device("cpu"), progress=lambda s: print(s, file=sys.stderr, flush=True),
-                   published_only=args.published)
+                   published_only=args.published, measured_only=args.measured)
     print(f"({time.time() - t0:.1f} s)")
     harness.print_and_append(rows, harness.csv_target(args, f"{harness.RESULTS_DIR}/{CSV_NAME}"))
     return 0

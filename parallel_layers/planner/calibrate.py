@@ -9,8 +9,11 @@
   same FLOP formula the probe's tally uses) as ``attention_efficiency``;
 * memory bandwidth: a rank's copy of a buffer far larger than its caches (bytes read + written / s);
 * every collective the package issues, over real process groups of ``world`` gloo ranks through the
-  package's own helpers (:mod:`parallel_layers.distributed.collectives`), at two message sizes; alpha
-  (per ring step) and beta (per byte) solved from the two, per kind.
+  package's own helpers (:mod:`parallel_layers.distributed.collectives`), at two message sizes, each call
+  timed alone after some compute; alpha (per ring step) and beta (per byte) solved from the two, per kind;
+  the same at 2x and 4x as many ranks as cores, for how much longer ranks that share cores wait
+  (``Profile.shared_wait_exponent``);
+* how much slower a rank computes while every core computes (``Profile.core_contention``).
 
 One host: its links are "intra"; the inter-node link is set equal (nothing else to measure here).
 """
@@ -87,31 +90,82 @@ def op_overhead(reps: int = 20, device: Optional[torch.device] = None) -> float:
 BLOCK_SIZES = ((2, 32, 2, 128), (2, 64, 4, 64), (2, 128, 8, 128), (2, 256, 16, 256), (2, 128, 2, 512))
 
 
-def step_rates(profile: Profile, reps: int = 5, sizes=BLOCK_SIZES) -> Dict[str, float]:
-    """The time of an operator call and of a byte of non-matmul traffic in a real training step, fitted on
-    the reference GPT's forward + backward at ``sizes`` (one thread): each run's operator calls, traffic,
-    FLOPs and GEMM shapes tallied as the planner's probe tallies them (:class:`.accounting.OpTally`,
-    :class:`.accounting.FlopTally`), its matmul and attention time taken off at ``profile``'s rates, and the
-    rest solved by least squares as ``calls x op_overhead + bytes / mem_bw``. A step's small ops cost more than
-    a copy's bytes and a bare operator's dispatch say: module calls, autograd's nodes, elementwise math
-    (GELU's erf, softmax's exp) that a copy does not do."""
+def _reference_step(n_layer: int, d: int, b: int, s: int):
+    """The reference GPT's forward + backward at this size, as a function (run once: warm)."""
+    from ..models.gpt import GPTConfig
+    torch.manual_seed(0)
+    model = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=max(1, d // 32), d_model=d, max_seq_len=s).build(seed=0)
+    x = torch.randint(0, 256, (b, s))
+
+    def step():
+        model(x, x)[1].backward()
+    step()
+    return step
+
+
+def _contention_rank(rank: int, world: int, reps: int) -> float:
+    """On every rank at once: the median time of a reference step (one thread), the slowest rank's."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    step = _reference_step(*BLOCK_SIZES[2])
+    dist.barrier()
+    t = torch.tensor([_median_time(step, reps)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def core_contention(slots: int, reps: int = 30) -> float:
+    """How much slower a rank computes while every core runs one (``slots`` ranks at once) than alone: the
+    cores of a virtual machine can be one physical core's hyperthreads, and they share caches and memory
+    bandwidth. 1.0 where nothing is shared."""
+    from ..testing.workers import WorkerPool
+    times = {}
+    for world in (1, slots):
+        with WorkerPool(world, pg_timeout_s=120) as pool:
+            times[world] = pool.run(_contention_rank, reps, timeout=600)[0]
+    return max(times[slots] / times[1], 1.0)
+
+
+def _step_rate_rank(rank: int, world: int, profile: dict, sizes, reps: int):
+    """On a 1-rank gloo group: ``Parallel3D`` training steps of the reference GPT at ``sizes``, each tallied and
+    timed; returns (operator calls, traffic bytes) and the seconds left after the matmuls at ``profile``'s rates."""
+    from ..composition.layout import Layout
+    from ..composition.parallel3d import Parallel3D
+    from ..mesh import ParallelMesh
     from ..models.gpt import GPTConfig
     from .accounting import FlopTally, OpTally, attention_flop_formulas
+    prof = Profile.from_json(profile)
+    torch.set_num_threads(1)
     rows, rhs = [], []
     for n_layer, d, b, s in sizes:
         torch.manual_seed(0)
-        model = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=max(1, d // 32), d_model=d,
-                          max_seq_len=s).build(seed=0)
+        config = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=max(1, d // 32), d_model=d, max_seq_len=s)
+        p3d = Parallel3D(config, ParallelMesh(dp=1, tp=1, pp=1, cp=1), replica_check=None,
+                         **Layout(num_microbatches=1).parallel3d_kwargs())
         x = torch.randint(0, 256, (b, s))
 
-        def step(model=model, x=x):
-            model(x, x)[1].backward()
+        def step(p3d=p3d, x=x):
+            p3d.train_step(x, x)
         step()
         with OpTally() as tally, FlopTally(attention_flop_formulas()) as flops:
             step()
-        matmul = profile.matmul_seconds("fp32", flops.get_total_flops(), tuple(flops.shape))
         rows.append((float(tally.ops), float(tally.traffic)))
-        rhs.append(_median_time(step, reps) - matmul)
+        rhs.append(_median_time(step, reps) - prof.matmul_seconds("fp32", flops.get_total_flops(), tuple(flops.shape)))
+    return rows, rhs
+
+
+def step_rates(profile: Profile, reps: int = 5, sizes=BLOCK_SIZES) -> Dict[str, float]:
+    """The time of an operator call and of a byte of non-matmul traffic in a real training step, fitted on
+    the package's own steps (``Parallel3D`` of the reference GPT on one gloo rank, one thread) at ``sizes``:
+    each step's operator calls, traffic, FLOPs and GEMM shapes tallied as the planner's probe tallies them
+    (:class:`.accounting.OpTally`, :class:`.accounting.FlopTally`), its matmul and attention time taken off at
+    ``profile``'s rates, and the rest solved by least squares as ``calls x op_overhead + bytes / mem_bw``. A
+    step's small ops cost more than a copy's bytes and a bare operator's dispatch say: module calls and hooks,
+    autograd's nodes, the engine's bookkeeping, elementwise math (GELU's erf, softmax's exp) that a copy does
+    not do."""
+    from ..testing.workers import WorkerPool
+    with WorkerPool(1, pg_timeout_s=120) as pool:
+        rows, rhs = pool.run(_step_rate_rank, profile.to_json(), tuple(sizes), reps, timeout=600)[0]
     a = torch.tensor(rows, dtype=torch.float64)
     scale = a.abs().max(0).values               # columns of order one: calls and bytes differ by 1e5
     t = torch.tensor(rhs, dtype=torch.float64).unsqueeze(1)
@@ -211,24 +265,32 @@ def calibrate(world: int = 2, reps: int = 5, name: str = "this machine", collect
     links = _links(world, collective_reps)
     exponent = 1.0
     if 2 * slots > world:
-        # the same collectives with twice as many ranks as cores: how much longer a rank waits for peers that
-        # share its core (per ring step), as a power of the oversubscription (2 here)
-        shared = _links(2 * slots, collective_reps)
-        ratios = [shared[k].alpha / links[k].alpha for k in ("all_reduce", "reduce_scatter", "all_gather")
-                  if links[k].alpha > 0 and shared[k].alpha > 0]
-        if ratios:
-            exponent = min(max(math.log(statistics.median(ratios)) / math.log(2 * slots / max(world, slots)), 0.0),
-                           1.0)
+        # the same collectives with 2x and 4x as many ranks as cores: how much longer a rank waits (per ring
+        # step) for peers that share its core, fitted as a power of the oversubscription through the origin
+        # of the logs (1 at ``world`` ranks)
+        base = max(world, slots) / slots
+        xs, ys = [], []
+        for ranks in (2 * slots, 4 * slots):
+            shared = _links(ranks, collective_reps)
+            ratios = [shared[k].alpha / links[k].alpha for k in ("all_reduce", "reduce_scatter", "all_gather")
+                      if links[k].alpha > 0 and shared[k].alpha > 0]
+            if ratios:
+                xs.append(math.log(ranks / slots / base))
+                ys.append(math.log(statistics.median(ratios)))
+        if xs:
+            exponent = min(max(sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0), 1.0)
     prof = Profile(name=name, flops=flops, peak_flops=dict(flops, fp32=peak), mem_bw=copy_bw, intra=links,
                    inter={k: Link(v.alpha, v.beta) for k, v in links.items()}, compute_slots=slots,
                    fragmentation=0.0, op_overhead=op_overhead(), measured=True, sends_held=True,
                    gemm_curve=curve, attention_efficiency=attention, shared_wait_exponent=exponent)
     step = step_rates(prof, reps)
     prof.op_overhead, prof.mem_bw = step["op_overhead"], step["mem_bw"]
+    prof.core_contention = core_contention(slots) if slots > 1 else 1.0
     prof.notes = (f"calibrated: one-thread matmul (by shape for fp32), causal attention {attention:.0%} of the "
                   f"matmul peak, a training step's small ops {prof.op_overhead * 1e6:.1f} us a call and "
                   f"{prof.mem_bw / 1e9:.1f} GB/s of their traffic (copy {copy_bw / 1e9:.1f} GB/s), collectives over "
-                  f"{world} gloo ranks; {slots} cores shared by the ranks (collectives stretched by the "
+                  f"{world} gloo ranks; {slots} cores shared by the ranks (each {prof.core_contention:.2f}x slower "
+                  f"while all compute; collectives stretched by the "
                   f"oversubscription to the power {exponent:.2f})")
     return prof
 

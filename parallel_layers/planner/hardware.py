@@ -75,6 +75,19 @@ class Profile:
     # by ``slow ** shared_wait_exponent`` (a waiting rank sleeps and gives its core away; it is the peers' turn
     # to run that it waits for), measured by ``--calibrate`` from collectives at 2x oversubscription
     shared_wait_exponent: float = 1.0
+    # how much slower a rank computes while every core computes than alone (hyperthreads of one core, shared
+    # caches and memory bandwidth): what ``--calibrate`` measures on a CPU host; 1.0: nothing shared
+    core_contention: float = 1.0
+
+    def compute_stretch(self, ranks: int) -> float:
+        """How much slower each of ``ranks`` ranks on this host computes than one rank alone: ranks beyond
+        ``compute_slots`` take turns on the cores, and cores that all compute are each ``core_contention``
+        slower."""
+        if not self.compute_slots or ranks <= 1:
+            return 1.0
+        busy = min(ranks, self.compute_slots)
+        shared = 1.0 + (self.core_contention - 1.0) * (busy - 1) / max(self.compute_slots - 1, 1)
+        return max(1.0, ranks / self.compute_slots) * shared
 
     def link(self, kind: str, inter_node: bool) -> Link:
         table = self.inter if inter_node else self.intra

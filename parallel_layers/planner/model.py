@@ -28,8 +28,9 @@ The gradient term, as the code allocates it (bf16/fp16 models keep fp32 gradient
 Step time: every forward and backward of the schedule costs its FLOPs at the profile's matmul rate,
 its non-matmul bytes at the memory bandwidth, its operator calls at the per-op overhead (launch or
 host dispatch: what dominates small models) and its tensor/context-parallel collectives at their
-alpha-beta cost (ranks beyond ``compute_slots`` share the cores: compute stretches by ``slow`` = ranks / slots,
-every collective by ``slow ** shared_wait_exponent``); ``simulate_timing`` walks the
+alpha-beta cost (on a CPU host, ``Profile.compute_stretch``: ranks beyond ``compute_slots`` take turns on the
+cores and busy cores are each ``core_contention`` slower; every collective stretches by (ranks / slots) **
+``shared_wait_exponent``); ``simulate_timing`` walks the
 schedule with those costs and the activation send's cost as latency (the bubble). The package reduces
 gradients once per step after the pipeline has drained (no overlap with backward in ``Parallel3D``; a
 streaming ZeRO-2 and a per-unit ZeRO-3 reduce once per micro-batch, charged m times here, and the latter
@@ -41,6 +42,7 @@ operator calls: ``probe.step_tail_ops``) add to it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Optional
 
 from ..composition.layout import Layout
@@ -62,13 +64,14 @@ from .probe import (
     step_tail_ops,
     streams_gradients,
     sync_bytes,
+    sync_calls,
 )
 from .spec import Request
 
 _COLL_KIND = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "allgather_": "all_gather",
               "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
               "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "send": "send", "recv_": None,
+              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "send": "send", "recv_": "send",
               "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "broadcast_": "all_gather"}
 
 
@@ -80,7 +83,8 @@ class RankProbe:
     streamed: bool = False     # ZeRO-2 reducing every micro-batch's backward bucket by bucket (probe.streams_gradients)
     reduction_shard: int = 0   # ZeRO-3: gradient shard allocated at the step's reduction (probe.reduction_shard_bytes)
     per_unit: bool = False     # ZeRO-3 gathering unit by unit (probe.gathers_per_unit)
-    tail_ops: int = 0          # operator calls of the reduction and optimizer step (probe.step_tail_ops)
+    tail_ops: int = 0          # operator calls of torch's optimizer step (probe.step_tail_ops)
+    calls: Dict[str, int] = dataclasses.field(default_factory=dict)   # probe.sync_calls
 
 
 @dataclasses.dataclass
@@ -143,7 +147,7 @@ def _static_ranks(req: Request, layout: Layout, in_flight: Optional[list] = None
         if in_flight is not None:
             in_flight.append(buckets.get("in_flight"))
         return (terms, sync_bytes(p3d), streams_gradients(p3d), reduction_shard_bytes(p3d), gathers_per_unit(p3d),
-                step_tail_ops(p3d))
+                step_tail_ops(p3d), sync_calls(p3d))
     return _each_rank(req, layout, probe)
 
 
@@ -249,11 +253,12 @@ def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
 
 
 def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float, fp8_flops: float = 0.0,
-                  cast_bytes: float = 0.0, shape=NO_SHAPE, fp8_shape=NO_SHAPE) -> float:
+                  cast_bytes: float = 0.0, shape=NO_SHAPE, fp8_shape=NO_SHAPE, wait: Optional[float] = None) -> float:
     """One forward or backward: its FLOPs at the precision's matmul rate (``fp8_flops`` of them, FP8 training's
     GEMMs, at the fp8 rate instead), its memory traffic (and FP8 casts' ``cast_bytes``) at the bandwidth, its
     operator calls' overhead and its collectives; ``shape`` / ``fp8_shape``: the shape tallies of ``flops`` and
-    of the FP8 GEMMs among them, which a profile with a measured curve reads."""
+    of the FP8 GEMMs among them, which a profile with a measured curve reads; ``wait``: the stretch of its
+    collectives (default ``slow ** shared_wait_exponent``)."""
     kept = max(flops - fp8_flops, 0)
     if fp8_flops:
         # the FP8 GEMMs' terms leave the precision's own (attention's, 3 and 4, are never FP8)
@@ -264,11 +269,12 @@ def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: 
         device += prof.matmul_seconds("fp8", fp8_flops, fp8_shape)
     host = ops * prof.op_overhead
     t = (max(device, host) if prof.async_dispatch else device + host) * slow
-    wait = slow ** prof.shared_wait_exponent
+    wait = slow ** prof.shared_wait_exponent if wait is None else wait
     for name, sizes in colls.items():
         kind = _COLL_KIND.get(name, "all_reduce")
-        if kind is None:
-            continue                              # a receive: its send is charged
+        # (a receive costs as a send: inside a chunk's forward or backward they are context parallelism's ring
+        # exchanges, each rank sending and receiving at once and waiting for both; the pipeline's own sends and
+        # receives are the schedule's, outside the chunks, and charged as its latency)
         dim, n = ("cp", layout.cp) if kind in ("send", "all_to_all") else ("tp", layout.tp)
         if kind == "all_to_all" and layout.ep > 1:
             # an MoE layer's dispatch and combine (not told apart from Ulysses' all-to-alls when both are on)
@@ -284,6 +290,74 @@ def fp8_terms(req: Request, layout: Layout, probes: List[RankProbe]) -> List[Lis
     if not req.fp8:
         return [[None] * len(pr.chunks) for pr in probes]
     return [[chunk_terms(c.fp8, req.fp8_recipe, layout.checkpoint) for c in pr.chunks] for pr in probes]
+
+
+def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankProbe], f8: list, streams,
+                placement, act_bytes: int, slow: float):
+    """The step's time terms and the schedule's walk with every rank's compute stretched by ``slow``
+    (``Profile.compute_stretch``) and its collectives by (ranks / slots) ** ``shared_wait_exponent``. (A model
+    where a waiting rank frees its core, the stretch being the ranks busy at once, predicted 4 and 8 gloo ranks
+    on 2 cores 34-74% too fast: a rank waiting in gloo does not give its core away as cleanly.)"""
+    p, m, v = layout.pp, layout.num_microbatches, layout.num_chunks
+    # collectives of ranks that take turns on the cores (Profile.shared_wait_exponent; contention apart)
+    wait = (max(1.0, layout.world / prof.compute_slots) if prof.compute_slots else 1.0) ** prof.shared_wait_exponent
+    durations = {}
+    for r, pr in enumerate(probes):
+        for c, cc in enumerate(pr.chunks):
+            t8 = f8[r][c] or dict(flops_f=0, flops_b=0, cast_f=0, cast_b=0)
+            zero = NO_SHAPE
+            f = phase_seconds(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow,
+                              t8["flops_f"], t8["cast_f"], cc.shape_f, t8.get("shape_f", zero), wait)
+            b = phase_seconds(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow,
+                              t8["flops_b"], t8["cast_b"], cc.shape_b, t8.get("shape_b", zero), wait)
+            for mb in range(m):
+                durations[(r, "F", mb, c)] = f
+                durations[(r, "B", mb, c)] = b
+    latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) * wait if p > 1 else 0.0
+    sim = simulate_timing(streams, v, latency=latency, durations=durations, layout=placement)
+    terms = {"pipeline": sim["step"]}
+    busiest = max(probes, key=lambda pr: sum(pr.sync.values()))
+    sync, calls = busiest.sync, busiest.calls
+    n_rep = world_size({d: layout.sizes[d] for d in replicating()})    # the dense parameters' replicas
+    inter = _spans_nodes(req, layout, "replicas")
+
+    def called(kind: str, nbytes: float, n: int) -> float:
+        """``n`` calls of ``kind`` moving ``nbytes`` in all: each pays the link's latency."""
+        return prof.collective_s(kind, n_rep, nbytes / n, inter) * n if nbytes else 0.0
+    units = max(calls.get("units", 0), 1)
+    terms["dp_reduce"] = 0.0
+    for kind in ("all_reduce", "reduce_scatter"):
+        nbytes = sync.get(kind, 0)
+        if "units" in calls:                      # ZeRO-3: one reduce-scatter a unit
+            n = units
+        elif "bucket_cap" in calls:               # the buffer's buckets: a small first one, then up to the cap
+            n = 1 + math.ceil(max(nbytes - calls["bucket_first"], 0) / max(calls["bucket_cap"], 1))
+        else:
+            n = 1
+        terms["dp_reduce"] += called(kind, nbytes, n)
+    if any(pr.streamed or pr.per_unit for pr in probes):   # every micro-batch's gradients reduced
+        terms["dp_reduce"] *= m
+    # ZeRO 1, 2: the updated parameters gathered after the step; the loss's mean over the replicas (a scalar)
+    terms["dp_reduce"] += called("all_gather", sync.get("param_gather", 0), 1) + called("all_reduce", 8, 1)
+    gather = sync.get("all_gather", 0)
+    if req.fp8_gather and gather:
+        # ZeRO-3's gather of the FP8 layers' weights in FP8: 1 byte an element instead of the model dtype's
+        # (the rank whose sync is the largest; its chunks' converted weights)
+        rank = max(range(len(probes)), key=lambda i: sum(probes[i].sync.values()))
+        gather = max(gather - sum(t["gather_saved"] for t in f8[rank] if t), 0)
+    terms["zero3_gather"] = called("all_gather", gather, units)
+    if any(pr.per_unit for pr in probes):      # per unit: every unit gathered for each forward and backward
+        terms["zero3_gather"] *= 2 * m
+    terms["tied"] = prof.collective_s("all_reduce", 2, sync.get("tied_all_reduce", 0), _spans_nodes(req, layout, "pp"))
+    for name in ("dp_reduce", "zero3_gather", "tied"):
+        terms[name] *= wait
+    # the step reads and writes the rank's tensors once: optimizer state, gradients (the shard where sharded),
+    # parameters
+    opt_bytes = max(2 * (pr.static["optimizer"] + pr.static["gradients"] + pr.static["parameters"]
+                         + pr.reduction_shard) for pr in probes)
+    tail_ops = max(pr.tail_ops for pr in probes)
+    terms["optimizer"] = (opt_bytes / prof.mem_bw + tail_ops * prof.op_overhead) * slow
+    return terms, sim
 
 
 def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] = None) -> Prediction:
@@ -329,48 +403,8 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
     totals = [sum(t.values()) for t in memory]
     peak = int(max(totals) * (1 + prof.fragmentation))
     # ---- time
-    slow = max(1.0, layout.world / prof.compute_slots) if prof.compute_slots else 1.0
-    durations = {}
-    for r, pr in enumerate(probes):
-        for c, cc in enumerate(pr.chunks):
-            t8 = f8[r][c] or dict(flops_f=0, flops_b=0, cast_f=0, cast_b=0)
-            zero = NO_SHAPE
-            f = phase_seconds(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow,
-                              t8["flops_f"], t8["cast_f"], cc.shape_f, t8.get("shape_f", zero))
-            b = phase_seconds(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow,
-                              t8["flops_b"], t8["cast_b"], cc.shape_b, t8.get("shape_b", zero))
-            for mb in range(m):
-                durations[(r, "F", mb, c)] = f
-                durations[(r, "B", mb, c)] = b
-    wait = slow ** prof.shared_wait_exponent      # collectives of ranks that share cores (Profile)
-    latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) * wait if p > 1 else 0.0
-    sim = simulate_timing(streams, v, latency=latency, durations=durations, layout=placement)
-    terms = {"pipeline": sim["step"]}
-    sync = max(probes, key=lambda pr: sum(pr.sync.values())).sync
-    n_rep = world_size({d: layout.sizes[d] for d in replicating()})    # the dense parameters' replicas
-    inter = _spans_nodes(req, layout, "replicas")
-    terms["dp_reduce"] = sum(prof.collective_s(k, n_rep, nb, inter) for k, nb in sync.items()
-                             if k in ("all_reduce", "reduce_scatter"))
-    if any(pr.streamed or pr.per_unit for pr in probes):   # every micro-batch's gradients reduced
-        terms["dp_reduce"] *= m
-    gather = sync.get("all_gather", 0)
-    if req.fp8_gather and gather:
-        # ZeRO-3's gather of the FP8 layers' weights in FP8: 1 byte an element instead of the model dtype's
-        # (the rank whose sync is the largest; its chunks' converted weights)
-        rank = max(range(len(probes)), key=lambda i: sum(probes[i].sync.values()))
-        gather = max(gather - sum(t["gather_saved"] for t in f8[rank] if t), 0)
-    terms["zero3_gather"] = prof.collective_s("all_gather", n_rep, gather, inter)
-    if any(pr.per_unit for pr in probes):      # per unit: every unit gathered for each forward and backward
-        terms["zero3_gather"] *= 2 * m
-    terms["tied"] = prof.collective_s("all_reduce", 2, sync.get("tied_all_reduce", 0), _spans_nodes(req, layout, "pp"))
-    for name in ("dp_reduce", "zero3_gather", "tied"):
-        terms[name] *= wait
-    # the step reads and writes the rank's tensors once: optimizer state, gradients (the shard where sharded),
-    # parameters
-    opt_bytes = max(2 * (pr.static["optimizer"] + pr.static["gradients"] + pr.static["parameters"]
-                         + pr.reduction_shard) for pr in probes)
-    tail_ops = max(pr.tail_ops for pr in probes)
-    terms["optimizer"] = (opt_bytes / prof.mem_bw + tail_ops * prof.op_overhead) * slow
+    slow = prof.compute_stretch(layout.world)
+    terms, sim = _step_terms(req, layout, prof, probes, f8, streams, placement, act_bytes, slow)
     step = sum(terms.values())
     tokens = req.global_batch * req.seq_len
     per_stage = layout.world // layout.pp          # the ranks of one pipeline stage, each its share of the work

@@ -350,13 +350,19 @@ def _cp_side(p3d, b: int, s: int, dev) -> dict:
 def sync_bytes(p3d) -> Dict[str, int]:
     """Bytes each data-parallel collective of a step moves on this rank: the gradient buffer reduced over
     dp (``all_reduce`` for ZeRO 0, ``reduce_scatter`` for 1, 2: its padded size; streaming ZeRO-2 moves it
-    once per micro-batch), ZeRO-3's gather of every unit's parameters (their dtype) and reduce-scatter of
+    once per micro-batch; ZeRO 1, 2: ``param_gather``, the updated parameters shared after the step), ZeRO-3's
+    gather of every unit's parameters (their dtype) and reduce-scatter of
     their gradients (the reduce dtype; padded sizes), and the tied embedding's all-reduce between the first
     and last stage."""
     out: Dict[str, int] = {}
     dp = getattr(p3d.mode, "dp", None)
     if dp is not None:     # the buckets' sizes: the buffer may be one flat tensor or one per bucket
         out["all_reduce" if p3d.zero == 0 else "reduce_scatter"] = sum(bucket_grad_bytes(dp))
+        if p3d.zero in (1, 2):
+            # after the sharded step every rank's updated shard goes to the others (the parameters' dtype)
+            grad_size = torch.empty(0, dtype=dp.grad_dtype).element_size()
+            param_size = next(p3d.model.parameters()).element_size()
+            out["param_gather"] = sum(bucket_grad_bytes(dp)) // grad_size * param_size
     z = getattr(p3d.mode, "z", None)
     if z is not None:
         padded = sum(u.padded for u in z.units)
@@ -366,6 +372,22 @@ def sync_bytes(p3d) -> Dict[str, int]:
     tied = getattr(p3d.mode, "tied", [])
     if tied and p3d.tied_group is not None:
         out["tied_all_reduce"] = sum(p.numel() * 4 for p in tied)
+    return out
+
+
+def sync_calls(p3d) -> Dict[str, int]:
+    """What the number of data-parallel collective calls of a step is made of (each call pays the link's
+    latency): ``units``, ZeRO-3's units (one gather and one reduce-scatter each; linear in the blocks), and the
+    gradient buffer's bucket caps in bytes (``bucket_first``, ``bucket_cap``), from which the model counts the
+    buckets of the (scaled) reduced bytes."""
+    out: Dict[str, int] = {}
+    dp = getattr(p3d.mode, "dp", None)
+    if dp is not None:
+        out["bucket_first"] = int(dp.buffer.first_bucket_cap_mb * 2**20)
+        out["bucket_cap"] = int(dp.buffer.bucket_cap_mb * 2**20)
+    z = getattr(p3d.mode, "z", None)
+    if z is not None:
+        out["units"] = len(z.units)
     return out
 
 
@@ -471,5 +493,5 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
 
 __all__ = ["fake_world", "build_rank", "static_terms", "sync_bytes", "streams_gradients", "bucket_grad_bytes",
            "buckets_in_flight_bytes", "arrival_order_bytes", "MAX_BUCKETS_IN_FLIGHT", "zero3_full_grad_bytes",
-           "reduction_shard_bytes", "gathers_per_unit", "step_tail_ops", "unit_buffer_bytes",
+           "reduction_shard_bytes", "gathers_per_unit", "step_tail_ops", "sync_calls", "unit_buffer_bytes",
            "microbatch_probe", "ChunkCost", "global_rank", "META"]

@@ -169,20 +169,22 @@ def scale_chunk(costs: Dict[int, ChunkCost], k: int) -> ChunkCost:
 
 
 def scale_static(r1: tuple, r2: tuple, blocks: List[int], first: int = 1) -> tuple:
-    """One rank's static probe (terms, sync bytes, streamed, reduction shard, per unit, step tail ops) for chunks of
+    """One rank's static probe (terms, sync bytes, streamed, reduction shard, per unit, step tail ops, sync calls) for
+    chunks of
     ``blocks`` blocks from its probes at ``first`` and ``first + 1`` blocks in every chunk: the second probe
     adds one block to each chunk, so each block beyond the ``first`` of a chunk adds ``1 / chunks`` of the
     difference."""
     if len(set(blocks)) == 1 and blocks[0] - first in (0, 1):
         return (r1, r2)[blocks[0] - first]
-    (s1, y1, _, red1, _, ops1), (s2, y2, streamed, red2, per_unit, ops2) = r1, r2
+    (s1, y1, _, red1, _, ops1, c1), (s2, y2, streamed, red2, per_unit, ops2, c2) = r1, r2
     extra = (sum(blocks) - first * len(blocks)) / len(blocks)
 
     def line(a, b):
         return a + round(extra * (b - a))
     static = {t: line(s1.get(t, 0), s2.get(t, 0)) for t in s2}
     sync = {t: line(y1.get(t, 0), y2.get(t, 0)) for t in y2}
-    return static, sync, streamed, line(red1, red2), per_unit, line(ops1, ops2)
+    calls = {t: line(c1.get(t, 0), c2.get(t, 0)) for t in c2}
+    return static, sync, streamed, line(red1, red2), per_unit, line(ops1, ops2), calls
 
 
 def scale_streaming(r2: tuple, r3: tuple, in_flight: int, k: int) -> tuple:
