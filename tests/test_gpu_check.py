@@ -99,11 +99,14 @@ def _py(code):
 
 
 def test_budget_step_limits_and_not_run_steps(tmp_path):
+    # a step is waited for max(1, limit - GRACE_S) s: with a 2.5 s budget the first had 1 s, and a Python start
+    # took longer under the loaded suite. Here the first has 6 s; the hanging one (3 s: starts while 3 s are
+    # left) is stopped after 1 s, which leaves less than the 15.5 s a step needs to start
     steps = [Step("quick", _py("print('hi')"), 30, needs_gpu=False),
-             Step("hangs", _py("import time; time.sleep(60)"), 2, needs_gpu=False),
+             Step("hangs", _py("import time; time.sleep(60)"), 3, needs_gpu=False),
              Step("late", _py("print('never')"), 30, needs_gpu=False)]
     t0 = time.monotonic()
-    rc = run_steps(steps, str(tmp_path), ["test"], gpu=False, budget_s=2.5, min_start_s=1.5)
+    rc = run_steps(steps, str(tmp_path), ["test"], gpu=False, budget_s=16, min_start_s=15.5)
     assert rc == 1 and time.monotonic() - t0 < 20
     rows = {r["step"]: r for r in json.loads((tmp_path / "results.json").read_text())["steps"]}
     assert rows["quick"]["result"].startswith("ok")
