@@ -90,11 +90,16 @@ def op_overhead(reps: int = 20, device: Optional[torch.device] = None) -> float:
 BLOCK_SIZES = ((2, 32, 2, 128), (2, 64, 4, 64), (2, 128, 8, 128), (2, 256, 16, 256), (2, 128, 2, 512))
 
 
+def _reference_config(n_layer: int, d: int, s: int):
+    """The reference GPT the step rates and the core contention are measured on (heads of 32)."""
+    from ..models.gpt import GPTConfig
+    return GPTConfig(vocab_size=256, n_layer=n_layer, n_head=max(1, d // 32), d_model=d, max_seq_len=s)
+
+
 def _reference_step(n_layer: int, d: int, b: int, s: int):
     """The reference GPT's forward + backward at this size, as a function (run once: warm)."""
-    from ..models.gpt import GPTConfig
     torch.manual_seed(0)
-    model = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=max(1, d // 32), d_model=d, max_seq_len=s).build(seed=0)
+    model = _reference_config(n_layer, d, s).build(seed=0)
     x = torch.randint(0, 256, (b, s))
 
     def step():
@@ -132,15 +137,13 @@ def _step_rate_rank(rank: int, world: int, profile: dict, sizes, reps: int):
     from ..composition.layout import Layout
     from ..composition.parallel3d import Parallel3D
     from ..mesh import ParallelMesh
-    from ..models.gpt import GPTConfig
     from .accounting import FlopTally, OpTally, attention_flop_formulas
     prof = Profile.from_json(profile)
     torch.set_num_threads(1)
     rows, rhs = [], []
     for n_layer, d, b, s in sizes:
         torch.manual_seed(0)
-        config = GPTConfig(vocab_size=256, n_layer=n_layer, n_head=max(1, d // 32), d_model=d, max_seq_len=s)
-        p3d = Parallel3D(config, ParallelMesh(dp=1, tp=1, pp=1, cp=1), replica_check=None,
+        p3d = Parallel3D(_reference_config(n_layer, d, s), ParallelMesh(dp=1, tp=1, pp=1, cp=1), replica_check=None,
                          **Layout(num_microbatches=1).parallel3d_kwargs())
         x = torch.randint(0, 256, (b, s))
 
@@ -276,7 +279,7 @@ def calibrate(world: int = 2, reps: int = 5, name: str = "this machine", collect
             exponent = min(max(math.log(statistics.median(ratios)) / math.log(over), 0.0), 1.0)
     prof = Profile(name=name, flops=flops, peak_flops=dict(flops, fp32=peak), mem_bw=copy_bw, intra=links,
                    inter={k: Link(v.alpha, v.beta) for k, v in links.items()}, compute_slots=slots,
-                   fragmentation=0.0, op_overhead=op_overhead(), measured=True, sends_held=True,
+                   fragmentation=0.0, measured=True, sends_held=True,
                    gemm_curve=curve, attention_efficiency=attention, shared_wait_exponent=exponent)
     step = step_rates(prof, reps)
     prof.op_overhead, prof.mem_bw = step["op_overhead"], step["mem_bw"]

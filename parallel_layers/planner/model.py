@@ -316,8 +316,8 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
     latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) * wait if p > 1 else 0.0
     sim = simulate_timing(streams, v, latency=latency, durations=durations, layout=placement)
     terms = {"pipeline": sim["step"]}
-    busiest = max(probes, key=lambda pr: sum(pr.sync.values()))
-    sync, calls = busiest.sync, busiest.calls
+    busiest = max(range(len(probes)), key=lambda i: sum(probes[i].sync.values()))     # the most dp traffic
+    sync, calls = probes[busiest].sync, probes[busiest].calls
     n_rep = world_size({d: layout.sizes[d] for d in replicating()})    # the dense parameters' replicas
     inter = _spans_nodes(req, layout, "replicas")
 
@@ -343,8 +343,7 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
     if req.fp8_gather and gather:
         # ZeRO-3's gather of the FP8 layers' weights in FP8: 1 byte an element instead of the model dtype's
         # (the rank whose sync is the largest; its chunks' converted weights)
-        rank = max(range(len(probes)), key=lambda i: sum(probes[i].sync.values()))
-        gather = max(gather - sum(t["gather_saved"] for t in f8[rank] if t), 0)
+        gather = max(gather - sum(t["gather_saved"] for t in f8[busiest] if t), 0)
     terms["zero3_gather"] = called("all_gather", gather, units)
     if any(pr.per_unit for pr in probes):      # per unit: every unit gathered for each forward and backward
         terms["zero3_gather"] *= 2 * m
