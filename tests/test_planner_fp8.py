@@ -53,6 +53,11 @@ def test_cast_bytes_are_the_formula():
     # row / block: no transposed copies; the backward transposes the FP8 weight, gradient and input
     for recipe in ("row", "block"):
         assert cast_bytes(g, recipe) == (mk * 5 + nk * 5, mn * 5 + 2 * nk + 2 * mn + 2 * mk)
+    # compiled: the input's and the gradient's casts fused into the kernels that make them (their FP8 data and
+    # transposed copy, 2 bytes, instead of the bf16 tensor the fused tally charged: nothing more); the weight's
+    assert cast_bytes(g, "tensor", fused=True) == (nk * (4 + 2), 0)
+    assert cast_bytes(g, "delayed", fused=True) == (nk * (2 + 2), 0)
+    assert cast_bytes(g, "row", fused=True) == (nk * 5, 2 * nk + 2 * mn + 2 * mk)
     # an input that needs no gradient: the weight's transposed copy is not written, nor the dgrad GEMM run
     g2 = dataclasses.replace(g, dgrad=False)
     assert cast_bytes(g2, "tensor") == (mk * 6 + nk * 5, mn * 6)

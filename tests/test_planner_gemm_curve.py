@@ -4,6 +4,7 @@ import csv
 import os
 import re
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -75,25 +76,29 @@ def test_a_profile_without_a_curve_charges_the_flat_rate_and_survives_json(tmp_p
     assert back.gemm_curve == h100.gemm_curve and back.attention_efficiency == 0.5
 
 
-def test_the_h200_profile_predicts_the_measured_training_step():
-    """benchmarks/train_step.py's "ours bf16" on one H200 (Llama 1.1B, 4 x 2048 tokens, ZeRO-1 bf16): the
-    planner's step with the measured curve within 10% (the fit of 2026-11-30 predicts 170.8 ms for 163.0 (+4.8%)
-    measured; the flat 50% efficiency predicted 190.2), its peak memory within 10%."""
+@pytest.mark.parametrize("case", ["ours bf16", "ours bf16 compiled"])
+def test_the_h200_profile_predicts_the_measured_training_step(case):
+    """benchmarks/train_step.py's "ours bf16" on one H200 (Llama 1.1B, 4 x 2048 tokens, ZeRO-1 bf16), eager and
+    with its blocks compiled (``Request.compiled``: the fused tally): the planner's step with the measured curve
+    and HBM fraction within 10% (162.0 ms predicted for 163.0 measured eager; 130.1 for 120.0 compiled, +8.4%),
+    its peak memory within 10%."""
     from transformers import LlamaConfig
 
     from parallel_layers.composition.layout import Layout
     from parallel_layers.planner import Request, predict
     path = os.path.join(os.path.dirname(RESULTS), "train_step.csv")
     with open(path, newline="") as fh:
-        rows = [r for r in csv.DictReader(fh) if r["device"] == "NVIDIA H200" and r["case"] == "ours bf16"]
+        rows = [r for r in csv.DictReader(fh) if r["device"] == "NVIDIA H200" and r["case"] == case]
     measured_ms, measured_mb = float(rows[-1]["ours_median_ms"]), float(rows[-1]["mem_mb"])
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
                       num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
                       tie_word_embeddings=False)
-    req = Request(cfg, world=1, global_batch=4, seq_len=2048, memory_bytes=139e9, precision="bf16")
+    req = Request(cfg, world=1, global_batch=4, seq_len=2048, memory_bytes=139e9, precision="bf16",
+                  compiled=case.endswith("compiled"))
     pred = predict(req, Layout(zero=1, num_microbatches=1), BUILTIN["h200"], {})
     assert abs(pred.step_s * 1e3 / measured_ms - 1) <= 0.10, (pred.step_s, measured_ms)
-    assert abs(pred.peak_bytes / 2**20 / measured_mb - 1) <= 0.10, (pred.peak_bytes, measured_mb)
+    if not req.compiled:               # (the compiled step's memory is not the eager tally's: not predicted)
+        assert abs(pred.peak_bytes / 2**20 / measured_mb - 1) <= 0.10, (pred.peak_bytes, measured_mb)
 
 
 def test_the_built_in_curve_is_the_fit_of_the_committed_rows():

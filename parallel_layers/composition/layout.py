@@ -88,13 +88,15 @@ class Auto:
     """What ``layout="auto"`` plans for. ``global_batch`` (default 8 x world) sequences of ``seq_len`` tokens
     (default: the model's maximum length); ``memory_gib`` per rank (default: the GPU's, or the host's
     memory shared by the ranks); ``profile``: a built-in name or a calibrated JSON file (default: h100 on
-    a GPU; on CPU this machine's, calibrated first: ``--calibrate``, some seconds)."""
+    a GPU; on CPU this machine's, calibrated first: ``--calibrate``, some seconds); ``compiled``: price the
+    blocks compiled (``plan --compiled``; ``Parallel3D`` sets it where ``PipelineConfig(compile=...)`` asks)."""
     global_batch: Optional[int] = None
     seq_len: Optional[int] = None
     memory_gib: Optional[float] = None
     profile: Optional[str] = None
     devices_per_node: int = 8
     precision: str = "fp32"
+    compiled: bool = False
 
 
 def _defaults(auto: Auto, model, world: int) -> Auto:
@@ -144,7 +146,7 @@ def plan_in_child(model, world: int, auto: Auto) -> Layout:
         cmd = [sys.executable, "-m", "parallel_layers", "plan", "--model-json", model_path, "--world", str(world),
                "--global-batch", str(auto.global_batch), "--seq-len", str(auto.seq_len),
                "--memory-gib", str(auto.memory_gib), "--devices-per-node", str(auto.devices_per_node),
-               "--precision", auto.precision, "--json", out]
+               "--precision", auto.precision, "--json", out] + (["--compiled"] if auto.compiled else [])
         profile = auto.profile or ("h100" if torch.cuda.is_available() else None)
         if profile is None:
             profile = os.path.join(tmp, "profile.json")
@@ -162,9 +164,10 @@ def plan_in_child(model, world: int, auto: Auto) -> Layout:
     return Layout(**result["best"]["layout"])
 
 
-def resolve_layout(layout: Union[str, Auto, Layout], model) -> Layout:
+def resolve_layout(layout: Union[str, Auto, Layout], model, compiled: bool = False) -> Layout:
     """The layout every rank uses: a ``Layout`` as given, ``"auto"``/``Auto(...)`` planned on global rank
-    0 and broadcast over the world (a collective: every rank calls it)."""
+    0 and broadcast over the world (a collective: every rank calls it); ``compiled``: the blocks will be
+    compiled (priced so)."""
     if isinstance(layout, Layout):
         return layout
     if layout == "auto":
@@ -172,6 +175,8 @@ def resolve_layout(layout: Union[str, Auto, Layout], model) -> Layout:
     if not isinstance(layout, Auto):
         raise ValueError(f"Parallel3D: layout={layout!r} must be 'auto', an Auto or a Layout "
                          f"(parallel_layers.composition.layout)")
+    if compiled:
+        layout = dataclasses.replace(layout, compiled=True)
     world = dist.get_world_size()
     box = [plan_in_child(model, world, layout) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

@@ -8,7 +8,8 @@ from the package's own objects and operations rather than from a formula.
 * :class:`OpTally`: a ``TorchDispatchMode`` that runs code (on meta tensors, under a fake process
   group) and keeps the live bytes of every tensor the ops create (and, sampled at every op, what a caller
   says is allocated outside them), their peak, the bytes non-matmul ops
-  read and write (memory-bound time) and every collective with its bytes. A tensor counts until its
+  read and write (memory-bound time), the same bytes and calls as a compiler that fuses them would
+  leave (``fused_traffic``, ``fused_ops``) and every collective with its bytes. A tensor counts until its
   last reference dies (torch keeps a tensor's Python object alive as long as autograd holds it), so the
   tensors saved for backward count until backward frees them.
 """
@@ -128,6 +129,16 @@ class OpTally(TorchDispatchMode):
         self.extra = extra
         self.traffic = 0                      # bytes read + written by non-matmul ops
         self.ops = 0                          # operator calls (each costs a launch / dispatch overhead)
+        # the same ops fused (torch.compile, Transformer Engine): between two matmuls (attention, collectives:
+        # the boundaries a fused kernel does not cross) the non-matmul ops are one kernel, which reads each tensor
+        # made before it once and writes only what a later kernel reads (``end_region``, ``end_phase``)
+        self.fused_traffic = 0
+        self.fused_ops = 0
+        self._pending: Dict[int, tuple] = {}  # storage -> (bytes, region) made by fused ops, not written yet
+        self._saved: Dict[int, int] = {}      # forward's unwritten tensors that backward may read (recomputed)
+        self._read: set = set()               # storages this region has read from memory already
+        self._region = 0
+        self._region_ops = 0
         self.collectives: Dict[str, List[int]] = defaultdict(list)   # op name -> bytes per call
         self._count: Dict[int, int] = {}      # storage -> tensors alive that own it here
         self._size: Dict[int, int] = {}
@@ -140,6 +151,60 @@ class OpTally(TorchDispatchMode):
         if self._count[key] == 0:
             self.live -= self._size.pop(key)
             del self._count[key]
+            self._pending.pop(key, None)      # died unread: never written to memory
+            self._saved.pop(key, None)
+            self._read.discard(key)
+
+    def end_region(self) -> None:
+        """A boundary of the fused regions (a matmul, a collective): the region's kernel counts as one call;
+        what it made stays unwritten until a later kernel reads it (a tensor that dies unread never is)."""
+        self._read.clear()
+        self._region += 1
+        self.fused_ops += 1 if self._region_ops else 0
+        self._region_ops = 0
+
+    def end_phase(self, forward: bool) -> None:
+        """The end of a forward (``forward``) or a backward. A forward's unwritten tensors that are still alive
+        are those autograd keeps: a compiled graph's partitioner recomputes such elementwise results in the
+        backward from what it saved, so a backward that reads one is charged its bytes once (the inputs of
+        the recomputation read), never the forward's write. What a backward leaves is written (gradients)."""
+        self.end_region()
+        if forward:
+            self._saved = {k: nb for k, (nb, _) in self._pending.items()}
+        else:
+            self.fused_traffic += sum(nb for nb, _ in self._pending.values())
+            self._saved = {}
+        self._pending.clear()
+
+    def _materialize(self, key: int) -> None:
+        """A tensor a later kernel reads: written by the kernel that made it, read again (a matmul's reads are
+        its own: charged the write only, the caller adds the read of a fused kernel)."""
+        if key in self._pending:
+            self.fused_traffic += self._pending.pop(key)[0]
+        elif key in self._saved:
+            self.fused_traffic += self._saved.pop(key)
+
+    def _fused(self, ins, outs, before: set) -> None:
+        self._region_ops += 1
+        for a in ins:
+            key = _storage_key(a)
+            made = self._pending.get(key)
+            if made is not None and made[1] == self._region:
+                continue                          # made by this kernel: in registers
+            if key in self._read:
+                continue
+            self._read.add(key)
+            if key in self._saved:                # recomputed from its inputs: their read, about its bytes
+                self.fused_traffic += self._saved.pop(key)
+                continue
+            self._materialize(key)
+            self.fused_traffic += _nbytes(a)
+        for o in outs:
+            key = _storage_key(o)
+            if key in before and key not in self._pending:
+                self.fused_traffic += _nbytes(o)     # in place into a tensor written already (a buffer)
+            else:
+                self._pending[key] = (max(self._pending.get(key, (0,))[0], _nbytes(o)), self._region)
 
     def _track(self, t: torch.Tensor, before: set) -> None:
         key = _storage_key(t)
@@ -167,13 +232,23 @@ class OpTally(TorchDispatchMode):
         with torch._C.DisableTorchFunctionSubclass():   # the dispatch level: torch_function has run already
             out = func(*args, **kwargs)
         if func.namespace == "c10d":
+            for key in before:
+                self._materialize(key)
+            self.end_region()
+            self.fused_ops += 1
             self.collectives[name].append(sum(_nbytes(a) for a in ins))
             return out
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         for o in outs:                          # views of ours count too: the storage lives while any does
             self._track(o, before)
-        if name not in _MATMUL_OPS and name not in _FREE_OPS:
+        if name in _MATMUL_OPS:
+            for key in before:
+                self._materialize(key)
+            self.end_region()
+            self.fused_ops += 1
+        elif name not in _FREE_OPS:
             self.traffic += sum(_nbytes(a) for a in ins) + sum(_nbytes(o) for o in outs)
+            self._fused(ins, outs, before)
         if self.extra is not None:
             self.peak = max(self.peak, self.live + self.extra())
         return out
@@ -279,19 +354,19 @@ def attention_flop_formulas() -> dict:
             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
+def _counted(t) -> tuple:
+    return ("ops", "traffic", "fused_ops", "fused_traffic") if isinstance(t, OpTally) else ("total",)
+
+
 def _tally_counts(tallies) -> List[int]:
-    return [t.ops if isinstance(t, OpTally) else 0 for t in tallies] + \
-        [t.traffic if isinstance(t, OpTally) else t.total for t in tallies]
+    return [getattr(t, name) for t in tallies for name in _counted(t)]
 
 
 def _charge(tallies, delta: List[int], times: int) -> None:
-    n = len(tallies)
-    for i, t in enumerate(tallies):
-        if isinstance(t, OpTally):
-            t.ops += delta[i] * times
-            t.traffic += delta[n + i] * times
-        else:
-            t.total += delta[n + i] * times
+    at = iter(delta)
+    for t in tallies:
+        for name in _counted(t):
+            setattr(t, name, getattr(t, name) + next(at) * times)
 
 
 @contextlib.contextmanager

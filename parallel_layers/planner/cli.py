@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(h100, h200)")
     ap.add_argument("--fp8-gather", action="store_true", help="with --fp8 and ZeRO-3: gather the FP8 layers' "
                     "weights in FP8, 1 byte an element")
+    ap.add_argument("--compiled", action="store_true", help="the blocks compiled (PipelineConfig(compile=True)): "
+                    "the non-matmul ops between two matmuls priced as one fused kernel")
+    ap.add_argument("--overlap-dp", action="store_true", help="price the data-parallel reduction and ZeRO-3's "
+                    "gathers as overlapped with compute (FSDP2, Megatron-core; not Parallel3D's own step): to "
+                    "compare with another framework's runs")
     ap.add_argument("--profile", default="h100", help=f"built-in ({', '.join(BUILTIN)}) or a calibrated JSON file")
     ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
     ap.add_argument("--cp", default=None, help="context-parallel sizes to consider, e.g. 1 to leave cp out (each cp "
@@ -96,7 +101,7 @@ def request_of(args) -> Request:
     return Request(model, world=args.world, global_batch=args.global_batch, seq_len=args.seq_len,
                    memory_bytes=args.memory_gib * 2**30, devices_per_node=args.devices_per_node,
                    precision=args.precision, fp8=args.fp8 is not None, fp8_recipe=args.fp8 or "tensor",
-                   fp8_gather=args.fp8_gather)
+                   fp8_gather=args.fp8_gather, compiled=args.compiled, overlap_dp=args.overlap_dp)
 
 
 def _row(p) -> str:

@@ -20,7 +20,10 @@ backward transposes the FP8 data instead, 1 byte read and 1 written an element):
 * cast bytes (memory-bound, at ``profile.mem_bw``), :func:`cast_bytes`:
   forward ``MK (r e_x + 1 + t_x) + NK (r e_w + 1 + t_w)``;
   backward ``MN (r e_x + 1 + t_g)`` plus, where no transposed copy was written, ``2NK`` (dgrad) and
-  ``2MN + 2MK`` (wgrad); a checkpointed backward adds its recomputed forward's.
+  ``2MN + 2MK`` (wgrad); a checkpointed backward adds its recomputed forward's. In a compiled step
+  (``Request.compiled``) the input's and the gradient's casts are fused into the kernels that make them: they
+  write the FP8 copies, ``1 + t`` bytes an element, instead of the model dtype's ``e_x`` (charged by the fused
+  tally already), so the ``MK`` and ``MN`` terms become ``max(1 + t - e_x, 0)``.
 * saved for backward (:func:`saved_bytes`, what ``FP8LinearFunction`` keeps on its ``ctx``: the input's and
   one layout of the input's and the weight's ``Quantized``, the transposed copy where the cast made one, since
   backward reads only x^T and W^T): ``MK + 8 g_x + NK + 8 g_w`` with ``g`` the scale blocks
@@ -99,13 +102,18 @@ def _transposes(g: FP8Gemm, recipe: str) -> Tuple[int, int, int]:
     return int(g.wgrad and not g.seq_parallel), int(g.dgrad), int(g.wgrad)
 
 
-def cast_bytes(g: FP8Gemm, recipe: str) -> Tuple[int, int]:
-    """(forward, backward) bytes the casts of one converted GEMM call read and write (see the module docstring)."""
+def cast_bytes(g: FP8Gemm, recipe: str, fused: bool = False) -> Tuple[int, int]:
+    """(forward, backward) bytes the casts of one converted GEMM call read and write (see the module docstring).
+    ``fused`` (a compiled step): the input's and the gradient's casts are part of the kernel that makes them,
+    which writes the FP8 copies instead of the model-dtype tensor the fused tally already charges (nothing
+    more where those are no larger); the weight's cast stays a pass of its own."""
     r = 1 if recipe == "delayed" else 2
     t_x, t_w, t_g = _transposes(g, recipe)
     mk, nk, mn = g.m * g.k, g.n * g.k, g.m * g.n
-    fwd = mk * (r * g.x_size + 1 + t_x) + nk * (r * g.w_size + 1 + t_w)
-    bwd = mn * (r * g.x_size + 1 + t_g)
+    act_x = max(1 + t_x - g.x_size, 0) if fused else r * g.x_size + 1 + t_x
+    act_g = max(1 + t_g - g.x_size, 0) if fused else r * g.x_size + 1 + t_g
+    fwd = mk * act_x + nk * (r * g.w_size + 1 + t_w)
+    bwd = mn * act_g
     if g.dgrad and not t_w:
         bwd += 2 * nk
     if g.wgrad:
@@ -212,12 +220,12 @@ def fp8_rate(prof, req) -> float:
     return rate
 
 
-def chunk_terms(acct: FP8Account, recipe: str, checkpoint: bool) -> dict:
-    """A chunk's FP8 terms for one micro-batch: GEMM FLOPs and cast bytes per phase, and the change of its
-    saved bytes and of its peak."""
+def chunk_terms(acct: FP8Account, recipe: str, checkpoint: bool, fused: bool = False) -> dict:
+    """A chunk's FP8 terms for one micro-batch: GEMM FLOPs and cast bytes per phase (``fused``: a compiled
+    step's, :func:`cast_bytes`), and the change of its saved bytes and of its peak."""
     ff = sum(g.flops_f for g in acct.gemms)
     fb = sum(g.flops_b for g in acct.gemms) + (ff if checkpoint else 0)
-    casts = [cast_bytes(g, recipe) for g in acct.gemms]
+    casts = [cast_bytes(g, recipe, fused) for g in acct.gemms]
     cf = sum(c[0] for c in casts)
     cb = sum(c[1] for c in casts) + (cf if checkpoint else 0)
     if checkpoint:

@@ -12,8 +12,9 @@ Built-in profiles come from vendor data sheets (dense tensor-core peaks, no spar
 The achieved fraction of those peaks is not on a data sheet. The Hopper profiles (H100, H200) charge each
 matmul by its shape with rates measured on an H200 (``HOPPER_GEMM_CURVE``: bf16 31-76% of peak, FP8 15-69%,
 the small reduction dims slowest) and attention at 50% of the FLOPs it computes (half the square where
-causal); the A100's assumes ``efficiency`` 0.5 of peak for
-every matmul (no A100 has been measured). All assume 0.7 of HBM bandwidth and NCCL-like link latencies (5 us
+causal) and memory traffic at 0.8 of HBM bandwidth (the H200's copy, measured); the A100's assumes
+``efficiency`` 0.5 of peak for every matmul and 0.7 of HBM bandwidth (no A100 has been measured). All assume
+NCCL-like link latencies (5 us
 per ring step over NVLink, 10 us over InfiniBand): assumptions, said so in the output; ``--calibrate``
 (:mod:`.calibrate`) replaces every figure with one measured on the machine.
 
@@ -185,17 +186,21 @@ HOPPER_GEMM_CURVE = {
 }
 HOPPER_GEMM_CURVE["fp16"] = HOPPER_GEMM_CURVE["bf16"]
 HOPPER_EFFICIENCY = {"bf16": 0.66, "fp16": 0.66, "fp8": 0.52}   # the measured medians: what a flat rate uses
+# the copy bandwidth measured on the H200 over HBM3e's 4.8 TB/s: median 3,830 GB/s of 19 measurements
+# (3,713-3,960; benchmarks/results/planner_device.csv, the planner_device_profile rows)
+HOPPER_HBM_FRACTION = 0.8
 
 
 def _gpu(name, peaks, hbm, nvlink_each_way, ib_per_gpu, efficiency=0.5, notes="", measured_curve=None):
     flat = {k: v * efficiency for k, v in peaks.items()}
+    hbm_fraction = 0.7
     if measured_curve is not None:
         flat.update({k: peaks[k] * e for k, e in HOPPER_EFFICIENCY.items() if k in peaks})
-        notes = notes or ("data-sheet peaks; matmul and attention rates by shape measured on an H200 "
-                          "(bf16 median 66% of peak, fp8 52%), 70% of HBM bandwidth, ring collectives with "
-                          "NCCL-like latencies")
+        hbm_fraction = HOPPER_HBM_FRACTION
+        notes = notes or ("data-sheet peaks; matmul and attention rates by shape and 80% of HBM bandwidth measured "
+                          "on an H200 (bf16 median 66% of peak, fp8 52%), ring collectives with NCCL-like latencies")
     return Profile(name=name, flops=flat, peak_flops=dict(peaks),
-                   mem_bw=hbm * 0.7, intra={"*": Link(5e-6, 1.0 / nvlink_each_way)},
+                   mem_bw=hbm * hbm_fraction, intra={"*": Link(5e-6, 1.0 / nvlink_each_way)},
                    inter={"*": Link(10e-6, 1.0 / ib_per_gpu)}, fragmentation=0.05, measured=False, async_dispatch=True,
                    gemm_curve=measured_curve, attention_efficiency=0.5 if measured_curve else None,
                    notes=notes or f"data-sheet peaks; assumed {efficiency:.0%} matmul efficiency, 70% of HBM "

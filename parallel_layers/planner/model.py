@@ -285,11 +285,19 @@ def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: 
     return t
 
 
+def phase_traffic(req: Request, cc: ChunkCost) -> tuple:
+    """A chunk's (traffic, operator calls) of its forward and of its backward: eager, or fused where the request
+    says the blocks are compiled (``Request.compiled``)."""
+    if req.compiled:
+        return (cc.fused_traffic_f, cc.fused_ops_f), (cc.fused_traffic_b, cc.fused_ops_b)
+    return (cc.traffic_f, cc.ops_f), (cc.traffic_b, cc.ops_b)
+
+
 def fp8_terms(req: Request, layout: Layout, probes: List[RankProbe]) -> List[List[Optional[dict]]]:
     """Per rank and chunk, FP8 training's terms (:func:`.fp8.chunk_terms`), or None where FP8 is not asked."""
     if not req.fp8:
         return [[None] * len(pr.chunks) for pr in probes]
-    return [[chunk_terms(c.fp8, req.fp8_recipe, layout.checkpoint) for c in pr.chunks] for pr in probes]
+    return [[chunk_terms(c.fp8, req.fp8_recipe, layout.checkpoint, req.compiled) for c in pr.chunks] for pr in probes]
 
 
 def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankProbe], f8: list, streams,
@@ -306,9 +314,10 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
         for c, cc in enumerate(pr.chunks):
             t8 = f8[r][c] or dict(flops_f=0, flops_b=0, cast_f=0, cast_b=0)
             zero = NO_SHAPE
-            f = phase_seconds(req, layout, prof, cc.flops_f, cc.traffic_f, cc.ops_f, cc.coll_f, slow,
+            (traffic_f, ops_f), (traffic_b, ops_b) = phase_traffic(req, cc)
+            f = phase_seconds(req, layout, prof, cc.flops_f, traffic_f, ops_f, cc.coll_f, slow,
                               t8["flops_f"], t8["cast_f"], cc.shape_f, t8.get("shape_f", zero), wait)
-            b = phase_seconds(req, layout, prof, cc.flops_b, cc.traffic_b, cc.ops_b, cc.coll_b, slow,
+            b = phase_seconds(req, layout, prof, cc.flops_b, traffic_b, ops_b, cc.coll_b, slow,
                               t8["flops_b"], t8["cast_b"], cc.shape_b, t8.get("shape_b", zero), wait)
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
@@ -326,6 +335,7 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
         return prof.collective_s(kind, n_rep, nbytes / n, inter) * n if nbytes else 0.0
     units = max(calls.get("units", 0), 1)
     terms["dp_reduce"] = 0.0
+    n_calls = 1
     for kind in ("all_reduce", "reduce_scatter"):
         nbytes = sync.get(kind, 0)
         if "units" in calls:                      # ZeRO-3: one reduce-scatter a unit
@@ -335,6 +345,7 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
         else:
             n = 1
         terms["dp_reduce"] += called(kind, nbytes, n)
+        n_calls = max(n_calls, n if nbytes else 1)
     if any(pr.streamed or pr.per_unit for pr in probes):   # every micro-batch's gradients reduced
         terms["dp_reduce"] *= m
     # ZeRO 1, 2: the updated parameters gathered after the step; the loss's mean over the replicas (a scalar)
@@ -350,6 +361,8 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
     terms["tied"] = prof.collective_s("all_reduce", 2, sync.get("tied_all_reduce", 0), _spans_nodes(req, layout, "pp"))
     for name in ("dp_reduce", "zero3_gather", "tied"):
         terms[name] *= wait
+    if req.overlap_dp:
+        _overlap(terms, n_calls)
     # the step reads and writes the rank's tensors once: optimizer state, gradients (the shard where sharded),
     # parameters
     opt_bytes = max(2 * (pr.static["optimizer"] + pr.static["gradients"] + pr.static["parameters"]
@@ -357,6 +370,21 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
     tail_ops = max(pr.tail_ops for pr in probes)
     terms["optimizer"] = (opt_bytes / prof.mem_bw + tail_ops * prof.op_overhead) * slow
     return terms, sim
+
+
+def _overlap(terms: dict, calls: int) -> None:
+    """The data-parallel collectives run beside the compute (``Request.overlap_dp``): each unit's gather
+    during the previous unit's forward or backward, each bucket's reduction during the next one's backward.
+    What stays exposed: the first gather and the last reduction of each pass (a ``1 / calls`` share of all of
+    them, passes repeated for every micro-batch alike), and whatever the compute is too short to hide. The
+    terms keep their names; their seconds are the exposed part."""
+    comm = terms["dp_reduce"] + terms["zero3_gather"]
+    if comm <= 0:
+        return
+    edge = comm / max(calls, 1)
+    exposed = max(edge, comm - terms["pipeline"])
+    for name in ("dp_reduce", "zero3_gather"):
+        terms[name] *= exposed / comm
 
 
 def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] = None) -> Prediction:

@@ -323,6 +323,12 @@ class ChunkCost:
     # forward / backward
     shape_f: tuple = NO_SHAPE
     shape_b: tuple = NO_SHAPE
+    # the traffic and kernel calls of the same forward / backward with its non-matmul ops fused (a compiled
+    # step: ``accounting.OpTally.fused_traffic``)
+    fused_traffic_f: int = 0
+    fused_traffic_b: int = 0
+    fused_ops_f: int = 0
+    fused_ops_b: int = 0
 
 
 def _on_meta(dev, tallies):
@@ -438,6 +444,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
                         gc.collect() if phase == "F" else gc.collect(0)
                         before_flops, before_shape = flops.get_total_flops(), list(flops.shape)
                         before_traffic, before_ops = tally.traffic, tally.ops
+                        before_fused = tally.fused_traffic, tally.fused_ops
                         before_coll = {k: len(v) for k, v in tally.collectives.items()}
                         tally.reset_peak()
                         if phase == "F":
@@ -456,13 +463,16 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
                             torch.autograd.backward(out, grad)
                             del out, grad, x
                             saved = None
+                        tally.end_phase(forward=phase == "F")
                         coll = {k: v[before_coll.get(k, 0):] for k, v in tally.collectives.items()
                                 if len(v) > before_coll.get(k, 0)}
                         phases.append(dict(peak=tally.peak - start, live=tally.live - start, saved=saved,
                                            flops=flops.get_total_flops() - before_flops,
                                            shape=tuple(now - was for now, was in zip(flops.shape, before_shape)),
                                            traffic=tally.traffic - before_traffic, coll=coll,
-                                           ops=tally.ops - before_ops))
+                                           ops=tally.ops - before_ops,
+                                           fused_traffic=tally.fused_traffic - before_fused[0],
+                                           fused_ops=tally.fused_ops - before_fused[1]))
             f1, b1, f2, b2 = phases
             # what stays for the step: ZeRO-3's full gradients, held across micro-batches; other stages'
             # gradients live in the data-parallel buffers, counted with the rank's tensors. (Read off the
@@ -488,6 +498,8 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
                 flops_f=f2["flops"], flops_b=b2["flops"], shape_f=f2["shape"], shape_b=b2["shape"],
                 traffic_f=f2["traffic"],
                 traffic_b=b2["traffic"], ops_f=f2["ops"], ops_b=b2["ops"], coll_f=f2["coll"], coll_b=b2["coll"],
+                fused_traffic_f=f2["fused_traffic"], fused_traffic_b=b2["fused_traffic"],
+                fused_ops_f=f2["fused_ops"], fused_ops_b=b2["fused_ops"],
                 out_shape=hidden_shape[0] if hidden_shape else (),
                 out_bytes=(torch.Size(hidden_shape[0]).numel() * torch.empty(0, dtype=hidden_shape[1]).element_size()
                            if hidden_shape else 0)))

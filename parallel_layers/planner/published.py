@@ -23,7 +23,9 @@ What Table 1 does not give, and what is used here instead (said again in every r
 * the optimizer: Megatron-LM of 2021 kept fp32 master weights and Adam state on every data-parallel
   replica; this package's fp16 needs a ZeRO optimizer for those (stage 1, 2 or 3); stage 1 is used here
   (the same bytes reduced, optimizer state sharded), so the memory is less than theirs and the time the
-  same but for the all-gather of the updated weights.
+  same but for the all-gather of the updated weights;
+* the execution: the paper's fused kernels (section 4.2) priced as a compiled step (``Request.compiled``:
+  the non-matmul ops between two matmuls one kernel); its data-parallel all-reduce not overlapped.
 
 Everything else is the planner unchanged: :func:`~.model.predict` on the A100 SXM 80GB data-sheet
 profile (:data:`~.hardware.BUILTIN` ``"a100"``, its assumed 50% matmul efficiency included), 8 ranks a
@@ -40,7 +42,7 @@ from ..composition.layout import Layout
 from ..models.gpt import GPTConfig
 from ..pipeline.schedules import schedule_spec
 from .hardware import BUILTIN, Profile
-from .model import Prediction, phase_seconds, predict, probe_layout
+from .model import Prediction, phase_seconds, phase_traffic, predict, probe_layout
 from .search import divisors, plan, why_not
 from .spec import Request
 
@@ -111,12 +113,14 @@ def paper_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
 
 def request(run: PublishedRun) -> Request:
     """The planner's question for a run: a GPT of its dimensions (GELU MLP of 4h, learned positions, tied
-    embedding: the paper's model) on its GPUs, 8 to a node, 80 GiB each, its global batch, fp16."""
+    embedding: the paper's model) on its GPUs, 8 to a node, 80 GiB each, its global batch, fp16, its
+    elementwise ops fused (``compiled``: the paper's section 4.2, Megatron-LM's fused bias + GeLU,
+    bias + dropout + add and scale + mask + softmax kernels)."""
     cfg = GPTConfig(vocab_size=SETUP["vocab"], n_layer=run.layers, n_head=run.heads, d_model=run.hidden,
                     max_seq_len=SETUP["seq_len"])
     return Request(cfg, world=run.gpus, global_batch=run.batch, seq_len=SETUP["seq_len"],
                    memory_bytes=SETUP["memory_bytes"], devices_per_node=SETUP["devices_per_node"],
-                   precision=SETUP["precision"])
+                   precision=SETUP["precision"], compiled=True)
 
 
 def _chunks(layers: int, pp: int) -> int:
@@ -164,8 +168,9 @@ def breakdown(req: Request, pred: Prediction, prof: Profile, cache: Optional[dic
     for pr in probes:
         acc = dict.fromkeys(parts, 0.0)
         for cc in pr.chunks:
-            for fl, shape, tr, ops, coll in ((cc.flops_f, cc.shape_f, cc.traffic_f, cc.ops_f, cc.coll_f),
-                                             (cc.flops_b, cc.shape_b, cc.traffic_b, cc.ops_b, cc.coll_b)):
+            (tr_f, ops_f), (tr_b, ops_b) = phase_traffic(req, cc)
+            for fl, shape, tr, ops, coll in ((cc.flops_f, cc.shape_f, tr_f, ops_f, cc.coll_f),
+                                             (cc.flops_b, cc.shape_b, tr_b, ops_b, cc.coll_b)):
                 acc["matmul"] += phase_seconds(req, lay, prof, fl, 0, 0, {}, slow, shape=shape) * lay.num_microbatches
                 acc["traffic"] += phase_seconds(req, lay, prof, 0, tr, 0, {}, slow) * lay.num_microbatches
                 acc["op_overhead"] += phase_seconds(req, lay, prof, 0, 0, ops, {}, slow) * lay.num_microbatches

@@ -6,12 +6,14 @@ per GPU for each run's layout beside the published figure. Two tables, kept as d
   ``benchmarks/llama3_h100_202412_torchtitan.md`` (Tables 1, 3, 4; torchtitan commit 9dec370, 2024-12-26)
   and ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (the vanilla-TP columns). Sequence length
   8192: ``seq_len`` of the repository's ``train_configs/llama3_8b.toml`` / ``llama3_70b.toml`` at 9dec370.
-  BF16 and FP8 (Float8 tensorwise) rows; several ran under ``torch.compile`` (this package runs eager:
-  said in each row).
+  BF16 and FP8 (Float8 tensorwise) rows; those that ran under ``torch.compile`` are priced compiled
+  (``Request.compiled``), FSDP2's prefetched gathers and reductions overlapped (``Request.overlap_dp``).
 * ``nemo``: NVIDIA NeMo's pre-training table (NVIDIA/NeMo ``docs/source/performance/performance_summary.md``,
   container NeMo 24.07, DGX-H100, FP8): its Llama 2 and Llama 3 rows, with their GPUs, global and micro
   batch, sequence, TP / PP / CP / VP as published (dp the rest; VP: the interleaved schedule's chunks).
-  The GPT-3 and Nemotron rows are left out: their model dimensions are not in that table.
+  The GPT-3 and Nemotron rows are left out: their model dimensions are not in that table. Transformer
+  Engine's fused kernels are priced as a compiled step, the distributed optimizer's overlapped gradient
+  reduction and parameter gather (NeMo's defaults) as overlapped.
 
 Model dimensions: Llama 3.1 8B / 70B from torchtitan's ``torchtitan/models/llama/__init__.py`` at 9dec370
 (dim, layers, heads, kv heads; the FFN width from its ``ffn_dim_multiplier`` / ``multiple_of`` rule:
@@ -34,7 +36,7 @@ import statistics
 from typing import Dict, List, Optional, Tuple
 
 from ..composition.layout import Layout
-from .hardware import BUILTIN, Profile
+from .hardware import BUILTIN, HOPPER_HBM_FRACTION, Profile
 from .model import Prediction, predict
 from .spec import Request
 
@@ -75,6 +77,9 @@ class Run:
     checkpoint: Optional[bool]       # full activation checkpointing; None: selective or not said (both weighed)
     zero: int
     notes: str = ""
+    compiled: bool = False           # its elementwise ops fused: torch.compile, Transformer Engine
+    overlap_dp: bool = True          # FSDP2's prefetch; Megatron-core's overlap_grad_reduce / overlap_param_gather
+    fp8_recipe: str = "tensor"       # torchtitan's Float8 tensorwise; Transformer Engine's default: delayed
 
     @property
     def dp(self) -> int:
@@ -82,37 +87,38 @@ class Run:
 
 
 _TT = dict(table="torchtitan", zero=3)
-_NM = dict(table="nemo", zero=1, checkpoint=None, notes="NeMo 24.07, FP8")
+_NM = dict(table="nemo", zero=1, checkpoint=None, notes="NeMo 24.07, FP8", compiled=True, fp8_recipe="delayed")
 RUNS: List[Run] = [
     # llama3_h100_202412_torchtitan.md Table 1: 8 GPUs, FSDP, local batch 2, global 16, selective AC
     Run(label="T1 FSDP", model="llama3-8b", gpus=8, tp=1, pp=1, cp=1, vp=1, global_batch=16, micro_batch=None,
         seq=8192, fp8=False, tokens_per_gpu_s=5762, checkpoint=None, notes="eager, selective AC", **_TT),
     Run(label="T1 FSDP + compile + Float8", model="llama3-8b", gpus=8, tp=1, pp=1, cp=1, vp=1, global_batch=16,
         micro_batch=None, seq=8192, fp8=True, tokens_per_gpu_s=8532, checkpoint=None,
-        notes="torch.compile, selective AC", **_TT),
+        compiled=True, notes="torch.compile, selective AC", **_TT),
     # Table 3: 128 GPUs, FSDP, local batch 2, global 256, selective AC
     Run(label="T3 FSDP", model="llama3-8b", gpus=128, tp=1, pp=1, cp=1, vp=1, global_batch=256, micro_batch=None,
         seq=8192, fp8=False, tokens_per_gpu_s=5605, checkpoint=None, notes="eager, selective AC", **_TT),
     Run(label="T3 FSDP + compile + Float8", model="llama3-8b", gpus=128, tp=1, pp=1, cp=1, vp=1, global_batch=256,
         micro_batch=None, seq=8192, fp8=True, tokens_per_gpu_s=8380, checkpoint=None,
-        notes="torch.compile, selective AC", **_TT),
+        compiled=True, notes="torch.compile, selective AC", **_TT),
     # Table 4: 70B, 256 GPUs, FSDP 32 x TP 8, local batch 16, global 512, full AC, compile + Float8 (2D, no AsyncTP)
     Run(label="T4 2D", model="llama3-70b", gpus=256, tp=8, pp=1, cp=1, vp=1, global_batch=512, micro_batch=None,
-        seq=8192, fp8=True, tokens_per_gpu_s=829, checkpoint=True, notes="torch.compile, full AC", **_TT),
+        seq=8192, fp8=True, tokens_per_gpu_s=829, checkpoint=True, compiled=True, notes="torch.compile, full AC",
+        **_TT),
     # asyncTP_llama3_h100_2025-06_torchtitan.md, vanilla TP columns: 70B FSDP 32 x TP 8, full AC, local batch 16;
     # 8B on 64 GPUs FSDP 8 x TP 8, per-op SAC, local batch 12; torch.compile
     Run(label="asyncTP doc 70B bf16", model="llama3-70b", gpus=256, tp=8, pp=1, cp=1, vp=1, global_batch=512,
         micro_batch=None, seq=8192, fp8=False, tokens_per_gpu_s=597.3, checkpoint=True,
-        notes="torch.compile, full AC", **_TT),
+        compiled=True, notes="torch.compile, full AC", **_TT),
     Run(label="asyncTP doc 70B float8", model="llama3-70b", gpus=256, tp=8, pp=1, cp=1, vp=1, global_batch=512,
         micro_batch=None, seq=8192, fp8=True, tokens_per_gpu_s=809.8, checkpoint=True,
-        notes="torch.compile, full AC, float8 tensorwise", **_TT),
+        compiled=True, notes="torch.compile, full AC, float8 tensorwise", **_TT),
     Run(label="asyncTP doc 8B bf16", model="llama3-8b", gpus=64, tp=8, pp=1, cp=1, vp=1, global_batch=96,
         micro_batch=None, seq=8192, fp8=False, tokens_per_gpu_s=4378, checkpoint=None,
-        notes="torch.compile, per-op SAC", **_TT),
+        compiled=True, notes="torch.compile, per-op SAC", **_TT),
     Run(label="asyncTP doc 8B float8", model="llama3-8b", gpus=64, tp=8, pp=1, cp=1, vp=1, global_batch=96,
         micro_batch=None, seq=8192, fp8=True, tokens_per_gpu_s=5078.1, checkpoint=None,
-        notes="torch.compile, per-op SAC, float8 tensorwise", **_TT),
+        compiled=True, notes="torch.compile, per-op SAC, float8 tensorwise", **_TT),
     # performance_summary.md, Pretraining table (NeMo 24.07, DGX-H100, FP8): the Llama rows
     Run(label="LLAMA2-7B", model="llama2-7b", gpus=8, tp=1, pp=1, cp=1, vp=1, global_batch=128, micro_batch=1,
         seq=4096, fp8=True, tokens_per_gpu_s=16847, **_NM),
@@ -129,10 +135,12 @@ TABLES = {"torchtitan": (TORCHTITAN, TORCHTITAN_URL), "nemo": (NEMO, NEMO_URL)}
 
 
 def profile(run: Run) -> Profile:
-    """The built-in H100 SXM profile; for torchtitan's Grand Teton GPUs, its stated HBM (2.4 TB/s, 70% of it)."""
+    """The built-in H100 SXM profile; for torchtitan's Grand Teton GPUs, its stated HBM (2.4 TB/s, the fraction
+    of it the Hopper profiles take)."""
     base = BUILTIN["h100"]
     if run.table == "torchtitan":
-        return dataclasses.replace(base, name="H100 (Grand Teton: HBM2e 2.4 TB/s, 500 W)", mem_bw=2.4e12 * 0.7)
+        return dataclasses.replace(base, name="H100 (Grand Teton: HBM2e 2.4 TB/s, 500 W)",
+                                   mem_bw=2.4e12 * HOPPER_HBM_FRACTION)
     return base
 
 
@@ -146,7 +154,8 @@ def request(run: Run) -> Request:
     cfg = LlamaConfig(hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
                       num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=run.seq)
     return Request(cfg, world=run.gpus, global_batch=run.global_batch, seq_len=run.seq,
-                   memory_bytes=memory_bytes(run), devices_per_node=8, precision="bf16", fp8=run.fp8)
+                   memory_bytes=memory_bytes(run), devices_per_node=8, precision="bf16", fp8=run.fp8,
+                   compiled=run.compiled, overlap_dp=run.overlap_dp, fp8_recipe=run.fp8_recipe)
 
 
 def variants(run: Run) -> List[Layout]:

@@ -19,7 +19,14 @@ class Request:
     dtype). ``fp8``: FP8 training, every Linear but the LM head and the MoE router an ``FP8Linear`` with
     ``FP8Recipe(scaling=fp8_recipe)`` (their GEMMs at the profile's fp8 rate, the casts at its memory bandwidth,
     the FP8 copies saved for backward: :mod:`.fp8`); ``fp8_gather``: ZeRO-3 gathers those weights in FP8 (1 byte
-    an element instead of the model dtype's), an option apart from ``fp8``'s GEMMs."""
+    an element instead of the model dtype's), an option apart from ``fp8``'s GEMMs.
+
+    How the step runs, beside the layout: ``compiled``: each block compiled (``PipelineConfig(compile=True)``,
+    torchtitan's per-block ``torch.compile``, Transformer Engine's fused kernels), the non-matmul ops between
+    two matmuls one kernel (``accounting.OpTally.fused_traffic``); ``overlap_dp``: the data-parallel reduction
+    and ZeRO-3's gathers run beside the compute, each unit's or bucket's during another's (FSDP2's prefetch,
+    Megatron-core's ``overlap_grad_reduce`` / ``overlap_param_gather``; ``Parallel3D`` runs them before and
+    after its pipeline: for a run of another framework, as its published tables are)."""
     model: object
     world: int
     global_batch: int
@@ -30,6 +37,8 @@ class Request:
     fp8: bool = False
     fp8_recipe: str = "tensor"
     fp8_gather: bool = False
+    compiled: bool = False
+    overlap_dp: bool = False
 
     def __post_init__(self):
         if self.precision not in DTYPES:
