@@ -66,6 +66,7 @@ UNDER_NCCL_RULES = {
                          "test_pipeline_batch_shape_changes_between_steps": ("",)},
     "test_moe_3d.py": {"test_expert_parallel_gpt_trains_like_one_process": ("dp2ep2-zero1", "tp2ep2-sp-zero2")},
     "test_moe_hf_3d.py": {"test_hf_moe_models_train_with_expert_parallelism_like_one_process": ("pipeline",)},
+    "test_3d_any_model.py": {"test_llama_sequence_parallel_matches_single_process": ("tp2-pp2",)},
     "test_3d.py": {"test_3d_matches_single_process": ("",), "test_3d_zero3_matches_single_process": ("dims0",),
                    "test_3d_checkpoint_resumes_bit_identically_in_fresh_processes": ("zero2",)},
     "test_data_parallel.py": {"test_stage0_matches_single_process": ("",),

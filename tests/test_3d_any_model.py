@@ -79,7 +79,7 @@ def _worst_param(p3d, dense) -> tuple:
 INIT_STD = {"llama": 0.02, "gpt2": 0.1}
 
 
-def body_parity(rank, world, kind, dims, zero, schedule, tie, mask, checkpoint):
+def body_parity(rank, world, kind, dims, zero, schedule, tie, mask, checkpoint, sequence_parallel=False):
     from parallel_layers.composition.parallel3d import Parallel3D
 
     mesh = cached_mesh(*dims)
@@ -88,13 +88,19 @@ def body_parity(rank, world, kind, dims, zero, schedule, tie, mask, checkpoint):
     p3d = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=loss_fn,
                      optimizer=OptimizerConfig(lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP),
                      pipeline=PipelineConfig(schedule=schedule, num_microbatches=2, checkpoint=checkpoint),
-                     data_parallel=DataParallelConfig(zero=zero))
+                     data_parallel=DataParallelConfig(zero=zero), sequence_parallel=sequence_parallel)
     steps = []
     for idx, tgt, am in token_batches(STEPS, BATCH, SEQ, mask):
         out = p3d.train_step(idx, tgt, attention_mask=am)
         steps.append((out["loss"], out["grad_norm"]) + _reference_step(dense, ref_opt, idx, tgt, am))
-    worst, n = _worst_param(p3d, dense)
-    return dict(steps=steps, worst=worst, n_params=n)
+    state = p3d.dense_state_dict()
+    worst, n = _worst(state, dense)
+    # under sequence parallelism: which parameters act on this rank's tokens (summed over tp), their bits
+    marked = {c.dense_name(n) for c in p3d.chunks for n, p in c.named_parameters()
+              if getattr(p, "sequence_parallel", False)}
+    sp = {n: state[n].flatten().tolist() for n in marked}
+    return dict(steps=steps, worst=worst, n_params=n, sp=sp, pp_rank=mesh.pp_rank,
+                split=[c.sequence_parallel_group is not None for c in p3d.chunks])
 
 
 def _check(outs, tol):
@@ -115,6 +121,25 @@ def _check(outs, tol):
         "gpt2-zero3-interleaved-checkpoint1"])
 def test_hf_model_in_3d_matches_single_process(dist_pools, kind, zero, schedule, tie, mask, checkpoint):
     _check(dist_pools(8).run(body_parity, kind, (2, 2, 2), zero, schedule, tie, mask, checkpoint), 1e-5)
+
+
+@pytest.mark.parametrize("dims,zero,schedule,checkpoint", [
+    ((1, 2, 2), 1, "interleaved", False), ((2, 2, 1), 3, "1f1b", True)],
+    ids=["tp2-pp2-zero1-interleaved", "dp2-tp2-zero3-checkpoint"])
+def test_llama_sequence_parallel_matches_single_process(dist_pools, dims, zero, schedule, checkpoint):
+    """``sequence_parallel=True`` on a Hugging Face Llama (its norms and residuals on sequence shards): the same
+    parity with one process; the block norms are the parameters marked, and bit-identical on both tp ranks."""
+    outs = dist_pools(4).run(body_parity, "llama", dims, zero, schedule, False, True, checkpoint, True)
+    _check(outs, 1e-5)
+    for out in outs:
+        assert all(out["split"])
+        assert out["sp"] and all(n.split(".")[-2] in ("input_layernorm", "post_attention_layernorm")
+                                 for n in out["sp"]), sorted(out["sp"])
+    holders = {}                       # the ranks of one pipeline rank hold the same norms: dp and tp replicas
+    for out in outs:
+        holders.setdefault(out["pp_rank"], []).append(out["sp"])
+    for same in holders.values():
+        assert len(same) > 1 and all(s == same[0] for s in same)
 
 
 # ---------------------------------------------------------------------- BERT: the real all-MiniLM-L6-v2 weights

@@ -103,7 +103,7 @@ class _MasterWeightsReference:
 
 
 def body_low_precision(rank, world, dims, zero, dtype_name, autocast_name, micro=MICRO, schedule="1f1b",
-                       offload_dir=None, family=None):
+                       offload_dir=None, family=None, sequence_parallel=False):
     from parallel_layers.composition.parallel3d import Parallel3D
 
     dtype, autocast = getattr(torch, dtype_name), (getattr(torch, autocast_name) if autocast_name else None)
@@ -119,7 +119,8 @@ def body_low_precision(rank, world, dims, zero, dtype_name, autocast_name, micro
     p3d = Parallel3D(model, mesh, loss_fn=_loss,
                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, **offload),
                      pipeline=PipelineConfig(num_microbatches=micro, schedule=schedule),
-                     data_parallel=DataParallelConfig(zero=zero), precision=PrecisionConfig(autocast=autocast))
+                     data_parallel=DataParallelConfig(zero=zero), precision=PrecisionConfig(autocast=autocast),
+                     sequence_parallel=sequence_parallel)
     steps = []
     for x, y in _batches():
         out = p3d.train_step(x, y)
@@ -156,6 +157,12 @@ def _check(outs, dtype):
     ids=["dp2-pp2-zero1-bf16", "dp2-pp2-zero2-fp16", "pp4-zero1-bf16"])
 def test_low_precision_model_through_the_pipeline(dist_pools, dims, zero, dtype, micro):
     _check(dist_pools(4).run(body_low_precision, dims, zero, dtype, None, micro), dtype)
+
+
+def test_bf16_llama_with_sequence_parallelism(dist_pools):
+    """A bf16 Hugging Face Llama at dp2 x tp2 with ``sequence_parallel=True`` (its norms' gradients bf16 sums over
+    each rank's tokens, summed over tp): within the bf16 tolerances of the one-process reference."""
+    _check(dist_pools(4).run(body_low_precision, (2, 2, 1), 1, "bfloat16", None, sequence_parallel=True), "bfloat16")
 
 
 @pytest.mark.parametrize("zero", [0, 3])

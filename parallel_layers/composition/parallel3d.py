@@ -122,7 +122,8 @@ from .replicas import replica_mode
 
 
 def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_plan, loss_fn, num_chunks,
-                  boundaries, block_costs, checkpoint, layout="loop", saved_inputs=None, precision=None):
+                  boundaries, block_costs, checkpoint, layout="loop", saved_inputs=None, precision=None,
+                  sequence_parallel: bool = False):
     if loss_fn is None:
         raise ValueError(f"Parallel3D: pass loss_fn(logits, targets) for {type(model).__name__} (the last stage "
                          f"computes it)")
@@ -134,8 +135,18 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
             raise ValueError(f"Parallel3D: tp={mesh.tp} needs a tensor-parallel plan for {type(model).__name__}; "
                              f"pass tp_plan={{module pattern: style}} (see tensor_parallel.parallelize) or give its "
                              f"recipe a tp_plan (docs/custom_recipe.md)")
+        if sequence_parallel and not plan:
+            raise ValueError(f"Parallel3D(sequence_parallel=True): {type(model).__name__} built its tensor-parallel "
+                             f"layers itself (an empty tp plan); build it sequence-parallel (the reference GPT: "
+                             f"GPTConfig(sequence_parallel=True)) or pass a tp_plan")
+        if sequence_parallel:
+            from ..tensor_parallel import sequence_parallel as sp
+            plan = sp.sequence_parallel_plan(plan, recipe.blocks)
         if plan:              # empty: the model built its tensor-parallel layers itself (the reference GPT)
             parallelize(model, tp_group, plan)
+        if sequence_parallel:
+            sp.gather_region_inputs(model, plan, recipe.blocks, tp_group)
+            sp.mark_sequence_parallel_params(model, plan, recipe.blocks)
     if precision is not None and precision.fp8 is not None:
         # once tp has split the layers and before the split into stages: names and the LM head are the model's
         from ..fp8 import convert_to_fp8
@@ -145,7 +156,8 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
     tied_group = mesh.tied_stage_group() if mesh.pp > 1 and layout == "loop" else None
     chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
                          block_costs=block_costs, loss_fn=loss_fn, tied_group=tied_group, checkpoint=checkpoint,
-                         sum_tied_grads_in_stage=False, layout=layout, saved_inputs=saved_inputs)
+                         sum_tied_grads_in_stage=False, layout=layout, saved_inputs=saved_inputs,
+                         sequence_parallel_group=tp_group if sequence_parallel else None)
     # the sequence-parallel norms' and biases' gradients are sums over this rank's tokens: the replica mode
     # sums them over tp where the step's gradients are (fp32 main grads, ZeRO-3's fp32 accumulation)
     for chunk in chunks:
@@ -244,6 +256,11 @@ class Parallel3D:
     over those given. ``replica_check``: when every replicated parameter and the global batch are checked
     bit-identical over the ranks that hold them (:class:`~parallel_layers.composition.replica_check.ReplicaCheck`;
     ``"default"``: the first 3 steps and every 100th, or ``PARALLEL_LAYERS_REPLICA_CHECK``; None: never).
+    ``sequence_parallel``: at tp > 1, the activations between the tensor-parallel regions (norms, residuals)
+    split along the sequence over tp (Megatron-LM's sequence parallelism: ``1 / tp`` of their memory and
+    elementwise work, the same bytes moved), for a module model through its plan
+    (:mod:`parallel_layers.tensor_parallel.sequence_parallel`; not yet with cp > 1 or MoE blocks); the
+    reference GPT's ``GPTConfig(sequence_parallel=True)`` says the same.
     """
 
     def __init__(self, model: Union[GPTConfig, nn.Module], mesh: ParallelMesh, *,
@@ -252,7 +269,8 @@ class Parallel3D:
                  seed: int = 0, device: Optional[torch.device] = None, loss_fn: Optional[Callable] = None,
                  recipe: Optional[Recipe] = None, tp_plan: Optional[dict] = None,
                  ignore_index: Optional[int] = IGNORE_INDEX, cp_method: str = "ring", layout=None,
-                 replica_check: Union[ReplicaCheck, str, None] = "default", **unexpected):
+                 replica_check: Union[ReplicaCheck, str, None] = "default", sequence_parallel: bool = False,
+                 **unexpected):
         # a flat keyword of the groups (lr=, zero=, ...) lands in **unexpected: split_keywords names its group
         settings, unexpected = split_keywords(
             dict(unexpected, optimizer=optimizer, pipeline=pipeline, data_parallel=data_parallel, precision=precision))
@@ -286,6 +304,8 @@ class Parallel3D:
         if built_here and not callable(getattr(model, "build", None)):
             raise TypeError(f"Parallel3D: model must be a GPTConfig (a config with a build method) or an "
                             f"nn.Module, not {type(model).__name__}")
+        if sequence_parallel and built_here and not getattr(model, "sequence_parallel", False):
+            model = dataclasses.replace(model, sequence_parallel=True)     # the reference GPT builds it itself
         if precision.dtype is None:
             precision = precision.with_dtype(torch.float32 if built_here else next(model.parameters()).dtype)
         check_together(optimizer, data_parallel, precision, chosen_by)
@@ -311,7 +331,12 @@ class Parallel3D:
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None
         # sequence parallelism (the reference GPT's): a stage's hidden states are sequence shards on every TP rank
         config = model if built_here else getattr(model, "config", None)
-        sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and self.tp_group is not None
+        builds_its_own = bool(getattr(config, "sequence_parallel", False))
+        sequence_parallel = (builds_its_own or sequence_parallel) and self.tp_group is not None
+        if sequence_parallel and not builds_its_own and self.cp > 1:
+            raise ValueError(f"Parallel3D(sequence_parallel=True): {type(model).__name__} at cp={self.cp} is not "
+                             f"supported yet (the reference GPT's is: GPTConfig(sequence_parallel=True)); use "
+                             f"cp=1 or sequence_parallel=False")
         saved_inputs = SavedInputs.from_mode(pipeline.checkpoint_inputs, self.tp_group, sequence_parallel,
                                              "Parallel3D: checkpoint_inputs", checkpointed=bool(checkpoint),
                                              checkpoint=checkpoint)
@@ -355,10 +380,14 @@ class Parallel3D:
         self.moe_layers = _experts_over_mesh(model, mesh, pipeline.num_microbatches, sequence_parallel)
         # output_router_logits=True: transformers' loss over all layers' routers, reproduced (or refused)
         self.router_loss = None if built_here or not hf_moe_blocks else hf_router_loss(model, self.moe_layers)
+        if sequence_parallel and not builds_its_own and self.moe_layers:
+            raise ValueError(f"Parallel3D(sequence_parallel=True): {type(model).__name__} has Mixture-of-Experts "
+                             f"blocks, not supported with sequence parallelism yet; use sequence_parallel=False")
         chunks, tied, duplicates, self.tied_group = _model_stages(
             model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
             boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
-            layout=layout_of(schedule), saved_inputs=saved_inputs, precision=precision)
+            layout=layout_of(schedule), saved_inputs=saved_inputs, precision=precision,
+            sequence_parallel=sequence_parallel and not builds_its_own)
         if self.router_loss is not None:
             self.router_loss.watch(chunks)
         if self.router_loss is not None and mesh.pp > 1:

@@ -57,7 +57,8 @@ class FP8ColumnParallelLinear(FP8Mixin, ColumnParallelLinear):
         """An FP8 twin of the column-parallel ``module``, sharing its parameters."""
         layer = cls(module.in_features, module.out_features, module.bias is not None, tp_group=module.tp_group,
                     gather_output=module.gather_output, sequence_parallel=module.sequence_parallel,
-                    activation=module.activation, dtype=module.weight.dtype, device="meta", **kwargs)
+                    activation=module.activation, dtype=module.weight.dtype, device="meta",
+                    input_gathered=module.input_gathered, **kwargs)
         _share_parameters(layer, module)
         layer.init_fp8(layer.recipe, layer.out_dtype, layer.backend, module.weight.device)
         return layer
@@ -75,7 +76,7 @@ class FP8ColumnParallelLinear(FP8Mixin, ColumnParallelLinear):
         if self.sequence_parallel:
             check_sequence_input(name, x, self.tp_size, "")
             plan.input_group, plan.input_shard_dim, plan.seq_group = self.tp_group, 0, self.tp_group
-        else:
+        elif not self.input_gathered:
             plan.dgrad_allreduce_group = self.tp_group  # the input is whole: its gradient sums over the group
         y = FP8LinearFunction.apply(x, self.weight, self.bias, plan, self.fp8_nonfinite)
         if self.activation is not None:

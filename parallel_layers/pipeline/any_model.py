@@ -23,8 +23,10 @@ import torch
 import torch.nn as nn
 
 from ..activations.recompute import checkpoint_placement, run_blocks
+from ..distributed import collectives as C
 from ..families import Recipe, get_module
 from ..tensor_parallel.dense_layouts import from_dense, to_dense
+from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from .stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
 
 _get = get_module
@@ -41,12 +43,17 @@ class ModelStage(nn.Module):
     ``checkpoint``: activation checkpointing of every block (True), of the first ``n`` (an int) or by a
     placement policy (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.activations.checkpoint_policy`), in
     training mode; the recomputation replays the forward's dropout masks (default generator restored).
-    ``dense_name(name)``: a parameter's name here -> its name in the whole model."""
+    ``sequence_parallel_group``: the blocks run sequence-parallel over this tp group (their hidden states split
+    along the sequence after the recipe's context is built, gathered after the last block:
+    :mod:`parallel_layers.tensor_parallel.sequence_parallel`). ``dense_name(name)``: a parameter's name here ->
+    its name in the whole model."""
 
     def __init__(self, model: nn.Module, recipe: Recipe, blocks: List[nn.Module], is_first: bool, is_last: bool,
                  loss_fn: Optional[Callable], tied_group=None, *, dense_names: Optional[Dict[int, str]] = None,
-                 checkpoint: Union[bool, int] = False, sums_tied_grads: bool = True, saved_inputs=None):
+                 checkpoint: Union[bool, int] = False, sums_tied_grads: bool = True, saved_inputs=None,
+                 sequence_parallel_group=None):
         super().__init__()
+        self.sequence_parallel_group = sequence_parallel_group
         self._model = [model]              # in a list: not a submodule, its dropped parts stay out of parameters()
         self.recipe, self.is_first, self.is_last, self.loss_fn = recipe, is_first, is_last, loss_fn
         kept = list(recipe.shared) + (list(recipe.first) if is_first else []) + (list(recipe.last) if is_last else [])
@@ -93,11 +100,25 @@ class ModelStage(nn.Module):
         h = self.recipe.embed(model, x, **side) if self.is_first else x
         ctx = self.recipe.context(model, h, **side)
         fns = [lambda t, block=block: self.recipe.block(block, t, ctx) for block in self.blocks]
+        group = self.sequence_parallel_group if self.blocks else None
+        if group is not None:
+            h = self._split_sequence(h, group)
         h = run_blocks(fns, h, self.checkpointing if self.training else 0, self.rng_tracker, self.saved_inputs)
+        if group is not None:
+            # the head and the next stage see every token; each tp rank's gradient of the whole is the same
+            h = gather_from_sequence_parallel_region(h, group, dim=1, tensor_parallel_output_grad=False)
         if not self.is_last:
             return h
         logits = self.recipe.head(model, h)
         return logits if targets is None or self.loss_fn is None else self.loss_fn(logits, targets)
+
+    def _split_sequence(self, h: torch.Tensor, group) -> torch.Tensor:
+        tp = C.world_size(group)
+        if h.dim() < 2 or h.shape[1] % tp:
+            raise ValueError(f"ModelStage (sequence parallel over tp={tp}): the hidden states {tuple(h.shape)} "
+                             f"have {h.shape[1] if h.dim() > 1 else 0} tokens, which do not divide by tp; pad "
+                             f"the sequences to a multiple of {tp} or turn sequence_parallel off")
+        return scatter_to_sequence_parallel_region(h, group, dim=1)
 
     @property
     def rng_tracker(self):
@@ -230,7 +251,8 @@ def kept_modules(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *
 def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *, num_chunks: int = 1,
                 boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
                 loss_fn: Optional[Callable] = None, tied_group=None, checkpoint: Union[bool, int] = False,
-                sum_tied_grads_in_stage: bool = True, layout: str = "loop", saved_inputs=None) -> List[ModelStage]:
+                sum_tied_grads_in_stage: bool = True, layout: str = "loop", saved_inputs=None,
+                sequence_parallel_group=None) -> List[ModelStage]:
     """This rank's stages (one per chunk) of ``model``; the parts no stage of this rank needs are dropped
     from ``model``. Every rank passes the same model (built from the same seed or loaded from the same
     weights). ``boundaries``: block split points, ``"parameters"`` (balanced by parameter count) or None
@@ -243,7 +265,8 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     0, where tied weights stay one module); ``saved_inputs``: how a checkpointed block keeps its input
     (:class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`; None: whole); ``loss_fn``: None
     takes the recipe's own loss where it has one (the reference GPT's ``(sum, count)`` over labels other than
-    -100, torch's ``ignore_index``), else the last stage returns the logits."""
+    -100, torch's ``ignore_index``), else the last stage returns the logits; ``sequence_parallel_group``: the
+    blocks run sequence-parallel over it (see :class:`ModelStage`)."""
     if loss_fn is None and recipe.loss is not None:
         loss_fn = recipe.loss(model, -100)
     blocks, ranges, mine = _plan(model, recipe, pp_rank, pp_size, num_chunks, boundaries, block_costs, layout)
@@ -257,7 +280,7 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     stages = [ModelStage(model, recipe, [blocks[i] for i in range(*ranges[s])], s == 0, s == S - 1, loss_fn,
                          tied_group if (has_first or has_last) and tied else None, dense_names=dense_names,
                          checkpoint=checkpoint, sums_tied_grads=sum_tied_grads_in_stage,
-                         saved_inputs=saved_inputs) for s in mine]
+                         saved_inputs=saved_inputs, sequence_parallel_group=sequence_parallel_group) for s in mine]
     owned = {i for s in mine for i in range(*ranges[s])}
     for i in range(len(blocks)):           # free what this rank does not run
         if i not in owned:

@@ -132,6 +132,10 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the output so every rank holds ``[..., out]`` (else ``[..., out/tp]``,
             what a following :class:`RowParallelLinear` with ``input_is_parallel=True`` takes).
         sequence_parallel: input is ``[b, s/tp, in]``, all-gathered along the sequence first.
+        input_gathered: the input is a sequence-parallel activation the caller all-gathered, whose backward
+            reduce-scatters its gradient (several projections of one input gathered once:
+            :mod:`~parallel_layers.tensor_parallel.sequence_parallel`): this layer's partial input gradient
+            is passed on unreduced.
         activation: ``None``, ``"gelu"`` or ``"silu"``, fused into the matmul epilogue on GPU (valid
             because the activation is elementwise and each rank holds whole output features).
         init_method: ``fn(full_weight)`` in place; the bias then starts at zero. Default: nn.Linear's.
@@ -141,9 +145,13 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group,
                  gather_output: bool = False, sequence_parallel: bool = False, activation: Optional[str] = None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None, dtype=None, device=None,
-                 mesh=None):
+                 mesh=None, input_gathered: bool = False):
         super().__init__()
         name = type(self).__name__
+        if input_gathered and sequence_parallel:
+            raise ValueError(f"{name}: input_gathered=True (the caller gathered the sequence) and "
+                             f"sequence_parallel=True (this layer gathers it) exclude each other")
+        self.input_gathered = bool(input_gathered)
         check_positive(name, in_features=in_features, out_features=out_features)
         world = check_group(name, tp_group, mesh)
         if out_features % world:
@@ -168,7 +176,8 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             check_sequence_input(type(self).__name__, x, self.tp_size, "")
             x = gather_from_sequence_parallel_region(x, self.tp_group, dim=1)
-        elif self.tp_size > 1:  # at tp 1 the copy and the gather are identities: skip their Functions' host time
+        elif self.tp_size > 1 and not self.input_gathered:
+            # (at tp 1 the copy and the gather are identities: their Functions' host time skipped)
             x = copy_to_tensor_parallel_region(x, self.tp_group)
         y = fused_linear(x, self.weight, self.bias, activation=self.activation)
         if self.gather_output and self.tp_size > 1:
