@@ -89,4 +89,4 @@ def test_a_compiled_step_moves_less_than_the_eager_one(zero3):
     eager = predict(req, lay, prof, cache)
     compiled = predict(dataclasses.replace(req, compiled=True), lay, prof, cache)
     assert compiled.time_terms["pipeline"] < eager.time_terms["pipeline"]
-    assert compiled.peak_bytes == eager.peak_bytes
+    assert compiled.peak_bytes < eager.peak_bytes         # elementwise results recomputed, not kept

@@ -81,7 +81,8 @@ def test_the_h200_profile_predicts_the_measured_training_step(case):
     """benchmarks/train_step.py's "ours bf16" on one H200 (Llama 1.1B, 4 x 2048 tokens, ZeRO-1 bf16), eager and
     with its blocks compiled (``Request.compiled``: the fused tally): the planner's step with the measured curve
     and HBM fraction within 10% (162.0 ms predicted for 163.0 measured eager; 130.1 for 120.0 compiled, +8.4%),
-    its peak memory within 10%."""
+    its peak memory within 10% (compiled: the elementwise results autograd keeps recomputed instead, 4.9 GB of
+    the eager step's; measured 4.3 GB less)."""
     from transformers import LlamaConfig
 
     from parallel_layers.composition.layout import Layout
@@ -97,8 +98,7 @@ def test_the_h200_profile_predicts_the_measured_training_step(case):
                   compiled=case.endswith("compiled"))
     pred = predict(req, Layout(zero=1, num_microbatches=1), BUILTIN["h200"], {})
     assert abs(pred.step_s * 1e3 / measured_ms - 1) <= 0.10, (pred.step_s, measured_ms)
-    if not req.compiled:               # (the compiled step's memory is not the eager tally's: not predicted)
-        assert abs(pred.peak_bytes / 2**20 / measured_mb - 1) <= 0.10, (pred.peak_bytes, measured_mb)
+    assert abs(pred.peak_bytes / 2**20 / measured_mb - 1) <= 0.10, (pred.peak_bytes, measured_mb)
 
 
 def test_the_built_in_curve_is_the_fit_of_the_committed_rows():

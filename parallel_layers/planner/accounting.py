@@ -139,6 +139,7 @@ class OpTally(TorchDispatchMode):
         self._read: set = set()               # storages this region has read from memory already
         self._region = 0
         self._region_ops = 0
+        self.recomputable = 0                 # of the last forward's kept bytes, what a compiled graph recomputes
         self.collectives: Dict[str, List[int]] = defaultdict(list)   # op name -> bytes per call
         self._count: Dict[int, int] = {}      # storage -> tensors alive that own it here
         self._size: Dict[int, int] = {}
@@ -171,6 +172,7 @@ class OpTally(TorchDispatchMode):
         self.end_region()
         if forward:
             self._saved = {k: nb for k, (nb, _) in self._pending.items()}
+            self.recomputable = sum(self._saved.values())
         else:
             self.fused_traffic += sum(nb for nb, _ in self._pending.values())
             self._saved = {}

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "weights in FP8, 1 byte an element")
     ap.add_argument("--compiled", action="store_true", help="the blocks compiled (PipelineConfig(compile=True)): "
                     "the non-matmul ops between two matmuls priced as one fused kernel")
+    ap.add_argument("--sequence-parallel", action="store_true", help="at tp > 1, Parallel3D(sequence_parallel=True): "
+                    "norms and residuals split along the sequence")
     ap.add_argument("--overlap-dp", action="store_true", help="price the data-parallel reduction and ZeRO-3's "
                     "gathers as overlapped with compute (FSDP2, Megatron-core; not Parallel3D's own step): to "
                     "compare with another framework's runs")
@@ -101,7 +103,8 @@ def request_of(args) -> Request:
     return Request(model, world=args.world, global_batch=args.global_batch, seq_len=args.seq_len,
                    memory_bytes=args.memory_gib * 2**30, devices_per_node=args.devices_per_node,
                    precision=args.precision, fp8=args.fp8 is not None, fp8_recipe=args.fp8 or "tensor",
-                   fp8_gather=args.fp8_gather, compiled=args.compiled, overlap_dp=args.overlap_dp)
+                   fp8_gather=args.fp8_gather, compiled=args.compiled, overlap_dp=args.overlap_dp,
+                   sequence_parallel=args.sequence_parallel)
 
 
 def _row(p) -> str:

@@ -407,6 +407,9 @@ def predict(req: Request, layout: Layout, prof: Profile, cache: Optional[dict] =
         # FP8: the FP8 copies saved for backward instead of the high-precision inputs only the Linears kept
         d_saved = [t["saved"] if t else 0 for t in f8[r]]
         d_peak = [t["peak"] if t else 0 for t in f8[r]]
+        if req.compiled:        # what the compiled graph recomputes instead of keeping: off both
+            d_saved = [d - c.recomputable for d, c in zip(d_saved, pr.chunks)]
+            d_peak = [d - c.recomputable for d, c in zip(d_peak, pr.chunks)]
         saved = max(c.saved + d for c, d in zip(pr.chunks, d_saved))
         # ZeRO-3: every chunk's full gradients stay for the step (a chunk's peak counts its own: taken off)
         full_grads = sum(c.persist for c in pr.chunks)

@@ -70,13 +70,25 @@ def build_rank(req: Request, layout: Layout, pp_rank: int, device: torch.device 
     from ..composition.parallel3d import Parallel3D
     from ..mesh import ParallelMesh
     mesh = ParallelMesh(**layout.sizes, timeout=60)
-    kw = dict(layout.parallel3d_kwargs(), precision=PrecisionConfig(dtype=req.dtype))
+    kw = dict(layout.parallel3d_kwargs(), precision=PrecisionConfig(dtype=req.dtype),
+              sequence_parallel=_sequence_parallel(req, layout))
     if callable(getattr(req.model, "build", None)):      # a config Parallel3D builds the model of (GPTConfig)
         return Parallel3D(req.model, mesh, device=device, **kw)
     from transformers import AutoModelForCausalLM
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(req.model, dtype=req.dtype)
     return Parallel3D(model, mesh, device=device, **kw)
+
+
+def _sequence_parallel(req: Request, layout: Layout) -> bool:
+    """``Request.sequence_parallel`` where ``Parallel3D`` takes it: the reference GPT always; a module model
+    without cp and MoE blocks (the layouts it refuses run without it)."""
+    if not req.sequence_parallel:
+        return False
+    if callable(getattr(req.model, "build", None)):
+        return True
+    moe = getattr(req.model, "num_local_experts", 0) or getattr(req.model, "num_experts", 0)
+    return layout.cp == 1 and not moe
 
 
 def global_rank(layout: Layout, pp_rank: int) -> int:
@@ -329,6 +341,8 @@ class ChunkCost:
     fused_traffic_b: int = 0
     fused_ops_f: int = 0
     fused_ops_b: int = 0
+    # of ``saved``, what a compiled graph recomputes in backward instead of keeping (elementwise results)
+    recomputable: int = 0
 
 
 def _on_meta(dev, tallies):
@@ -472,7 +486,8 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
                                            traffic=tally.traffic - before_traffic, coll=coll,
                                            ops=tally.ops - before_ops,
                                            fused_traffic=tally.fused_traffic - before_fused[0],
-                                           fused_ops=tally.fused_ops - before_fused[1]))
+                                           fused_ops=tally.fused_ops - before_fused[1],
+                                           recomputable=tally.recomputable if phase == "F" else 0))
             f1, b1, f2, b2 = phases
             # what stays for the step: ZeRO-3's full gradients, held across micro-batches; other stages'
             # gradients live in the data-parallel buffers, counted with the rank's tensors. (Read off the
@@ -499,7 +514,7 @@ def microbatch_probe(p3d, b: int, s: int, hidden_shape: Optional[tuple], fp8: bo
                 traffic_f=f2["traffic"],
                 traffic_b=b2["traffic"], ops_f=f2["ops"], ops_b=b2["ops"], coll_f=f2["coll"], coll_b=b2["coll"],
                 fused_traffic_f=f2["fused_traffic"], fused_traffic_b=b2["fused_traffic"],
-                fused_ops_f=f2["fused_ops"], fused_ops_b=b2["fused_ops"],
+                fused_ops_f=f2["fused_ops"], fused_ops_b=b2["fused_ops"], recomputable=f2["recomputable"],
                 out_shape=hidden_shape[0] if hidden_shape else (),
                 out_bytes=(torch.Size(hidden_shape[0]).numel() * torch.empty(0, dtype=hidden_shape[1]).element_size()
                            if hidden_shape else 0)))

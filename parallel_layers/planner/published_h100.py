@@ -7,13 +7,15 @@ per GPU for each run's layout beside the published figure. Two tables, kept as d
   and ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (the vanilla-TP columns). Sequence length
   8192: ``seq_len`` of the repository's ``train_configs/llama3_8b.toml`` / ``llama3_70b.toml`` at 9dec370.
   BF16 and FP8 (Float8 tensorwise) rows; those that ran under ``torch.compile`` are priced compiled
-  (``Request.compiled``), FSDP2's prefetched gathers and reductions overlapped (``Request.overlap_dp``).
+  (``Request.compiled``), FSDP2's prefetched gathers and reductions overlapped (``Request.overlap_dp``);
+  the TP runs sequence-parallel (torchtitan's TP plan shards the norms' sequence).
 * ``nemo``: NVIDIA NeMo's pre-training table (NVIDIA/NeMo ``docs/source/performance/performance_summary.md``,
   container NeMo 24.07, DGX-H100, FP8): its Llama 2 and Llama 3 rows, with their GPUs, global and micro
   batch, sequence, TP / PP / CP / VP as published (dp the rest; VP: the interleaved schedule's chunks).
   The GPT-3 and Nemotron rows are left out: their model dimensions are not in that table. Transformer
   Engine's fused kernels are priced as a compiled step, the distributed optimizer's overlapped gradient
-  reduction and parameter gather (NeMo's defaults) as overlapped.
+  reduction and parameter gather (NeMo's defaults) as overlapped, its TP runs sequence-parallel (its
+  ``sequence_parallel`` where tp > 1).
 
 Model dimensions: Llama 3.1 8B / 70B from torchtitan's ``torchtitan/models/llama/__init__.py`` at 9dec370
 (dim, layers, heads, kv heads; the FFN width from its ``ffn_dim_multiplier`` / ``multiple_of`` rule:
@@ -155,7 +157,8 @@ def request(run: Run) -> Request:
                       num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=run.seq)
     return Request(cfg, world=run.gpus, global_batch=run.global_batch, seq_len=run.seq,
                    memory_bytes=memory_bytes(run), devices_per_node=8, precision="bf16", fp8=run.fp8,
-                   compiled=run.compiled, overlap_dp=run.overlap_dp, fp8_recipe=run.fp8_recipe)
+                   compiled=run.compiled, overlap_dp=run.overlap_dp, fp8_recipe=run.fp8_recipe,
+                   sequence_parallel=run.tp > 1)
 
 
 def variants(run: Run) -> List[Layout]:

@@ -158,7 +158,8 @@ def scale_chunk(costs: Dict[int, ChunkCost], k: int) -> ChunkCost:
     c2, c3 = costs[2], costs[3]
     line = {f: _line(getattr(c2, f), getattr(c3, f), k - 1)
             for f in ("saved", "persist", "flops_f", "flops_b", "traffic_f", "traffic_b", "ops_f", "ops_b",
-                      "persist_untallied", "fused_traffic_f", "fused_traffic_b", "fused_ops_f", "fused_ops_b")}
+                      "persist_untallied", "fused_traffic_f", "fused_traffic_b", "fused_ops_f", "fused_ops_b",
+                      "recomputable")}
     for f in ("shape_f", "shape_b"):
         line[f] = tuple(_line(a, b, k - 1) for a, b in zip(getattr(c2, f), getattr(c3, f)))
     kept = c3.saved - c2.saved                 # what one more block keeps for backward

@@ -26,7 +26,8 @@ class Request:
     two matmuls one kernel (``accounting.OpTally.fused_traffic``); ``overlap_dp``: the data-parallel reduction
     and ZeRO-3's gathers run beside the compute, each unit's or bucket's during another's (FSDP2's prefetch,
     Megatron-core's ``overlap_grad_reduce`` / ``overlap_param_gather``; ``Parallel3D`` runs them before and
-    after its pipeline: for a run of another framework, as its published tables are)."""
+    after its pipeline: for a run of another framework, as its published tables are); ``sequence_parallel``: at
+    tp > 1, ``Parallel3D(sequence_parallel=True)`` (probed as it runs)."""
     model: object
     world: int
     global_batch: int
@@ -39,6 +40,7 @@ class Request:
     fp8_gather: bool = False
     compiled: bool = False
     overlap_dp: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.precision not in DTYPES:
