@@ -647,7 +647,8 @@ def simulate(streams: Sequence[Sequence[Step]], num_chunks: int = 1, forward_onl
 def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, forward: float = 1.0,
                     backward: float = 2.0, weight: Optional[float] = None, latency: float = 0.0,
                     last_stage_extra: float = 0.0, layout: str = "loop",
-                    durations: Optional[Dict[Tuple[int, str, int, int], float]] = None) -> Dict[str, object]:
+                    durations: Optional[Dict[Tuple[int, str, int, int], float]] = None,
+                    message_cost: float = 0.0) -> Dict[str, object]:
     """The time the instruction streams take when every stage's forward costs ``forward`` and backward
     ``backward`` (a chunk of ``v`` chunks per rank: ``1 / v`` of that; the last stage ``1 +
     last_stage_extra`` times it: LM head and loss), a message arrives ``latency`` after its send is
@@ -659,7 +660,9 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
     ``durations``: ``{(rank, op, mb, chunk): cost}`` replaces the model cost of those instructions (a
     measured timeline replayed: :func:`parallel_layers.pipeline.timeline.bubble_breakdown`).
     ``backward`` is the whole backward; in a stream with W instructions, W costs ``weight`` (default
-    half the backward) and B the rest (F = B = W = 1: ``forward=1, backward=2``)."""
+    half the backward) and B the rest (F = B = W = 1: ``forward=1, backward=2``). ``message_cost``: the
+    time a rank itself spends on each send it posts and each receive it completes (a host that copies
+    messages through its own cores: gloo), added to its timeline, never to its busy time."""
     p, v = len(streams), num_chunks
     weight = backward / 2 if weight is None else weight
     has_w = [any(isinstance(st, Instr) and st.op == "W" for st in stream) for stream in streams]
@@ -700,6 +703,7 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
                     busy[r] += cost
                 else:
                     needs = []
+                    now[r] += message_cost * len(step)
                     for ins in step:
                         s = stage_of(r, ins.chunk, p, v, layout)
                         if ins.op == "SEND_ACT":

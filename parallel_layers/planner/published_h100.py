@@ -146,8 +146,13 @@ def profile(run: Run) -> Profile:
     return base
 
 
+# DGX-H100's H100 SXM5 80GB: 80 GiB of HBM3, 81,559 MiB of it usable (nvidia-smi's total)
+H100_80GB_BYTES = 81559 * 2**20
+
+
 def memory_bytes(run: Run) -> float:
-    return 96e9 if run.table == "torchtitan" else 80e9
+    """Grand Teton's 96 GB as its table states it; DGX-H100's 80GB H100 as the device reports it."""
+    return 96e9 if run.table == "torchtitan" else H100_80GB_BYTES
 
 
 def request(run: Run) -> Request:
