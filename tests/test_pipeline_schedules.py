@@ -248,3 +248,14 @@ def test_interleaved_needs_paired_batches_under_nccl(p, m, v):
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(unpaired, num_chunks=v)
     simulate(build_all("interleaved", p, m, v), num_chunks=v)
+
+
+def test_a_message_cost_occupies_the_rank_that_sends_or_receives():
+    """``message_cost``: each send and receive costs its own rank that time (a CPU host moving gloo messages):
+    a two-stage GPipe step of one micro-batch (F0 send, F1, B1 send, B0: four messages on its one path) takes
+    4 c longer; the ranks' compute (busy) is unchanged."""
+    streams = build_all("gpipe", 2, 1)
+    plain = simulate_timing(streams, forward=1.0, backward=2.0)
+    paid = simulate_timing(streams, forward=1.0, backward=2.0, message_cost=0.25)
+    assert paid["step"] == pytest.approx(plain["step"] + 4 * 0.25)
+    assert paid["busy"] == plain["busy"]

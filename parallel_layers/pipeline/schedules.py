@@ -680,6 +680,7 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
     S = p * v
     now, pos, busy = [0.0] * p, [0] * p, [0.0] * p
     arrival: Dict[Tuple[str, int, int], float] = {}     # (kind, mb, receiving stage) -> time
+    sent: set = set()                                   # (rank, position) of the communication steps posted
     while any(pos[r] < len(streams[r]) for r in range(p)):
         progressed = False
         for r in range(p):
@@ -703,7 +704,9 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
                     busy[r] += cost
                 else:
                     needs = []
-                    now[r] += message_cost * len(step)
+                    if (r, pos[r]) not in sent:        # (a step revisited after waiting posts its sends once)
+                        sent.add((r, pos[r]))
+                        now[r] += message_cost * sum(1 for ins in step if ins.op.startswith("SEND"))
                     for ins in step:
                         s = stage_of(r, ins.chunk, p, v, layout)
                         if ins.op == "SEND_ACT":
@@ -716,6 +719,7 @@ def simulate_timing(streams: Sequence[Sequence[Step]], num_chunks: int = 1, *, f
                         if not all(k in arrival for k in needs):
                             break              # its messages are not sent yet: let the others run
                         now[r] = max([now[r]] + [arrival[k] for k in needs])
+                    now[r] += message_cost * len(needs)        # each received message taken in once it is here
                 pos[r] += 1
                 progressed = True
         if not progressed:
