@@ -90,3 +90,16 @@ def test_a_compiled_step_moves_less_than_the_eager_one(zero3):
     compiled = predict(dataclasses.replace(req, compiled=True), lay, prof, cache)
     assert compiled.time_terms["pipeline"] < eager.time_terms["pipeline"]
     assert compiled.peak_bytes < eager.peak_bytes         # elementwise results recomputed, not kept
+
+
+def test_the_cli_and_layout_auto_say_how_the_step_runs():
+    """``plan --compiled --overlap-dp --sequence-parallel`` reach the request; ``Parallel3D(layout="auto")`` passes
+    its compile and sequence-parallel settings to the planner's child."""
+    from parallel_layers.composition.layout import Auto
+    from parallel_layers.planner.cli import build_parser, request_of
+    args = build_parser().parse_args(["--gpt", "2,64,4,256", "--compiled", "--overlap-dp", "--sequence-parallel"])
+    req = request_of(args)
+    assert (req.compiled, req.overlap_dp, req.sequence_parallel) == (True, True, True)
+    plain = request_of(build_parser().parse_args(["--gpt", "2,64,4,256"]))
+    assert (plain.compiled, plain.overlap_dp, plain.sequence_parallel) == (False, False, False)
+    assert Auto(compiled=True, sequence_parallel=True).sequence_parallel

@@ -89,7 +89,9 @@ class Auto:
     (default: the model's maximum length); ``memory_gib`` per rank (default: the GPU's, or the host's
     memory shared by the ranks); ``profile``: a built-in name or a calibrated JSON file (default: h100 on
     a GPU; on CPU this machine's, calibrated first: ``--calibrate``, some seconds); ``compiled``: price the
-    blocks compiled (``plan --compiled``; ``Parallel3D`` sets it where ``PipelineConfig(compile=...)`` asks)."""
+    blocks compiled (``plan --compiled``; ``Parallel3D`` sets it where ``PipelineConfig(compile=...)`` asks);
+    ``sequence_parallel``: plan tp with it (``plan --sequence-parallel``; set by ``Parallel3D(sequence_parallel=
+    True)``)."""
     global_batch: Optional[int] = None
     seq_len: Optional[int] = None
     memory_gib: Optional[float] = None
@@ -97,6 +99,7 @@ class Auto:
     devices_per_node: int = 8
     precision: str = "fp32"
     compiled: bool = False
+    sequence_parallel: bool = False
 
 
 def _defaults(auto: Auto, model, world: int) -> Auto:
@@ -146,7 +149,8 @@ def plan_in_child(model, world: int, auto: Auto) -> Layout:
         cmd = [sys.executable, "-m", "parallel_layers", "plan", "--model-json", model_path, "--world", str(world),
                "--global-batch", str(auto.global_batch), "--seq-len", str(auto.seq_len),
                "--memory-gib", str(auto.memory_gib), "--devices-per-node", str(auto.devices_per_node),
-               "--precision", auto.precision, "--json", out] + (["--compiled"] if auto.compiled else [])
+               "--precision", auto.precision, "--json", out] + (["--compiled"] if auto.compiled else []) + \
+            (["--sequence-parallel"] if auto.sequence_parallel else [])
         profile = auto.profile or ("h100" if torch.cuda.is_available() else None)
         if profile is None:
             profile = os.path.join(tmp, "profile.json")
@@ -164,10 +168,11 @@ def plan_in_child(model, world: int, auto: Auto) -> Layout:
     return Layout(**result["best"]["layout"])
 
 
-def resolve_layout(layout: Union[str, Auto, Layout], model, compiled: bool = False) -> Layout:
+def resolve_layout(layout: Union[str, Auto, Layout], model, compiled: bool = False,
+                   sequence_parallel: bool = False) -> Layout:
     """The layout every rank uses: a ``Layout`` as given, ``"auto"``/``Auto(...)`` planned on global rank
-    0 and broadcast over the world (a collective: every rank calls it); ``compiled``: the blocks will be
-    compiled (priced so)."""
+    0 and broadcast over the world (a collective: every rank calls it); ``compiled``, ``sequence_parallel``:
+    how the run will execute (priced so)."""
     if isinstance(layout, Layout):
         return layout
     if layout == "auto":
@@ -175,8 +180,9 @@ def resolve_layout(layout: Union[str, Auto, Layout], model, compiled: bool = Fal
     if not isinstance(layout, Auto):
         raise ValueError(f"Parallel3D: layout={layout!r} must be 'auto', an Auto or a Layout "
                          f"(parallel_layers.composition.layout)")
-    if compiled:
-        layout = dataclasses.replace(layout, compiled=True)
+    if compiled or sequence_parallel:
+        layout = dataclasses.replace(layout, compiled=layout.compiled or compiled,
+                                     sequence_parallel=layout.sequence_parallel or sequence_parallel)
     world = dist.get_world_size()
     box = [plan_in_child(model, world, layout) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

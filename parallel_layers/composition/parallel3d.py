@@ -286,7 +286,8 @@ class Parallel3D:
             # planner in a child process) and broadcasts; a Layout is used as given. It sets the mesh (when mesh
             # is None) and these:
             from .layout import resolve_layout
-            chosen = resolve_layout(layout, model, compiled=pipeline.compile is not False)
+            chosen = resolve_layout(layout, model, compiled=pipeline.compile is not False,
+                                    sequence_parallel=sequence_parallel)
             if mesh is None:
                 mesh = ParallelMesh(**chosen.sizes)
             elif mesh.sizes != chosen.sizes:
