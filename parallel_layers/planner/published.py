@@ -224,6 +224,7 @@ class Comparison:
     terms_theirs: Dict[str, float]
     terms_pick: Dict[str, float]
     searched: int
+    their_rank: Optional[int] = None   # where the search ranks their layout (1: first), None: not searched or absent
 
 
 def _why(run, theirs, pick, t_theirs, t_pick) -> str:
@@ -250,18 +251,20 @@ def compare(run: PublishedRun, profile: Optional[Profile] = None, search: bool =
     theirs = predict(req, their_layout(run), prof, cache)
     tf = tflops_per_gpu(run, theirs.step_s)
     terms_theirs = breakdown(req, theirs, prof, cache)
-    pick, pick_tf, terms_pick, n = None, math.nan, {}, 0
+    pick, pick_tf, terms_pick, n, their_rank = None, math.nan, {}, 0, None
     if search:
         layouts = list(candidates(run)) if layouts is None else list(layouts)
         n = sum(1 for _, r in layouts if r is None)
         ranked = plan(req, prof, layouts, progress=progress, cache=cache)
+        order = [p.layout for p in ranked if p.feasible]
+        their_rank = order.index(theirs.layout) + 1 if theirs.layout in order else None
         if ranked and ranked[0].feasible:
             pick = ranked[0]
             pick_tf = tflops_per_gpu(run, pick.step_s)
             terms_pick = breakdown(req, pick, prof, cache)
     why = _why(run, theirs, pick, terms_theirs, terms_pick) if search else "not searched"
     return Comparison(run, theirs, tf, (tf - run.tflops_per_gpu) / run.tflops_per_gpu, pick, pick_tf, why,
-                      terms_theirs, terms_pick, n)
+                      terms_theirs, terms_pick, n, their_rank)
 
 
 __all__ = ["PublishedRun", "MEGATRON_2021", "SETUP", "PAPER", "PAPER_URL", "MICRO_BATCH_SOURCE", "paper_flops",
