@@ -282,7 +282,8 @@ def render_published(rows: List[Dict[str, str]]) -> List[str]:
     published = {run.name: run for run in MEGATRON_2021}
     out = [f"Published: {PAPER} ({PAPER_URL}); micro-batch sizes from {MICRO_BATCH_SOURCE}. Predicted: "
            f"the planner's time model on the A100 SXM 80GB data-sheet profile (50% matmul efficiency assumed), "
-           f"as the paper's eq. 3 FLOPs per GPU-second. Computed {newest[:16].replace('T', ' ')} UTC.", "",
+           f"the paper's fused kernels priced as a compiled step (``Request.compiled``), as the paper's eq. 3 "
+           f"FLOPs per GPU-second. Computed {newest[:16].replace('T', ' ')} UTC.", "",
            "| model | GPUs | their tp x pp (dp) | published TFLOP/s/GPU | predicted | error | planner's pick | "
            "pick TFLOP/s/GPU | why |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
