@@ -186,10 +186,9 @@ class OpTally(TorchDispatchMode):
         elif key in self._saved:
             self.fused_traffic += self._saved.pop(key)
 
-    def _fused(self, ins, outs, before: set) -> None:
+    def _fused(self, in_keys, in_bytes, out_keys, out_bytes, before: set) -> None:
         self._region_ops += 1
-        for a in ins:
-            key = _storage_key(a)
+        for key, nbytes in zip(in_keys, in_bytes):
             made = self._pending.get(key)
             if made is not None and made[1] == self._region:
                 continue                          # made by this kernel: in registers
@@ -200,19 +199,18 @@ class OpTally(TorchDispatchMode):
                 self.fused_traffic += self._saved.pop(key)
                 continue
             self._materialize(key)
-            self.fused_traffic += _nbytes(a)
-        for o in outs:
-            key = _storage_key(o)
+            self.fused_traffic += nbytes
+        for key, nbytes in zip(out_keys, out_bytes):
             if key in before and key not in self._pending:
-                self.fused_traffic += _nbytes(o)     # in place into a tensor written already (a buffer)
+                self.fused_traffic += nbytes         # in place into a tensor written already (a buffer)
             else:
-                self._pending[key] = (max(self._pending.get(key, (0,))[0], _nbytes(o)), self._region)
+                self._pending[key] = (max(self._pending.get(key, (0,))[0], nbytes), self._region)
 
-    def _track(self, t: torch.Tensor, before: set) -> None:
+    def _track(self, t: torch.Tensor, before: set) -> int:
         key = _storage_key(t)
         if key not in self._count:
             if key in before:                   # a view of (or in place on) a tensor made outside: not ours
-                return
+                return key
             self._count[key] = 0
             with torch._C.DisableTorchFunctionSubclass():
                 self._size[key] = t.untyped_storage().nbytes()
@@ -220,6 +218,7 @@ class OpTally(TorchDispatchMode):
             self.peak = max(self.peak, self.live)
         self._count[key] += 1
         weakref.finalize(t, self._release, key)
+        return key
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -230,7 +229,8 @@ class OpTally(TorchDispatchMode):
             # 0 takes the normal path (ids in range, no overflow), which is the path whose memory counts
             return False if args[0].dtype == torch.bool else 0
         ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        before = {_storage_key(a) for a in ins}
+        in_keys = [_storage_key(a) for a in ins]
+        before = set(in_keys)
         with torch._C.DisableTorchFunctionSubclass():   # the dispatch level: torch_function has run already
             out = func(*args, **kwargs)
         if func.namespace == "c10d":
@@ -241,16 +241,17 @@ class OpTally(TorchDispatchMode):
             self.collectives[name].append(sum(_nbytes(a) for a in ins))
             return out
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        for o in outs:                          # views of ours count too: the storage lives while any does
-            self._track(o, before)
+        # views of ours count too: the storage lives while any does
+        out_keys = [self._track(o, before) for o in outs]
         if name in _MATMUL_OPS:
             for key in before:
                 self._materialize(key)
             self.end_region()
             self.fused_ops += 1
         elif name not in _FREE_OPS:
-            self.traffic += sum(_nbytes(a) for a in ins) + sum(_nbytes(o) for o in outs)
-            self._fused(ins, outs, before)
+            in_bytes, out_bytes = [_nbytes(a) for a in ins], [_nbytes(o) for o in outs]
+            self.traffic += sum(in_bytes) + sum(out_bytes)
+            self._fused(in_keys, in_bytes, out_keys, out_bytes, before)
         if self.extra is not None:
             self.peak = max(self.peak, self.live + self.extra())
         return out
