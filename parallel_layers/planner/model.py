@@ -38,6 +38,11 @@ gathers every unit for each forward and backward, 2m times, with no credit for t
 the data-parallel reduction, ZeRO-3's gather of every parameter, the tied embedding's all-reduce and the
 optimizer step (its bytes at memory bandwidth, and where torch's optimizer steps parameter by parameter its
 operator calls: ``probe.step_tail_ops``) add to it.
+
+How the step executes, beside the layout (:class:`~.spec.Request`): ``compiled`` prices each forward and
+backward with the tally's fused traffic and kernel count (``phase_traffic``) and takes what a compiled graph
+recomputes off the saved bytes; ``overlap_dp`` hides the data-parallel collectives behind the compute but one
+call's share (``_overlap``: another framework's runs, FSDP2 or Megatron-core; ``Parallel3D`` does not overlap).
 """
 from __future__ import annotations
 
@@ -322,11 +327,13 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b
-    latency = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) * wait if p > 1 else 0.0
+    send = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) if p > 1 else 0.0
+    latency = send * wait
     # a host that moves its messages itself (gloo on a CPU: no device runs them while it computes) spends the
     # link's latency on every send it posts and every receive it completes, beside the message's flight (a
-    # 2-rank GPipe step of the tiny GPT: -35% -> -14%); a GPU's host only enqueues them
-    message = 0.0 if prof.async_dispatch else latency / wait
+    # 2-rank GPipe step of the tiny GPT, replayed on fixed measurements: -35% -> -10%); a GPU's host only
+    # enqueues them
+    message = 0.0 if prof.async_dispatch else send
     sim = simulate_timing(streams, v, latency=latency, durations=durations, layout=placement, message_cost=message)
     terms = {"pipeline": sim["step"]}
     busiest = max(range(len(probes)), key=lambda i: sum(probes[i].sync.values()))     # the most dp traffic
