@@ -94,7 +94,7 @@ def _reference_loss(dense, x, y, side):
     return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100)
 
 
-def body_cp_train(rank, world, kind, dims, zero, method, case, n_steps=STEPS):
+def body_cp_train(rank, world, kind, dims, zero, method, case, n_steps=STEPS, sequence_parallel=False):
     from parallel_layers.composition.parallel3d import Parallel3D
     from parallel_layers.composition.universal_checkpoint import dense_states
 
@@ -104,7 +104,8 @@ def body_cp_train(rank, world, kind, dims, zero, method, case, n_steps=STEPS):
     ref_opt = torch.optim.AdamW(dense.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=False)
     model = Parallel3D(copy.deepcopy(dense), mesh, cp_method=method,
                        optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP),
-                       pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=zero))
+                       pipeline=PipelineConfig(num_microbatches=2), data_parallel=DataParallelConfig(zero=zero),
+                       sequence_parallel=sequence_parallel)
     steps = []
     for x, y, side in _batches(case, n_steps):
         out = model.train_step(x, y, **side)
@@ -161,6 +162,13 @@ def test_hf_model_with_context_parallel_matches_single_process(dist_pools, kind,
 def test_context_parallel_in_4d_matches_single_process(dist_pools, kind, dims, zero, case):
     pytest.importorskip("transformers")
     _check(dist_pools(8).run(body_cp_train, kind, dims, zero, "ring", case, STEPS_4D))
+
+
+def test_hf_context_parallel_with_sequence_parallel_matches_single_process(dist_pools):
+    """cp 2 x tp 2 with ``sequence_parallel=True`` on a Llama (ring attention over cp on the tp-gathered shard of
+    each cp rank's tokens): the same parity with one process."""
+    pytest.importorskip("transformers")
+    _check(dist_pools(4).run(body_cp_train, "llama", (1, 2, 2, 1), 1, "ring", "padding", STEPS, True))
 
 
 # ---------------------------------------------------------------------- composition

@@ -1,7 +1,7 @@
 """Sequence parallelism for models the package did not write (``Parallel3D(sequence_parallel=True)``,
-:mod:`parallel_layers.tensor_parallel.sequence_parallel`): the plan it derives, and the errors that say why
-a run cannot take it. Parity with one process: ``test_3d_any_model.py`` (fp32, gloo and the NCCL rules) and
-``test_precision_3d.py`` (bf16)."""
+:mod:`parallel_layers.tensor_parallel.sequence_parallel`): the plan it derives, and the error that says why a
+run cannot take it. Parity with one process: ``test_3d_any_model.py`` (fp32, gloo and the NCCL rules),
+``test_precision_3d.py`` (bf16) and ``test_context_parallel_3d.py`` (with cp)."""
 import pytest
 import torch
 from hf_models import hf_model, loss_fn
@@ -37,14 +37,3 @@ def body_odd_sequence(rank, world):
 
 def test_a_sequence_that_does_not_divide_by_tp_is_refused_with_the_fix(dist_pools):
     assert all(dist_pools(2).run(body_odd_sequence))
-
-
-def body_cp(rank, world):
-    from parallel_layers.composition.parallel3d import Parallel3D
-    with pytest.raises(ValueError, match=r"sequence_parallel=True\): LlamaForCausalLM at cp=2 is not supported"):
-        Parallel3D(hf_model("llama", False), cached_mesh(1, 2, 1, cp=2), loss_fn=loss_fn, sequence_parallel=True)
-    return True
-
-
-def test_sequence_parallelism_with_context_parallelism_is_refused(dist_pools):
-    assert all(dist_pools(4).run(body_cp))

@@ -259,7 +259,7 @@ class Parallel3D:
     ``sequence_parallel``: at tp > 1, the activations between the tensor-parallel regions (norms, residuals)
     split along the sequence over tp (Megatron-LM's sequence parallelism: ``1 / tp`` of their memory and
     elementwise work, the same bytes moved), for a module model through its plan
-    (:mod:`parallel_layers.tensor_parallel.sequence_parallel`; not yet with cp > 1 or MoE blocks); the
+    (:mod:`parallel_layers.tensor_parallel.sequence_parallel`; with cp too; not yet with MoE blocks); the
     reference GPT's ``GPTConfig(sequence_parallel=True)`` says the same.
     """
 
@@ -334,10 +334,6 @@ class Parallel3D:
         config = model if built_here else getattr(model, "config", None)
         builds_its_own = bool(getattr(config, "sequence_parallel", False))
         sequence_parallel = (builds_its_own or sequence_parallel) and self.tp_group is not None
-        if sequence_parallel and not builds_its_own and self.cp > 1:
-            raise ValueError(f"Parallel3D(sequence_parallel=True): {type(model).__name__} at cp={self.cp} is not "
-                             f"supported yet (the reference GPT's is: GPTConfig(sequence_parallel=True)); use "
-                             f"cp=1 or sequence_parallel=False")
         saved_inputs = SavedInputs.from_mode(pipeline.checkpoint_inputs, self.tp_group, sequence_parallel,
                                              "Parallel3D: checkpoint_inputs", checkpointed=bool(checkpoint),
                                              checkpoint=checkpoint)

@@ -82,13 +82,12 @@ def build_rank(req: Request, layout: Layout, pp_rank: int, device: torch.device 
 
 def _sequence_parallel(req: Request, layout: Layout) -> bool:
     """``Request.sequence_parallel`` where ``Parallel3D`` takes it: the reference GPT always; a module model
-    without cp and MoE blocks (the layouts it refuses run without it)."""
+    without MoE blocks (it refuses those: they run without it)."""
     if not req.sequence_parallel:
         return False
     if callable(getattr(req.model, "build", None)):
         return True
-    moe = getattr(req.model, "num_local_experts", 0) or getattr(req.model, "num_experts", 0)
-    return layout.cp == 1 and not moe
+    return not (getattr(req.model, "num_local_experts", 0) or getattr(req.model, "num_experts", 0))
 
 
 def global_rank(layout: Layout, pp_rank: int) -> int:
