@@ -30,7 +30,9 @@ def body_odd_sequence(rank, world):
     p3d = Parallel3D(hf_model("llama", False), cached_mesh(1, 2, 1), loss_fn=loss_fn, sequence_parallel=True,
                      pipeline=PipelineConfig(num_microbatches=1))
     ids = torch.randint(0, 64, (2, 7))
-    with pytest.raises(ValueError, match=r"7 tokens, which do not divide by tp; pad the sequences to a multiple of 2"):
+    refused = (r"sequence length 7 \(the hidden states' tokens\) does not divide by the tensor-parallel size 2; "
+               r"pad the sequence to a multiple of 2")
+    with pytest.raises(ValueError, match=refused):
         p3d.train_step(ids, ids)
     return True
 

@@ -26,6 +26,7 @@ from ..activations.recompute import checkpoint_placement, run_blocks
 from ..distributed import collectives as C
 from ..families import Recipe, get_module
 from ..tensor_parallel.dense_layouts import from_dense, to_dense
+from ..tensor_parallel.layers import check_sequence_input
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from .stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
 
@@ -113,11 +114,7 @@ class ModelStage(nn.Module):
         return logits if targets is None or self.loss_fn is None else self.loss_fn(logits, targets)
 
     def _split_sequence(self, h: torch.Tensor, group) -> torch.Tensor:
-        tp = C.world_size(group)
-        if h.dim() < 2 or h.shape[1] % tp:
-            raise ValueError(f"ModelStage (sequence parallel over tp={tp}): the hidden states {tuple(h.shape)} "
-                             f"have {h.shape[1] if h.dim() > 1 else 0} tokens, which do not divide by tp; pad "
-                             f"the sequences to a multiple of {tp} or turn sequence_parallel off")
+        check_sequence_input("ModelStage (sequence parallel)", h, C.world_size(group), "the hidden states' tokens")
         return scatter_to_sequence_parallel_region(h, group, dim=1)
 
     @property

@@ -87,7 +87,7 @@ def _sequence_parallel(req: Request, layout: Layout) -> bool:
         return False
     if callable(getattr(req.model, "build", None)):
         return True
-    return not (getattr(req.model, "num_local_experts", 0) or getattr(req.model, "num_experts", 0))
+    return req.experts() == 0
 
 
 def global_rank(layout: Layout, pp_rank: int) -> int:

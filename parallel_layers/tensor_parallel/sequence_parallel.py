@@ -36,9 +36,15 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from .layers import check_sequence_input
 from .mappings import gather_from_sequence_parallel_region
 
 _SPLIT_STYLES = ("colwise", "rowwise")
+
+
+def _style_name(style) -> object:
+    """A plan entry's style name (a name, or a dict's ``"style"``)."""
+    return style if isinstance(style, str) else style.get("style") if isinstance(style, dict) else None
 
 
 def sequence_parallel_plan(plan: Dict[str, object], blocks: str) -> Dict[str, object]:
@@ -46,7 +52,7 @@ def sequence_parallel_plan(plan: Dict[str, object], blocks: str) -> Dict[str, ob
     blocks, e.g. ``model.layers``) made sequence-parallel (see the module docstring)."""
     out: Dict[str, object] = {}
     for pattern, style in plan.items():
-        name = style if isinstance(style, str) else style.get("style") if isinstance(style, dict) else None
+        name = _style_name(style)
         if name in _SPLIT_STYLES and pattern.startswith(blocks + "."):
             options = dict(style) if isinstance(style, dict) else {"style": style}
             if options.get("gather_output"):
@@ -62,7 +68,7 @@ def sequence_parallel_plan(plan: Dict[str, object], blocks: str) -> Dict[str, ob
 def _column_regions(model: nn.Module, plan: Dict[str, object], blocks: str) -> List[str]:
     """The modules that hold a block's column-wise projections (each projection's parent), in model order."""
     columns = [pattern for pattern, style in plan.items() if pattern.startswith(blocks + ".")
-               and (style if isinstance(style, str) else style.get("style")) == "colwise"]
+               and _style_name(style) == "colwise"]
     parents = []
     for name, _ in model.named_modules():
         if any(fnmatchcase(name, pattern) for pattern in columns):
@@ -89,9 +95,10 @@ def _gather_input(group):
 
 
 def _gathered(x: torch.Tensor, group, module: nn.Module) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or x.dim() < 3:
-        raise ValueError(f"sequence parallelism: {type(module).__name__}'s input is not a [batch, sequence, hidden] "
-                         f"tensor ({type(x).__name__} {tuple(getattr(x, 'shape', ()))}); turn sequence_parallel off")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"sequence parallelism: {type(module).__name__}'s input is a {type(x).__name__}, not a "
+                         f"[batch, sequence, hidden] tensor; turn sequence_parallel off")
+    check_sequence_input(f"sequence parallelism ({type(module).__name__}'s input)", x, 1, "")
     return gather_from_sequence_parallel_region(x, group, dim=1, tensor_parallel_output_grad=True)
 
 
