@@ -209,7 +209,7 @@ def published_rows(common: dict, search: bool, progress: Optional[Callable[[str]
     """One row per published run (predicted against published TFLOP/s per GPU; with ``search`` the
     planner's pick), then the summary: median and worst |error| and how many picks differ from theirs."""
     from parallel_layers.planner.published import MEGATRON_2021, compare
-    rows, errors, differ, top3 = [], [], 0, 0
+    rows, errors, differ, top3, space3 = [], [], 0, 0, 0
     for run in MEGATRON_2021:
         if progress:
             progress(f"published {run.name} on {run.gpus} GPUs")
@@ -224,8 +224,10 @@ def published_rows(common: dict, search: bool, progress: Optional[Callable[[str]
                 + ("" if c.theirs.feasible else f" (does not fit: {c.theirs.reason})"))
         if search:
             top3 += c.their_rank is not None and c.their_rank <= 3
+            space3 += c.their_space_rank is not None and c.their_space_rank <= 3
             text += (f" | pick {pick}: {c.pick_tflops:.1f} TFLOP/s/GPU of {c.searched} layouts, theirs ranked "
-                     f"{c.their_rank or '-'} | {c.why}")
+                     f"{c.their_rank or '-'}; {c.their_space_rank or '-'} of the {c.their_space_size} that fit "
+                     f"with their unsharded optimizer | {c.why}")
         print(f"planner published {run.name:>7s}: {text}", file=sys.stderr, flush=True)
         rows.append(dict(common, case="planner_published", sizes=label, x=c.predicted_tflops,
                          speedup=(c.pick_tflops / c.predicted_tflops) if search and c.pick else "",
@@ -234,7 +236,8 @@ def published_rows(common: dict, search: bool, progress: Optional[Callable[[str]
     rows.append(dict(common, case="planner_published_error", sizes=f"{len(errors)} published runs",
                      x=med, baseline=f"median |error| {med:.1%}, worst {worst:.1%}"
                      + (f"; the planner picks another layout for {differ} of {len(errors)}, ranks theirs in its "
-                        f"top three for {top3}" if search else "")))
+                        f"top three for {top3}, in its top three of the layouts that fit their optimizer (the space "
+                        f"they searched) for {space3}" if search else "")))
     print(f"planner published Narayanan et al. 2021 Table 1 (A100): median |error| {med:.1%}, worst {worst:.1%}",
           file=sys.stderr, flush=True)
     return rows + published_h100_rows(common, progress)

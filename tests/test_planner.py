@@ -243,6 +243,33 @@ def test_published_prediction_and_pick_run():
     assert c.searched >= 2 and c.why
 
 
+def test_published_authors_space_uses_their_unsharded_optimizer():
+    """Which layouts the authors could run is judged with Megatron-LM 2021's optimizer: every rank's
+    optimizer term replaced by 12 bytes (fp32 master, two Adam moments) for each of its fp16 parameters, so
+    the same layout needs more than the planner's ZeRO-1 shard, by about 12 x (its parameters) x (1 - 1/dp);
+    the rank within that space is never worse than the rank over every layout."""
+    from parallel_layers.planner.published import (
+        MEGATRON_2021,
+        OPTIMIZER_BYTES_PER_PARAM,
+        candidates,
+        compare,
+        their_layout,
+        their_peak_bytes,
+    )
+    run = MEGATRON_2021[0]
+    every = [(lay, r) for lay, r in candidates(run) if r is None]
+    some = [(their_layout(run), None), next((lay, r) for lay, r in every if lay.tp == 8 and lay.pp == 4)]
+    c = compare(run, layouts=some)
+    mem = c.theirs.memory[0]
+    extra = mem["parameters"] // 2 * OPTIMIZER_BYTES_PER_PARAM - mem["optimizer"]
+    margin = c.theirs.peak_bytes / sum(mem.values())
+    assert their_peak_bytes(c.theirs) == int((sum(mem.values()) + extra) * margin)
+    params = mem["parameters"] / 2
+    assert abs(extra - OPTIMIZER_BYTES_PER_PARAM * params * (1 - 1 / run.dp)) < 3 * params * 2 / run.dp
+    assert c.their_space_size >= 1 and c.their_space_rank is not None and c.their_space_rank <= c.their_rank
+    assert c.their_space_pick is not None and their_peak_bytes(c.their_space_pick) <= 80 * 2**30
+
+
 def test_probe_twin_ranks_equal_their_own_probe():
     """The shortcut that lets a deep pipeline be predicted fast (a middle pipeline rank stands for the other
     middle ranks when the layers split evenly) gives what probing every rank gives."""

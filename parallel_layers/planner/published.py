@@ -23,7 +23,9 @@ What Table 1 does not give, and what is used here instead (said again in every r
 * the optimizer: Megatron-LM of 2021 kept fp32 master weights and Adam state on every data-parallel
   replica; this package's fp16 needs a ZeRO optimizer for those (stage 1, 2 or 3); stage 1 is used here
   (the same bytes reduced, optimizer state sharded), so the memory is less than theirs and the time the
-  same but for the all-gather of the updated weights;
+  same but for the all-gather of the updated weights. Which layouts the authors could run is judged with
+  their optimizer (:func:`their_peak_bytes`: 12 bytes a parameter on every replica): the planner's search
+  is ranked over those too (``Comparison.their_space_rank``), the layouts a ZeRO optimizer adds beside;
 * the execution: the paper's fused kernels (section 4.2) priced as a compiled step (``Request.compiled``:
   the non-matmul ops between two matmuls one kernel); its data-parallel all-reduce not overlapped.
 
@@ -155,6 +157,20 @@ def tflops_per_gpu(run: PublishedRun, step_s: float) -> float:
     return paper_flops(run.batch, SETUP["seq_len"], run.layers, run.hidden, SETUP["vocab"]) / (step_s * run.gpus) / 1e12
 
 
+OPTIMIZER_BYTES_PER_PARAM = 12     # Megatron-LM 2021: fp32 master weights, Adam's two moments, unsharded
+
+
+def their_peak_bytes(pred: Prediction, precision_bytes: int = 2) -> int:
+    """The busiest rank's memory had its optimizer been Megatron-LM 2021's (fp32 master weights and Adam's
+    moments on every data-parallel replica, :data:`OPTIMIZER_BYTES_PER_PARAM` a parameter) instead of the
+    planner's ZeRO-1 shard: each rank's ``optimizer`` term replaced by that state of its parameters (its
+    ``parameters`` term, ``precision_bytes`` each), fragmentation margin as the prediction's."""
+    margin = pred.peak_bytes / max(sum(t.values()) for t in pred.memory)
+    totals = [sum(t.values()) - t.get("optimizer", 0)
+              + t["parameters"] // precision_bytes * OPTIMIZER_BYTES_PER_PARAM for t in pred.memory]
+    return int(max(totals) * margin)
+
+
 def breakdown(req: Request, pred: Prediction, prof: Profile, cache: Optional[dict] = None) -> Dict[str, float]:
     """Where a predicted step goes, in seconds of the busiest pipeline rank: its matmuls, its other ops'
     memory traffic, its per-op overhead and its tensor-parallel collectives (each the time model's own
@@ -225,6 +241,10 @@ class Comparison:
     terms_pick: Dict[str, float]
     searched: int
     their_rank: Optional[int] = None   # where the search ranks their layout (1: first), None: not searched or absent
+    # the same over the layouts that fit with the authors' optimizer (their_peak_bytes): the space they searched
+    their_space_rank: Optional[int] = None
+    their_space_pick: Optional[Prediction] = None
+    their_space_size: int = 0
 
 
 def _why(run, theirs, pick, t_theirs, t_pick) -> str:
@@ -252,21 +272,27 @@ def compare(run: PublishedRun, profile: Optional[Profile] = None, search: bool =
     tf = tflops_per_gpu(run, theirs.step_s)
     terms_theirs = breakdown(req, theirs, prof, cache)
     pick, pick_tf, terms_pick, n, their_rank = None, math.nan, {}, 0, None
+    space: list = []
     if search:
         layouts = list(candidates(run)) if layouts is None else list(layouts)
         n = sum(1 for _, r in layouts if r is None)
         ranked = plan(req, prof, layouts, progress=progress, cache=cache)
         order = [p.layout for p in ranked if p.feasible]
         their_rank = order.index(theirs.layout) + 1 if theirs.layout in order else None
+        space = [p for p in ranked if p.feasible and their_peak_bytes(p) <= req.memory_bytes]
         if ranked and ranked[0].feasible:
             pick = ranked[0]
             pick_tf = tflops_per_gpu(run, pick.step_s)
             terms_pick = breakdown(req, pick, prof, cache)
     why = _why(run, theirs, pick, terms_theirs, terms_pick) if search else "not searched"
+    in_space = [p.layout for p in space]
     return Comparison(run, theirs, tf, (tf - run.tflops_per_gpu) / run.tflops_per_gpu, pick, pick_tf, why,
-                      terms_theirs, terms_pick, n, their_rank)
+                      terms_theirs, terms_pick, n, their_rank,
+                      in_space.index(theirs.layout) + 1 if theirs.layout in in_space else None,
+                      space[0] if space else None, len(space))
 
 
 __all__ = ["PublishedRun", "MEGATRON_2021", "SETUP", "PAPER", "PAPER_URL", "MICRO_BATCH_SOURCE", "paper_flops",
-           "paper_params", "request", "their_layout", "layout_of", "tflops_per_gpu", "breakdown", "candidates",
+           "paper_params", "request", "their_layout", "their_peak_bytes",
+           "OPTIMIZER_BYTES_PER_PARAM", "layout_of", "tflops_per_gpu", "breakdown", "candidates",
            "compare", "Comparison"]
