@@ -39,3 +39,25 @@ def body_odd_sequence(rank, world):
 
 def test_a_sequence_that_does_not_divide_by_tp_is_refused_with_the_fix(dist_pools):
     assert all(dist_pools(2).run(body_odd_sequence))
+
+
+def body_stages_pass_shards(rank, world):
+    from parallel_layers import PipelineConfig
+    from parallel_layers.composition.parallel3d import Parallel3D
+    model = hf_model("llama", False)
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    p3d = Parallel3D(model, cached_mesh(1, 2, 2), loss_fn=loss_fn, sequence_parallel=True,
+                     pipeline=PipelineConfig(num_microbatches=2))
+    stage = p3d.chunks[0]
+    torch.manual_seed(0)
+    if stage.is_first:                    # sends its tp rank's half of the 8 tokens
+        return tuple(stage(torch.randint(0, 64, (2, 8))).shape) == (2, 4, hidden)
+    # takes a half, builds its masks and rotary tables for all 8 tokens, gathers them for the head
+    return tuple(stage(torch.randn(2, 4, hidden)).shape) == (2, 8, vocab)
+
+
+def test_pipeline_stages_pass_sequence_shards(dist_pools):
+    """tp 2 x pp 2: the first stage sends each tp rank's sequence shard (not the gathered whole, as Megatron-LM
+    sends it: 1/tp of the bytes, no gather at the boundary); the last stage takes a shard and returns every
+    token's logits. (Parity with one process with these sends: ``test_3d_any_model.py``.)"""
+    assert all(dist_pools(4).run(body_stages_pass_shards))

@@ -45,7 +45,8 @@ class ModelStage(nn.Module):
     placement policy (``"sqrt"``, ``MemoryBudget``: :mod:`~parallel_layers.activations.checkpoint_policy`), in
     training mode; the recomputation replays the forward's dropout masks (default generator restored).
     ``sequence_parallel_group``: the blocks run sequence-parallel over this tp group (their hidden states split
-    along the sequence after the recipe's context is built, gathered after the last block:
+    along the sequence after the first stage's context is built, passed between stages as shards, gathered
+    before the head:
     :mod:`parallel_layers.tensor_parallel.sequence_parallel`). ``dense_name(name)``: a parameter's name here ->
     its name in the whole model."""
 
@@ -99,19 +100,30 @@ class ModelStage(nn.Module):
         model.training = self.training
         self._check_side(model, x, side)
         h = self.recipe.embed(model, x, **side) if self.is_first else x
-        ctx = self.recipe.context(model, h, **side)
+        group = self.sequence_parallel_group
+        # sequence parallel: the stages pass each other their tp rank's sequence shard, so a later stage builds
+        # its context (masks, rotary tables: shaped from the whole sequence) from a stand-in of the whole's shape
+        whole = h if group is None or self.is_first else self._whole_sequence(h, group)
+        ctx = self.recipe.context(model, whole, **side)
         fns = [lambda t, block=block: self.recipe.block(block, t, ctx) for block in self.blocks]
-        group = self.sequence_parallel_group if self.blocks else None
-        if group is not None:
+        if group is not None and self.is_first:
             h = self._split_sequence(h, group)
         h = run_blocks(fns, h, self.checkpointing if self.training else 0, self.rng_tracker, self.saved_inputs)
-        if group is not None:
-            # the head and the next stage see every token; each tp rank's gradient of the whole is the same
-            h = gather_from_sequence_parallel_region(h, group, dim=1, tensor_parallel_output_grad=False)
         if not self.is_last:
             return h
+        if group is not None:
+            # the head sees every token; each tp rank's gradient of the whole is the same
+            h = gather_from_sequence_parallel_region(h, group, dim=1, tensor_parallel_output_grad=False)
         logits = self.recipe.head(model, h)
         return logits if targets is None or self.loss_fn is None else self.loss_fn(logits, targets)
+
+    @staticmethod
+    def _whole_sequence(shard: torch.Tensor, group) -> torch.Tensor:
+        """A tensor of the whole sequence's shape, dtype and device over ``shard``'s first token (a view: the
+        context reads shapes, not values)."""
+        size = list(shard.shape)
+        size[1] *= C.world_size(group)
+        return shard[:, :1].expand(size)
 
     def _split_sequence(self, h: torch.Tensor, group) -> torch.Tensor:
         check_sequence_input("ModelStage (sequence parallel)", h, C.world_size(group), "the hidden states' tokens")

@@ -23,10 +23,10 @@ What it takes for a recipe's model (:class:`~parallel_layers.families.Recipe`):
 * :func:`mark_sequence_parallel_params`: a block's parameters outside every module the plan matched (its
   norms: they see this rank's tokens only) carry ``p.sequence_parallel = True``, their gradients partial sums
   that ``Parallel3D`` sums over tp before the step (as it does for the reference GPT's norms);
-* the stage (``ModelStage(sequence_parallel_group=...)``) splits the hidden states along the sequence after
-  the recipe's context is built from the whole sequence (masks, positions, rotary tables) and gathers them
-  again after its last block, so the head, the pipeline's messages and the next stage's context see the whole
-  sequence as before.
+* the stage (``ModelStage(sequence_parallel_group=...)``): the first splits the hidden states along the
+  sequence after the recipe's context is built from the whole sequence (masks, positions, rotary tables); the
+  pipeline's messages are each tp rank's shard (1/tp of the bytes, as Megatron-LM sends them; a later stage
+  builds its context from a stand-in of the whole's shape); the last gathers them before the head.
 """
 from __future__ import annotations
 
