@@ -79,13 +79,14 @@ def _worst_param(p3d, dense) -> tuple:
 INIT_STD = {"llama": 0.02, "gpt2": 0.1}
 
 
-def body_parity(rank, world, kind, dims, zero, schedule, tie, mask, checkpoint, sequence_parallel=False):
+def body_parity(rank, world, kind, dims, zero, schedule, tie, mask, checkpoint, sequence_parallel=False,
+                default_loss=False):
     from parallel_layers.composition.parallel3d import Parallel3D
 
     mesh = cached_mesh(*dims)
     dense = hf_model(kind, tie, init_std=INIT_STD[kind])
     ref_opt = _reference_optimizer(dense)
-    p3d = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=loss_fn,
+    p3d = Parallel3D(copy.deepcopy(dense), mesh, loss_fn=None if default_loss else loss_fn,
                      optimizer=OptimizerConfig(lr=LR, weight_decay=WD, no_decay=_no_decay, max_grad_norm=CLIP),
                      pipeline=PipelineConfig(schedule=schedule, num_microbatches=2, checkpoint=checkpoint),
                      data_parallel=DataParallelConfig(zero=zero), sequence_parallel=sequence_parallel)
@@ -100,7 +101,10 @@ def body_parity(rank, world, kind, dims, zero, schedule, tie, mask, checkpoint, 
               if getattr(p, "sequence_parallel", False)}
     sp = {n: state[n].flatten().tolist() for n in marked}
     return dict(steps=steps, worst=worst, n_params=n, sp=sp, pp_rank=mesh.pp_rank,
-                split=[c.sequence_parallel_group is not None for c in p3d.chunks])
+                split=[c.sequence_parallel_group is not None for c in p3d.chunks],
+                logits_split=[c.logits_group is not None for c in p3d.chunks if c.is_last],
+                eval_loss=p3d.evaluate(idx, tgt, attention_mask=am),
+                ref_eval_loss=loss_fn(dense(input_ids=idx, attention_mask=am).logits, tgt).item())
 
 
 def _check(outs, tol):
@@ -402,3 +406,18 @@ def test_3d_with_optimizer_state_on_disk_is_bit_identical(dist_pools, tmp_path):
     for rank, same in enumerate(dist_pools(8).run(body_offload_bit_identical, str(tmp_path))):
         assert same == {1: True, 3: True}, f"rank {rank}: {same}"
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind,dims,zero,schedule,tie", [
+    ("llama", (1, 2, 2), 1, "1f1b", True), ("gpt2", (2, 2, 1), 3, "1f1b", True),
+    ("llama", (2, 2, 1), 2, "1f1b", False)],
+    ids=["llama-tp2-pp2-zero1-tied", "gpt2-dp2-tp2-zero3-tied", "llama-dp2-tp2-zero2"])
+def test_default_loss_on_vocabulary_shards_matches_single_process(dist_pools, kind, dims, zero, schedule, tie):
+    """No ``loss_fn``: the LM head keeps its vocabulary shard and the token cross entropy is computed on the
+    shards (``tensor_parallel.loss_parallel``); losses, gradient norms, ``evaluate`` and every parameter agree
+    with one process's ``F.cross_entropy`` on whole logits."""
+    outs = dist_pools(4).run(body_parity, kind, dims, zero, schedule, tie, True, False, False, True)
+    _check(outs, 1e-5)
+    for out in outs:
+        assert all(out["logits_split"])
+        assert abs(out["eval_loss"] - out["ref_eval_loss"]) <= 1e-5 * abs(out["ref_eval_loss"])

@@ -103,7 +103,7 @@ class _MasterWeightsReference:
 
 
 def body_low_precision(rank, world, dims, zero, dtype_name, autocast_name, micro=MICRO, schedule="1f1b",
-                       offload_dir=None, family=None, sequence_parallel=False):
+                       offload_dir=None, family=None, sequence_parallel=False, default_loss=False):
     from parallel_layers.composition.parallel3d import Parallel3D
 
     dtype, autocast = getattr(torch, dtype_name), (getattr(torch, autocast_name) if autocast_name else None)
@@ -116,7 +116,7 @@ def body_low_precision(rank, world, dims, zero, dtype_name, autocast_name, micro
     ref = _MasterWeightsReference(copy.deepcopy(dense), dtype, autocast)
     model = copy.deepcopy(dense) if autocast else copy.deepcopy(dense).to(dtype)
     offload = {} if offload_dir is None else {"offload": "disk", "offload_dir": offload_dir}
-    p3d = Parallel3D(model, mesh, loss_fn=_loss,
+    p3d = Parallel3D(model, mesh, loss_fn=None if default_loss else _loss,
                      optimizer=OptimizerConfig(lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP, **offload),
                      pipeline=PipelineConfig(num_microbatches=micro, schedule=schedule),
                      data_parallel=DataParallelConfig(zero=zero), precision=PrecisionConfig(autocast=autocast),
@@ -163,6 +163,15 @@ def test_bf16_llama_with_sequence_parallelism(dist_pools):
     """A bf16 Hugging Face Llama at dp2 x tp2 with ``sequence_parallel=True`` (its norms' gradients bf16 sums over
     each rank's tokens, summed over tp): within the bf16 tolerances of the one-process reference."""
     _check(dist_pools(4).run(body_low_precision, (2, 2, 1), 1, "bfloat16", None, sequence_parallel=True), "bfloat16")
+
+
+@pytest.mark.parametrize("dims,dtype", [((2, 2, 1), "bfloat16"), ((1, 2, 2), "float16")],
+                         ids=["dp2-tp2-bf16", "tp2-pp2-fp16"])
+def test_default_loss_on_vocabulary_shards_in_low_precision(dist_pools, dims, dtype):
+    """No ``loss_fn`` at tp 2: the loss on the LM head's vocabulary shards (upcast to fp32; under fp16 through
+    the loss scaler, which takes the shards) within the low-precision tolerances of one process's fp32 loss
+    on whole logits."""
+    _check(dist_pools(4).run(body_low_precision, dims, 1, dtype, None, default_loss=True), dtype)
 
 
 @pytest.mark.parametrize("zero", [0, 3])

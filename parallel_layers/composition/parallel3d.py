@@ -123,11 +123,11 @@ from .replicas import replica_mode
 
 def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_plan, loss_fn, num_chunks,
                   boundaries, block_costs, checkpoint, layout="loop", saved_inputs=None, precision=None,
-                  sequence_parallel: bool = False):
-    if loss_fn is None:
-        raise ValueError(f"Parallel3D: pass loss_fn(logits, targets) for {type(model).__name__} (the last stage "
-                         f"computes it)")
+                  sequence_parallel: bool = False, ignore_index: Optional[int] = IGNORE_INDEX):
+    """This rank's stages of ``model``. ``loss_fn`` None: the token cross entropy, on the head's vocabulary
+    shards where the tp plan splits the head (:mod:`~parallel_layers.tensor_parallel.loss_parallel`)."""
     recipe = recipe if recipe is not None else recipe_for(model)
+    logits_group = None
     if tp_group is not None:
         from ..tensor_parallel.parallelize import parallelize
         plan = tp_plan if tp_plan is not None else (recipe.tp_plan(model) if recipe.tp_plan else None)
@@ -142,6 +142,11 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
         if sequence_parallel:
             from ..tensor_parallel import sequence_parallel as sp
             plan = sp.sequence_parallel_plan(plan, recipe.blocks)
+        if loss_fn is None and plan:
+            from ..tensor_parallel.loss_parallel import loss_parallel_plan, vocab_parallel_token_loss
+            plan, head = loss_parallel_plan(plan, recipe.last)
+            if head is not None:
+                loss_fn, logits_group = vocab_parallel_token_loss(tp_group, ignore_index), tp_group
         if plan:              # empty: the model built its tensor-parallel layers itself (the reference GPT)
             parallelize(model, tp_group, plan)
         if sequence_parallel:
@@ -152,12 +157,15 @@ def _model_stages(model: nn.Module, mesh: ParallelMesh, tp_group, *, recipe, tp_
         from ..fp8 import convert_to_fp8
         convert_to_fp8(model, precision.fp8, modules=precision.fp8_modules,
                        row_group=mesh.cp_group if mesh.sizes.get("cp", 1) > 1 else None, delayed_update="step")
+    if loss_fn is None:
+        loss_fn = _default_loss(ignore_index)
     # in a V the first and last stage are both on pipeline rank 0: tied weights are one module there
     tied_group = mesh.tied_stage_group() if mesh.pp > 1 and layout == "loop" else None
     chunks = split_model(model, recipe, mesh.pp_rank, mesh.pp, num_chunks=num_chunks, boundaries=boundaries,
                          block_costs=block_costs, loss_fn=loss_fn, tied_group=tied_group, checkpoint=checkpoint,
                          sum_tied_grads_in_stage=False, layout=layout, saved_inputs=saved_inputs,
-                         sequence_parallel_group=tp_group if sequence_parallel else None)
+                         sequence_parallel_group=tp_group if sequence_parallel else None,
+                         logits_group=logits_group)
     # the sequence-parallel norms' and biases' gradients are sums over this rank's tokens: the replica mode
     # sums them over tp where the step's gradients are (fp32 main grads, ZeRO-3's fp32 accumulation)
     for chunk in chunks:
@@ -372,8 +380,8 @@ class Parallel3D:
             from ..context_parallel.hf import enable_context_parallel, with_context_parallel
             enable_context_parallel(model)
             recipe = with_context_parallel(recipe, mesh.cp_group, cp_method)
-        if loss_fn is None:
-            loss_fn = recipe.loss(model, ignore_index) if recipe.loss is not None else _default_loss(ignore_index)
+        if loss_fn is None and recipe.loss is not None:
+            loss_fn = recipe.loss(model, ignore_index)
         self.moe_layers = _experts_over_mesh(model, mesh, pipeline.num_microbatches, sequence_parallel)
         # output_router_logits=True: transformers' loss over all layers' routers, reproduced (or refused)
         self.router_loss = None if built_here or not hf_moe_blocks else hf_router_loss(model, self.moe_layers)
@@ -384,7 +392,7 @@ class Parallel3D:
             model, mesh, self.tp_group, recipe=recipe, tp_plan=tp_plan, loss_fn=loss_fn, num_chunks=num_chunks,
             boundaries=pipeline.boundaries, block_costs=pipeline.block_costs, checkpoint=checkpoint,
             layout=layout_of(schedule), saved_inputs=saved_inputs, precision=precision,
-            sequence_parallel=sequence_parallel and not builds_its_own)
+            sequence_parallel=sequence_parallel and not builds_its_own, ignore_index=ignore_index)
         if self.router_loss is not None:
             self.router_loss.watch(chunks)
         if self.router_loss is not None and mesh.pp > 1:
@@ -802,9 +810,11 @@ class _ScaledLossStage(nn.Module):
         self.stage, self.scaler = stage, scaler
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None, **side):
-        shard = self.stage(x, **side)
         if targets is None:
-            return shard
+            return self.stage(x, **side)
+        # the loss takes the head's vocabulary shards where it keeps them (tensor_parallel.loss_parallel)
+        keep = {"whole_logits": False} if getattr(self.stage, "logits_group", None) is not None else {}
+        shard = self.stage(x, **keep, **side)
         self.scaler.on_device(shard.device)
         loss = self.stage.loss(shard.float(), targets)
         if isinstance(loss, (tuple, list)):          # (sum, count): the sum's backward is scaled

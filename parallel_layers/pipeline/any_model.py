@@ -27,7 +27,11 @@ from ..distributed import collectives as C
 from ..families import Recipe, get_module
 from ..tensor_parallel.dense_layouts import from_dense, to_dense
 from ..tensor_parallel.layers import check_sequence_input
-from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from ..tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from .stage import partition_layers, stage_ids, start_tied_equal, sum_tied_grads
 
 _get = get_module
@@ -47,15 +51,18 @@ class ModelStage(nn.Module):
     ``sequence_parallel_group``: the blocks run sequence-parallel over this tp group (their hidden states split
     along the sequence after the first stage's context is built, passed between stages as shards, gathered
     before the head:
-    :mod:`parallel_layers.tensor_parallel.sequence_parallel`). ``dense_name(name)``: a parameter's name here ->
+    :mod:`parallel_layers.tensor_parallel.sequence_parallel`). ``logits_group``: the head's logits are vocabulary
+    shards over this group (:mod:`parallel_layers.tensor_parallel.loss_parallel`): the loss takes them so, logits
+    handed back are gathered unless ``whole_logits=False``. ``dense_name(name)``: a parameter's name here ->
     its name in the whole model."""
 
     def __init__(self, model: nn.Module, recipe: Recipe, blocks: List[nn.Module], is_first: bool, is_last: bool,
                  loss_fn: Optional[Callable], tied_group=None, *, dense_names: Optional[Dict[int, str]] = None,
                  checkpoint: Union[bool, int] = False, sums_tied_grads: bool = True, saved_inputs=None,
-                 sequence_parallel_group=None):
+                 sequence_parallel_group=None, logits_group=None):
         super().__init__()
         self.sequence_parallel_group = sequence_parallel_group
+        self.logits_group = logits_group
         self._model = [model]              # in a list: not a submodule, its dropped parts stay out of parameters()
         self.recipe, self.is_first, self.is_last, self.loss_fn = recipe, is_first, is_last, loss_fn
         kept = list(recipe.shared) + (list(recipe.first) if is_first else []) + (list(recipe.last) if is_last else [])
@@ -93,7 +100,7 @@ class ModelStage(nn.Module):
                                 f"write a Recipe whose context carries them to the blocks") from exc
         self._side_ok.add(names)
 
-    def forward(self, x, targets=None, **side):
+    def forward(self, x, targets=None, *, whole_logits: bool = True, **side):
         model = self._model[0]
         # the model is not a submodule (its dropped parts stay out): its own flag follows the stage's, for the
         # methods the recipe calls on it (the reference GPT's embedding dropout reads model.training)
@@ -115,7 +122,12 @@ class ModelStage(nn.Module):
             # the head sees every token; each tp rank's gradient of the whole is the same
             h = gather_from_sequence_parallel_region(h, group, dim=1, tensor_parallel_output_grad=False)
         logits = self.recipe.head(model, h)
-        return logits if targets is None or self.loss_fn is None else self.loss_fn(logits, targets)
+        if targets is not None and self.loss_fn is not None:
+            return self.loss_fn(logits, targets)
+        if self.logits_group is not None and whole_logits:
+            # the head keeps its vocabulary shard for the loss (tensor_parallel.loss_parallel); a caller gets them whole
+            logits = gather_from_tensor_parallel_region(logits, self.logits_group)
+        return logits
 
     @staticmethod
     def _whole_sequence(shard: torch.Tensor, group) -> torch.Tensor:
@@ -261,7 +273,7 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
                 boundaries: Union[None, str, Sequence[int]] = None, block_costs: Optional[Sequence[float]] = None,
                 loss_fn: Optional[Callable] = None, tied_group=None, checkpoint: Union[bool, int] = False,
                 sum_tied_grads_in_stage: bool = True, layout: str = "loop", saved_inputs=None,
-                sequence_parallel_group=None) -> List[ModelStage]:
+                sequence_parallel_group=None, logits_group=None) -> List[ModelStage]:
     """This rank's stages (one per chunk) of ``model``; the parts no stage of this rank needs are dropped
     from ``model``. Every rank passes the same model (built from the same seed or loaded from the same
     weights). ``boundaries``: block split points, ``"parameters"`` (balanced by parameter count) or None
@@ -275,7 +287,8 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     (:class:`~parallel_layers.activations.partitioned_checkpoint.SavedInputs`; None: whole); ``loss_fn``: None
     takes the recipe's own loss where it has one (the reference GPT's ``(sum, count)`` over labels other than
     -100, torch's ``ignore_index``), else the last stage returns the logits; ``sequence_parallel_group``: the
-    blocks run sequence-parallel over it (see :class:`ModelStage`)."""
+    blocks run sequence-parallel over it; ``logits_group``: the head's logits are vocabulary shards over it
+    (see :class:`ModelStage`)."""
     if loss_fn is None and recipe.loss is not None:
         loss_fn = recipe.loss(model, -100)
     blocks, ranges, mine = _plan(model, recipe, pp_rank, pp_size, num_chunks, boundaries, block_costs, layout)
@@ -289,7 +302,8 @@ def split_model(model: nn.Module, recipe: Recipe, pp_rank: int, pp_size: int, *,
     stages = [ModelStage(model, recipe, [blocks[i] for i in range(*ranges[s])], s == 0, s == S - 1, loss_fn,
                          tied_group if (has_first or has_last) and tied else None, dense_names=dense_names,
                          checkpoint=checkpoint, sums_tied_grads=sum_tied_grads_in_stage,
-                         saved_inputs=saved_inputs, sequence_parallel_group=sequence_parallel_group) for s in mine]
+                         saved_inputs=saved_inputs, sequence_parallel_group=sequence_parallel_group,
+                         logits_group=logits_group) for s in mine]
     owned = {i for s in mine for i in range(*ranges[s])}
     for i in range(len(blocks)):           # free what this rank does not run
         if i not in owned:
