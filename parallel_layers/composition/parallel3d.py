@@ -106,7 +106,7 @@ from ..pipeline import PipelineEngine
 from ..pipeline.any_model import kept_modules, split_model
 from ..pipeline.schedules import layout_of, place_of, stage_of
 from ..pipeline.timeline import draw
-from ..pipeline.token_loss import IGNORE_INDEX, count_labels, token_cross_entropy
+from ..pipeline.token_loss import IGNORE_INDEX, NO_LABEL, count_labels, token_cross_entropy
 from ..tensor_parallel.partial_grads import mark_partial_param
 from .config import (
     DataParallelConfig,
@@ -221,7 +221,7 @@ def _default_loss(ignore_index: Optional[int]) -> Callable:
     """The loss of a model given without ``loss_fn``: token cross entropy as ``(sum, count)``."""
     def token_loss(logits, targets):
         if ignore_index is None:
-            return token_cross_entropy(logits, targets, ignore_index=-(2 ** 62))
+            return token_cross_entropy(logits, targets, ignore_index=NO_LABEL)
         return token_cross_entropy(logits, targets, ignore_index=ignore_index)
     return token_loss
 

@@ -9,9 +9,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..pipeline.token_loss import NO_LABEL
 from .recipe import Recipe
-
-NO_LABEL = -(2 ** 62)     # an ignore_index no label equals: every label counts
 
 
 def gpt_loss(model: nn.Module, ignore_index: Optional[int]):

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+NO_LABEL = -(2 ** 62)     # an ignore_index no label equals (``ignore_index=None``: every label counts)
 
 
 def count_labels(targets: Optional[torch.Tensor], ignore_index: Optional[int] = IGNORE_INDEX) -> int:

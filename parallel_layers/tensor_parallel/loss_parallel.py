@@ -20,9 +20,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..pipeline.token_loss import NO_LABEL
 from .cross_entropy import vocab_parallel_cross_entropy
-
-NO_LABEL = -(2 ** 62)        # an ignore_index no label equals: every label counts
 
 
 def _gathers(style) -> bool:
