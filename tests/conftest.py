@@ -116,6 +116,8 @@ def pytest_generate_tests(metafunc):
 # end to end, builds or compiles the kernels, or allocates a 4 GiB tensor. Test file -> its slow test
 # functions, or "*" for all of them. A name the file no longer defines is a collection error.
 SLOW = {
+    "test_planner_speed.py": ("test_the_fast_path_ranks_as_the_full_probe",),
+    "test_planner_measure_output.py": ("test_a_block_freed_under_the_profiler_prints_no_allocator_warning",),
     "test_planner_gemm_curve.py": ("test_the_h200_profile_predicts_the_measured_training_step",),
     "test_replica_invariant.py": ("test_tied_weights_stay_bit_identical_at_dp4_and_train_like_one_process",
                                   "test_q_k_norms_train_like_one_process_at_tp2"),
@@ -148,6 +150,7 @@ SLOW = {
     "test_token_loss.py": ("test_gpt_loss_is_the_global_token_mean_at_dp2_tp2_pp2_zero3",
                            "test_user_loss_is_the_global_token_mean", "test_user_loss_replica_all_ignored_zero3"),
     "test_context_parallel_3d.py": ("test_context_parallel_in_4d_matches_single_process",
+                                    "test_hf_context_parallel_with_sequence_parallel_matches_single_process",
                                     "test_mesh_places_cp_inside_dp", "test_demo_with_context_parallel",
                                     "test_hf_model_with_context_parallel_matches_single_process",
                                     "test_cp_run_with_checkpointing_resumes_without_cp_from_its_universal_checkpoint",
@@ -167,6 +170,7 @@ SLOW = {
                        "test_demo_trains_the_moe_gpt_with_expert_parallelism"),
     "test_moe_hf_3d.py": ("test_hf_moe_models_train_with_expert_parallelism_like_one_process",),
     "test_fp8_3d.py": ("test_fp8_layout_matches_one_process", "test_demo_trains_in_fp8",
+                       "test_fp8_delayed_scaling_resumes_bit_for_bit",
                        "test_hugging_face_llama_trains_in_fp8_like_one_process",
                        "test_zero3_fp8_all_gather_trains_bit_identically",
                        "test_universal_checkpoint_carries_the_delayed_histories_to_another_layout"),
