@@ -1,6 +1,6 @@
 """The layout planner's predictions against measurements, on this machine (issue 33's proof).
 
-    python -m benchmarks.planner [--quick|--smoke] [--measured]  # full: 26 layouts; quick: the same, 2 timed steps
+    python -m benchmarks.planner [--quick|--smoke] [--measured]  # full: 26 layouts; quick: no published search
 
 Every case is a layout of 2-8 gloo ranks over the reference GPT or a Hugging Face Llama (tiny: 4 blocks,
 d 64), covering dp / tp / pp / cp, ZeRO 0-3, every schedule (gpipe, 1f1b, interleaved) and activation
@@ -87,7 +87,7 @@ def cases():
     ]
 
 
-PROFILES = {"full": dict(steps=5, smoke=False), "quick": dict(steps=2, smoke=False), "smoke": dict(steps=1, smoke=True)}
+PROFILES = {"full": dict(steps=5, smoke=False), "quick": dict(steps=5, smoke=False), "smoke": dict(steps=1, smoke=True)}
 
 
 def _model(name):
@@ -139,6 +139,8 @@ def collect(mode: str, device: torch.device, progress: Optional[Callable[[str], 
         progress("calibrating (2 gloo ranks)")
     profile = calibrate(world=2, reps=3)
     profile.fragmentation = 0.0
+    if progress:
+        progress(profile.notes)
     measured = {}
     for world in sorted({lay.world for _, lay in todo}):
         group = [(n, lay) for n, lay in todo if lay.world == world]
@@ -325,7 +327,7 @@ def spearman(a: List[float], b: List[float]) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_profile_args(ap, smoke_help="two layouts, one step; never writes CSV",
-                             quick_help="every layout, 2 timed steps")
+                             quick_help="every layout, 5 timed steps, the published runs without the search")
     ap.add_argument("--published", action="store_true",
                     help="only the published runs on paper (no measurement; full mode: with the planner's search)")
     ap.add_argument("--measured", action="store_true",

@@ -82,13 +82,15 @@ _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_atten
                "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_efficient_attention_backward", "convolution", "convolution_backward",
                "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
-_ATTENTION_OPS = {name for name in _MATMUL_OPS if "attention" in name}
+# the attention kernels among them (the probe counts their FLOPs apart; the calibration times them apart)
+ATTENTION_OPS = {name for name in _MATMUL_OPS if "attention" in name}
 
 
 # the terms of a shape tally (``FlopTally.shape``, what ``Profile.matmul_seconds`` reads): the matmuls' FLOPs over
 # their K, N and M, the attention FLOPs counted (the whole square) and computed (half for a causal kernel), and
-# the number of GEMM calls (each pays a fixed cost that the FLOP terms do not hold)
-SHAPE_TERMS = 6
+# the number of GEMM calls (each pays a fixed cost that the FLOP terms do not hold), and the attention FLOPs
+# computed over the head dim and over the query's sequence length (short heads and short sequences run slower)
+SHAPE_TERMS = 8
 NO_SHAPE = (0.0,) * SHAPE_TERMS
 
 
@@ -278,10 +280,14 @@ class FlopTally(TorchDispatchMode):
 
     def _tally_shape(self, func, args, kwargs, flops: int) -> None:
         name = func.overloadpacket.__name__
-        if name in _ATTENTION_OPS:
+        if name in ATTENTION_OPS:
             # torch's formulas count the whole [s, s] square; a causal kernel computes half of it
+            computed = flops / 2 if _is_causal(func, args, kwargs) else flops
             self.shape[3] += flops
-            self.shape[4] += flops / 2 if _is_causal(func, args, kwargs) else flops
+            self.shape[4] += computed
+            query = args[1] if name.endswith("_backward") else args[0]      # [b, h, s, d]; backward: grad_out first
+            self.shape[6] += computed / max(query.shape[-1], 1)
+            self.shape[7] += computed / max(query.shape[-2], 1)
             return
         mats = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}.get(name)
         if mats is None or flops == 0:
@@ -404,5 +410,5 @@ def sampled_loss_rows(tallies):
         yield
 
 
-__all__ = ["tensors_reachable", "held_bytes", "OpTally", "FlopTally", "fused_attention_on_meta",
+__all__ = ["ATTENTION_OPS", "tensors_reachable", "held_bytes", "OpTally", "FlopTally", "fused_attention_on_meta",
            "attention_flop_formulas", "sampled_loss_rows"]

@@ -8,18 +8,20 @@
   (``hardware.fit_gemm_curve``), and causal attention's rate (SDPA forward + backward at small heads, the
   same FLOP formula the probe's tally uses) as ``attention_efficiency``;
 * memory bandwidth: a rank's copy of a buffer far larger than its caches (bytes read + written / s);
+* the same rates inside real training steps, by operator kind (:mod:`.calibrate_steps`): the GEMM curve
+  scaled to the steps' GEMM time, attention's efficiency from the steps' kernels, and the time a small op
+  and a byte of its traffic cost, fitted on what the GEMMs and attention leave of each step;
 * every collective the package issues, over real process groups of ``world`` gloo ranks through the
   package's own helpers (:mod:`parallel_layers.distributed.collectives`), at two message sizes, each call
   timed alone after some compute; alpha (per ring step) and beta (per byte) solved from the two, per kind;
-  the same at twice as many ranks as cores, for how much longer ranks that share cores wait
-  (``Profile.shared_wait_exponent``);
+* a pipeline message's latency and how much longer collectives take on ranks that share cores
+  (``Profile.shared_wait_exponent``), each fitted on a real step of a reference layout (:mod:`.calibrate_steps`);
 * how much slower a rank computes while every core computes (``Profile.core_contention``).
 
 One host: its links are "intra"; the inter-node link is set equal (nothing else to measure here).
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -27,9 +29,19 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .calibrate_steps import (
+    GPT_SIZES,
+    apply_step_rates,
+    fit_send_latency,
+    fit_wait_exponent,
+    reference_config,
+    step_rates,
+)
 from .hardware import RING_BYTES, RING_STEPS, Link, Profile
 
 SMALL, LARGE = 1 << 14, 1 << 23          # bytes of the two message sizes each collective is timed at
+# the most gloo ranks the shared-core fit starts (4 a core); a host with more cores keeps the exponent 1.0
+MAX_WAIT_RANKS = 16
 
 
 def _median_time(fn, reps: int) -> float:
@@ -85,21 +97,10 @@ def op_overhead(reps: int = 20, device: Optional[torch.device] = None) -> float:
     return _median_time(steps, 5) / (reps * tally.ops)
 
 
-# (n_layer, d_model, batch, seq) of the reference GPT the per-op and memory-bound rates are fitted on: from
-# dispatch-bound (d 32, 256 tokens) to traffic-bound (d 256, 4,096 tokens)
-BLOCK_SIZES = ((2, 32, 2, 128), (2, 64, 4, 64), (2, 128, 8, 128), (2, 256, 16, 256), (2, 128, 2, 512))
-
-
-def _reference_config(n_layer: int, d: int, s: int):
-    """The reference GPT the step rates and the core contention are measured on (heads of 32)."""
-    from ..models.gpt import GPTConfig
-    return GPTConfig(vocab_size=256, n_layer=n_layer, n_head=max(1, d // 32), d_model=d, max_seq_len=s)
-
-
 def _reference_step(n_layer: int, d: int, b: int, s: int):
     """The reference GPT's forward + backward at this size, as a function (run once: warm)."""
     torch.manual_seed(0)
-    model = _reference_config(n_layer, d, s).build(seed=0)
+    model = reference_config(n_layer, d, s).build(seed=0)
     x = torch.randint(0, 256, (b, s))
 
     def step():
@@ -112,7 +113,7 @@ def _contention_rank(rank: int, world: int, reps: int) -> float:
     """On every rank at once: the median time of a reference step (one thread), the slowest rank's."""
     import torch.distributed as dist
     torch.set_num_threads(1)
-    step = _reference_step(*BLOCK_SIZES[2])
+    step = _reference_step(*GPT_SIZES[2])
     dist.barrier()
     t = torch.tensor([_median_time(step, reps)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -129,56 +130,6 @@ def core_contention(slots: int, reps: int = 30) -> float:
         with WorkerPool(world, pg_timeout_s=120) as pool:
             times[world] = pool.run(_contention_rank, reps, timeout=600)[0]
     return max(times[slots] / times[1], 1.0)
-
-
-def _step_rate_rank(rank: int, world: int, profile: dict, sizes, reps: int):
-    """On a 1-rank gloo group: ``Parallel3D`` training steps of the reference GPT at ``sizes``, each tallied and
-    timed; returns (operator calls, traffic bytes) and the seconds left after the matmuls at ``profile``'s rates."""
-    from ..composition.layout import Layout
-    from ..composition.parallel3d import Parallel3D
-    from ..mesh import ParallelMesh
-    from .accounting import FlopTally, OpTally, attention_flop_formulas
-    prof = Profile.from_json(profile)
-    torch.set_num_threads(1)
-    rows, rhs = [], []
-    for n_layer, d, b, s in sizes:
-        torch.manual_seed(0)
-        p3d = Parallel3D(_reference_config(n_layer, d, s), ParallelMesh(dp=1, tp=1, pp=1, cp=1), replica_check=None,
-                         **Layout(num_microbatches=1).parallel3d_kwargs())
-        x = torch.randint(0, 256, (b, s))
-
-        def step(p3d=p3d, x=x):
-            p3d.train_step(x, x)
-        step()
-        with OpTally() as tally, FlopTally(attention_flop_formulas()) as flops:
-            step()
-        rows.append((float(tally.ops), float(tally.traffic)))
-        rhs.append(_median_time(step, reps) - prof.matmul_seconds("fp32", flops.get_total_flops(), tuple(flops.shape)))
-    return rows, rhs
-
-
-def step_rates(profile: Profile, reps: int = 5, sizes=BLOCK_SIZES) -> Dict[str, float]:
-    """The time of an operator call and of a byte of non-matmul traffic in a real training step, fitted on
-    the package's own steps (``Parallel3D`` of the reference GPT on one gloo rank, one thread) at ``sizes``:
-    each step's operator calls, traffic, FLOPs and GEMM shapes tallied as the planner's probe tallies them
-    (:class:`.accounting.OpTally`, :class:`.accounting.FlopTally`), its matmul and attention time taken off at
-    ``profile``'s rates, and the rest solved by least squares as ``calls x op_overhead + bytes / mem_bw``. A
-    step's small ops cost more than a copy's bytes and a bare operator's dispatch say: module calls and hooks,
-    autograd's nodes, the engine's bookkeeping, elementwise math (GELU's erf, softmax's exp) that a copy does
-    not do."""
-    from ..testing.workers import WorkerPool
-    with WorkerPool(1, pg_timeout_s=120) as pool:
-        rows, rhs = pool.run(_step_rate_rank, profile.to_json(), tuple(sizes), reps, timeout=600)[0]
-    a = torch.tensor(rows, dtype=torch.float64)
-    scale = a.abs().max(0).values               # columns of order one: calls and bytes differ by 1e5
-    t = torch.tensor(rhs, dtype=torch.float64).unsqueeze(1)
-    # least squares on the relative error (each run's row over its own time), as the GEMM curve is fitted
-    w = 1.0 / t.clamp_min(1e-6)
-    coef = torch.linalg.lstsq(a / scale * w, t * w).solution.squeeze(1) / scale
-    per_op, per_byte = (max(float(c), 0.0) for c in coef)
-    if per_byte <= 0.0:
-        per_byte = 1.0 / profile.mem_bw
-    return {"op_overhead": per_op, "mem_bw": 1.0 / per_byte}
 
 
 def _collective_rank(rank: int, world: int, reps: int) -> Dict[str, List[float]]:
@@ -266,29 +217,27 @@ def calibrate(world: int = 2, reps: int = 5, name: str = "this machine", collect
     except AttributeError:
         slots = os.cpu_count() or 1
     links = _links(world, collective_reps)
-    exponent = 1.0
-    if 2 * slots > world:
-        # the same collectives with twice as many ranks as cores: how much longer a rank waits (per ring step) for
-        # peers that share its core, as a power of the oversubscription (4 x as many measured 3.3x here against
-        # 2.1x at 2 x, an exponent of 0.86 against 1.07; not measured by default: 22 s more)
-        shared = _links(2 * slots, collective_reps)
-        ratios = [shared[k].alpha / links[k].alpha for k in ("all_reduce", "reduce_scatter", "all_gather")
-                  if links[k].alpha > 0 and shared[k].alpha > 0]
-        if ratios:
-            over = 2 * slots / max(world, slots)
-            exponent = min(max(math.log(statistics.median(ratios)) / math.log(over), 0.0), 1.0)
     prof = Profile(name=name, flops=flops, peak_flops=dict(flops, fp32=peak), mem_bw=copy_bw, intra=links,
                    inter={k: Link(v.alpha, v.beta) for k, v in links.items()}, compute_slots=slots,
                    fragmentation=0.0, measured=True, sends_held=True,
-                   gemm_curve=curve, attention_efficiency=attention, shared_wait_exponent=exponent)
-    step = step_rates(prof, reps)
-    prof.op_overhead, prof.mem_bw = step["op_overhead"], step["mem_bw"]
+                   gemm_curve=curve, attention_efficiency=attention)
+    rates = step_rates(prof, reps)
+    apply_step_rates(prof, rates)
     prof.core_contention = core_contention(slots) if slots > 1 else 1.0
-    prof.notes = (f"calibrated: one-thread matmul (by shape for fp32), causal attention {attention:.0%} of the "
-                  f"matmul peak, a training step's small ops {prof.op_overhead * 1e6:.1f} us a call and "
+    looped, send = prof.intra["send"].alpha, fit_send_latency(prof, reps)
+    for table in (prof.intra, prof.inter):
+        table["send"] = Link(alpha=send, beta=table["send"].beta)
+    if 4 * slots <= MAX_WAIT_RANKS:
+        # four times as many ranks as cores, in a real step: how much longer a rank's collectives take
+        prof.shared_wait_exponent = fit_wait_exponent(prof, reps)
+    exponent = prof.shared_wait_exponent
+    prof.notes = (f"calibrated: one-thread matmul (by shape for fp32; {rates['gemm_scale']:.2f}x the time alone inside "
+                  f"training steps), causal attention {prof.attention_efficiency:.0%} of the matmul peak (in steps; "
+                  f"{attention:.0%} alone), a training step's small ops {prof.op_overhead * 1e6:.1f} us a call and "
                   f"{prof.mem_bw / 1e9:.1f} GB/s of their traffic (copy {copy_bw / 1e9:.1f} GB/s), collectives over "
-                  f"{world} gloo ranks; {slots} cores shared by the ranks (each {prof.core_contention:.2f}x slower "
-                  f"while all compute; collectives stretched by the "
+                  f"{world} gloo ranks (a message's latency {send * 1e6:.0f} us in a pipeline step, "
+                  f"{looped * 1e6:.0f} us in a loop); {slots} cores shared by the ranks (each "
+                  f"{prof.core_contention:.2f}x slower while all compute; collectives stretched by the "
                   f"oversubscription to the power {exponent:.2f})")
     return prof
 

@@ -72,6 +72,10 @@ class Profile:
     # [M, K] x [K, N]; attention's FLOPs at ``attention_efficiency`` of the peak
     gemm_curve: Optional[Dict[str, List[float]]] = None
     attention_efficiency: Optional[float] = None
+    # attention's rate by shape where measured (a CPU's calibration: at head dim 16 and 64 tokens it ran at 0.6x
+    # its rate at head dim 32 and 512 tokens): (a0, aD, aS) of peak seconds per FLOP computed,
+    # 1 / efficiency = a0 + aD / head_dim + aS / seq; it replaces ``attention_efficiency`` where set
+    attention_curve: Optional[List[float]] = None
     # ranks sharing cores (``compute_slots``): compute stretches by ``slow`` = ranks / slots, a collective's time
     # by ``slow ** shared_wait_exponent`` (a waiting rank sleeps and gives its core away; it is the peers' turn
     # to run that it waits for), measured by ``--calibrate`` from collectives at 2x oversubscription
@@ -107,7 +111,8 @@ class Profile:
     def matmul_seconds(self, precision: str, flops: float, shape=None) -> float:
         """Seconds of ``flops`` matmul and attention FLOPs; ``shape``: the probe's tallies of them
         (``accounting.SHAPE_TERMS``: their FLOPs over K, N and M, the attention FLOPs counted and computed, the
-        GEMM calls), which the measured curve reads. Without a curve for ``precision`` (or with no tallies)
+        GEMM calls, the attention FLOPs over head dim and sequence), which the measured curves
+        read. Without a curve for ``precision`` (or with no tallies)
         every FLOP goes at ``flops``."""
         curve = (self.gemm_curve or {}).get(precision)
         if curve is None or flops <= 0 or not shape or not any(shape):
@@ -118,7 +123,12 @@ class Profile:
         calls = shape[5] if len(shape) > 5 else 0.0
         per_call = curve[4] * 2 * GEMM_CALL_SCALE if len(curve) > 4 else 0.0       # peak FLOPs' time per call
         gemm = c0 * (flops - counted) + ck * shape[0] + cn * shape[1] + cm * shape[2] + per_call * calls
-        return (gemm + computed / (self.attention_efficiency or 1.0 / c0)) / peak
+        if self.attention_curve and len(shape) > 7 and computed > 0:
+            a0, ad, a_s = self.attention_curve
+            attention = a0 * computed + ad * min(shape[6], computed) + a_s * min(shape[7], computed)
+        else:
+            attention = computed / (self.attention_efficiency or 1.0 / c0)
+        return (gemm + attention) / peak
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
