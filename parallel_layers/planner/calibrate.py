@@ -226,7 +226,7 @@ def calibrate(world: int = 2, reps: int = 5, name: str = "this machine", collect
     prof.core_contention = core_contention(slots) if slots > 1 else 1.0
     looped, send = prof.intra["send"].alpha, fit_send_latency(prof, reps)
     for table in (prof.intra, prof.inter):
-        table["send"] = Link(alpha=send, beta=table["send"].beta)
+        table["pipeline_send"] = Link(alpha=send, beta=table["send"].beta)
     if 4 * slots <= MAX_WAIT_RANKS:
         # four times as many ranks as cores, in a real step: how much longer a rank's collectives take
         prof.shared_wait_exponent = fit_wait_exponent(prof, reps)

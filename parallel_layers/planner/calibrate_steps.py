@@ -279,16 +279,17 @@ def _fit_to_step(profile: Profile, kind: str, reps: int, with_value, hi: float) 
 
 
 def fit_send_latency(profile: Profile, reps: int = 5) -> float:
-    """The latency of a point-to-point message (``Link.alpha`` of ``"send"``) fitted on a real pipeline step
-    (:func:`_link_reference`), searched up to 3x the one ``profile`` has (timed in a loop, it varied 1.1-1.9 ms
-    between calibrations minutes apart on the 2-core CI machine, and put the pipeline and context-parallel
-    layouts 40-100% off: a loop of messages meets each slow wake-up, a step's messages overlap the peer's work)."""
+    """The latency of a pipeline's message (``Link.alpha`` of ``"pipeline_send"``) fitted on a real pipeline step
+    (:func:`_link_reference`), searched up to 3x the send's that ``profile`` has (timed in a loop, that varied
+    0.7-1.9 ms between calibrations minutes apart on the 2-core CI machine and put the pipeline layouts up to 100%
+    off: a loop of messages meets each slow wake-up, a step's messages overlap the peer's work). Context
+    parallelism's ring exchanges, which send and receive at once as the loop does, keep the loop's ``"send"``."""
     base = profile.to_json()
 
     def with_alpha(alpha: float) -> Profile:
         trial = Profile.from_json(base)
         for links in (trial.intra, trial.inter):
-            links["send"] = Link(alpha=alpha, beta=links["send"].beta)
+            links["pipeline_send"] = Link(alpha=alpha, beta=links["send"].beta)
         return trial
     return _fit_to_step(profile, "send", reps, with_alpha, 3 * profile.intra["send"].alpha)
 

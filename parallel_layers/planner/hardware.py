@@ -30,9 +30,11 @@ import json
 from typing import Dict, List, Optional
 
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
-              "all_gather": lambda n: n - 1, "send": lambda n: 1, "all_to_all": lambda n: n - 1}
+              "all_gather": lambda n: n - 1, "send": lambda n: 1, "all_to_all": lambda n: n - 1,
+              "pipeline_send": lambda n: 1}
 RING_BYTES = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_gather": lambda n: (n - 1) / n, "send": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n}
+              "all_gather": lambda n: (n - 1) / n, "send": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n,
+              "pipeline_send": lambda n: 1.0}
 
 
 @dataclasses.dataclass
@@ -95,8 +97,10 @@ class Profile:
         return max(1.0, ranks / self.compute_slots) * shared
 
     def link(self, kind: str, inter_node: bool) -> Link:
+        """The link ``kind`` runs on: its own, else (a pipeline's messages, ``"pipeline_send"``, where the profile
+        has no figure of theirs) a send's, else ``"*"``'s."""
         table = self.inter if inter_node else self.intra
-        return table.get(kind) or table["*"]
+        return table.get(kind) or (table.get("send") if kind == "pipeline_send" else None) or table["*"]
 
     def collective_s(self, kind: str, n: int, nbytes: float, inter_node: bool = False) -> float:
         """Seconds of one ``kind`` collective of ``nbytes`` (the full buffer) over ``n`` ranks."""

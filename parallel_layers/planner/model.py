@@ -327,7 +327,9 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
             for mb in range(m):
                 durations[(r, "F", mb, c)] = f
                 durations[(r, "B", mb, c)] = b
-    send = prof.collective_s("send", 2, act_bytes, _spans_nodes(req, layout, "pp")) if p > 1 else 0.0
+    # (a pipeline's messages: a CPU calibration fits their latency on a pipeline step, apart from context
+    # parallelism's ring exchanges, which send and receive at once as the collectives' loop does)
+    send = prof.collective_s("pipeline_send", 2, act_bytes, _spans_nodes(req, layout, "pp")) if p > 1 else 0.0
     latency = send * wait
     # a host that moves its messages itself (gloo on a CPU: no device runs them while it computes) spends the
     # link's latency on every send it posts and every receive it completes, beside the message's flight (a
