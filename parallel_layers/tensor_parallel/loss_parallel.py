@@ -22,13 +22,12 @@ import torch
 
 from ..pipeline.token_loss import NO_LABEL
 from .cross_entropy import vocab_parallel_cross_entropy
+from .parallelize import plan_entry
 
 
 def _gathers(style) -> bool:
-    if style == "colwise_gather":
-        return True
-    return isinstance(style, dict) and (style.get("style") == "colwise_gather"
-                                        or (style.get("style") == "colwise" and bool(style.get("gather_output"))))
+    name, options = plan_entry(style)
+    return name == "colwise_gather" or (name == "colwise" and bool(options.get("gather_output")))
 
 
 def loss_parallel_plan(plan: Dict[str, object], head_names: Sequence[str]) -> Tuple[Dict[str, object], Optional[str]]:

@@ -127,13 +127,20 @@ def _group_of(mesh) -> "dist.ProcessGroup":
                     f"group); got {type(mesh).__name__}")
 
 
-def _style(pattern: str, spec) -> tuple:
+def plan_entry(spec) -> Tuple[object, dict]:
+    """A plan entry's style name and options: ``(spec, {})`` for a name, the dict's ``"style"`` and the rest for a
+    dict, ``(None, {})`` for anything else (:func:`parallelize` refuses those, naming the entry)."""
     if isinstance(spec, str):
-        name, options = spec, {}
-    elif isinstance(spec, Mapping):
+        return spec, {}
+    if isinstance(spec, Mapping):
         options = dict(spec)
-        name = options.pop("style", None)
-    else:
+        return options.pop("style", None), options
+    return None, {}
+
+
+def _style(pattern: str, spec) -> tuple:
+    name, options = plan_entry(spec)
+    if not isinstance(spec, (str, Mapping)):
         raise TypeError(f"parallelize: plan[{pattern!r}] must be a style name or a dict with a 'style' key; "
                         f"got {type(spec).__name__}")
     if name not in _STYLES:
@@ -475,4 +482,4 @@ def gather_dense_state_dict(model: nn.Module, *, grads: bool = False) -> Dict[st
     return out
 
 
-__all__ = ["parallelize", "gather_dense_state_dict", "tp_partitions", "gather_partition"]
+__all__ = ["parallelize", "plan_entry", "gather_dense_state_dict", "tp_partitions", "gather_partition"]

@@ -38,13 +38,9 @@ import torch.nn as nn
 
 from .layers import check_sequence_input
 from .mappings import gather_from_sequence_parallel_region
+from .parallelize import plan_entry
 
 _SPLIT_STYLES = ("colwise", "rowwise")
-
-
-def _style_name(style) -> object:
-    """A plan entry's style name (a name, or a dict's ``"style"``)."""
-    return style if isinstance(style, str) else style.get("style") if isinstance(style, dict) else None
 
 
 def sequence_parallel_plan(plan: Dict[str, object], blocks: str) -> Dict[str, object]:
@@ -52,7 +48,7 @@ def sequence_parallel_plan(plan: Dict[str, object], blocks: str) -> Dict[str, ob
     blocks, e.g. ``model.layers``) made sequence-parallel (see the module docstring)."""
     out: Dict[str, object] = {}
     for pattern, style in plan.items():
-        name = _style_name(style)
+        name = plan_entry(style)[0]
         if name in _SPLIT_STYLES and pattern.startswith(blocks + "."):
             options = dict(style) if isinstance(style, dict) else {"style": style}
             if options.get("gather_output"):
@@ -68,7 +64,7 @@ def sequence_parallel_plan(plan: Dict[str, object], blocks: str) -> Dict[str, ob
 def _column_regions(model: nn.Module, plan: Dict[str, object], blocks: str) -> List[str]:
     """The modules that hold a block's column-wise projections (each projection's parent), in model order."""
     columns = [pattern for pattern, style in plan.items() if pattern.startswith(blocks + ".")
-               and _style_name(style) == "colwise"]
+               and plan_entry(style)[0] == "colwise"]
     parents = []
     for name, _ in model.named_modules():
         if any(fnmatchcase(name, pattern) for pattern in columns):
