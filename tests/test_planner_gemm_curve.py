@@ -128,3 +128,22 @@ def test_the_fit_never_leaves_a_term_negative():
     flops = 2.0 * 16 * 8192 * 8192                    # M 16: far below the measured shapes
     tiny = prof.matmul_seconds("bf16", flops, (flops / 8192, flops / 8192, flops / 16, 0.0, 0.0, 1))
     assert tiny > flops / prof.peak_flops["bf16"]
+
+
+def test_all_reduce_across_nodes_takes_the_faster_of_ring_and_tree():
+    """NCCL's tuner picks the tree where the ring's 2 (n - 1) latencies dominate: a small all-reduce over 32
+    nodes pays a chain through each node and log2 of the nodes, up and down; a large one stays at the ring's
+    bandwidth; inside a node, and on gloo (a calibrated CPU profile), the ring alone."""
+    import dataclasses
+    h100 = BUILTIN["h100"]
+    intra, inter = h100.link("all_reduce", False), h100.link("all_reduce", True)
+    small = h100.collective_s("all_reduce", 32, 1024, inter_node=True, per_node=1)
+    assert small == pytest.approx(2 * 5 * inter.alpha + 2 * 31 / 32 * 1024 * inter.beta)
+    grouped = h100.collective_s("all_reduce", 64, 1024, inter_node=True, per_node=8)     # 8 nodes of 8
+    assert grouped == pytest.approx(2 * (7 * intra.alpha + 3 * inter.alpha) + 2 * 63 / 64 * 1024 * inter.beta)
+    ring = dataclasses.replace(h100, tree_all_reduce=False)
+    assert ring.collective_s("all_reduce", 32, 1024, True, 1) == pytest.approx(
+        62 * inter.alpha + 2 * 31 / 32 * 1024 * inter.beta)
+    assert h100.collective_s("all_reduce", 8, 1024, False, 8) == ring.collective_s("all_reduce", 8, 1024, False, 8)
+    assert (h100.collective_s("reduce_scatter", 32, 1024, True, 1)
+            == ring.collective_s("reduce_scatter", 32, 1024, True, 1))

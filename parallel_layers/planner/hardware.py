@@ -21,12 +21,17 @@ per ring step over NVLink, 10 us over InfiniBand): assumptions, said so in the o
 Collective cost (alpha-beta, ring algorithms, as NCCL's defaults for large messages): over a group of
 ``n`` ranks, all-reduce ``2(n-1)`` steps of ``alpha`` plus ``2(n-1)/n * bytes * beta``; reduce-scatter and
 all-gather ``(n-1)`` steps and ``(n-1)/n * bytes * beta``; a send ``alpha + bytes * beta``. A group whose
-ranks span more than one node pays the inter-node link's alpha and beta (its slowest link).
+ranks span more than one node pays the inter-node link's alpha and beta (its slowest link). There, where the
+profile says NCCL runs it (``tree_all_reduce``: the GPU profiles), an all-reduce costs the faster of the ring and
+NCCL's tree: ``2 ((local - 1) alpha_intra + ceil(log2 nodes) alpha_inter)`` (a chain through each node's
+``local`` ranks, a binary tree over the nodes, reduced up and broadcast down) plus the ring's bandwidth term;
+a 32-node data-parallel all-reduce pays 10 latencies instead of 62.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Dict, List, Optional
 
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
@@ -85,6 +90,10 @@ class Profile:
     # how much slower a rank computes while every core computes than alone (hyperthreads of one core, shared
     # caches and memory bandwidth): what ``--calibrate`` measures on a CPU host; 1.0: nothing shared
     core_contention: float = 1.0
+    # an all-reduce across nodes may run as NCCL's tree (its tuner picks the faster of ring and tree): a chain
+    # through each node's ranks and a binary tree over the nodes, up and down, at the ring's bandwidth. gloo's
+    # (a CPU host's) stays the ring
+    tree_all_reduce: bool = False
 
     def compute_stretch(self, ranks: int) -> float:
         """How much slower each of ``ranks`` ranks on this host computes than one rank alone: ranks beyond
@@ -102,12 +111,20 @@ class Profile:
         table = self.inter if inter_node else self.intra
         return table.get(kind) or (table.get("send") if kind == "pipeline_send" else None) or table["*"]
 
-    def collective_s(self, kind: str, n: int, nbytes: float, inter_node: bool = False) -> float:
-        """Seconds of one ``kind`` collective of ``nbytes`` (the full buffer) over ``n`` ranks."""
+    def collective_s(self, kind: str, n: int, nbytes: float, inter_node: bool = False, per_node: int = 1) -> float:
+        """Seconds of one ``kind`` collective of ``nbytes`` (the full buffer) over ``n`` ranks, ``per_node`` of
+        them on each node where the group crosses nodes (``inter_node``)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         link = self.link(kind, inter_node)
-        return RING_STEPS[kind](n) * link.alpha + RING_BYTES[kind](n) * nbytes * link.beta
+        ring = RING_STEPS[kind](n) * link.alpha + RING_BYTES[kind](n) * nbytes * link.beta
+        if kind != "all_reduce" or not (self.tree_all_reduce and inter_node):
+            return ring
+        local = max(1, min(per_node, n))
+        nodes = math.ceil(n / local)
+        tree = (2 * ((local - 1) * self.link(kind, False).alpha + math.ceil(math.log2(nodes)) * link.alpha)
+                + RING_BYTES[kind](n) * nbytes * link.beta)
+        return min(ring, tree)
 
     def matmul_rate(self, precision: str) -> float:
         return self.flops.get(precision) or self.flops["fp32"]
@@ -212,13 +229,16 @@ def _gpu(name, peaks, hbm, nvlink_each_way, ib_per_gpu, efficiency=0.5, notes=""
         flat.update({k: peaks[k] * e for k, e in HOPPER_EFFICIENCY.items() if k in peaks})
         hbm_fraction = HOPPER_HBM_FRACTION
         notes = notes or ("data-sheet peaks; matmul and attention rates by shape and 80% of HBM bandwidth measured "
-                          "on an H200 (bf16 median 66% of peak, fp8 52%), ring collectives with NCCL-like latencies")
+                          "on an H200 (bf16 median 66% of peak, fp8 52%), ring collectives (all-reduce across "
+                          "nodes: the faster of ring and tree) with NCCL-like latencies")
     return Profile(name=name, flops=flat, peak_flops=dict(peaks),
                    mem_bw=hbm * hbm_fraction, intra={"*": Link(5e-6, 1.0 / nvlink_each_way)},
                    inter={"*": Link(10e-6, 1.0 / ib_per_gpu)}, fragmentation=0.05, measured=False, async_dispatch=True,
                    gemm_curve=measured_curve, attention_efficiency=0.5 if measured_curve else None,
+                   tree_all_reduce=True,
                    notes=notes or f"data-sheet peaks; assumed {efficiency:.0%} matmul efficiency, 70% of HBM "
-                                  f"bandwidth, ring collectives with NCCL-like latencies")
+                                  f"bandwidth, ring collectives (all-reduce across nodes: the faster of ring and "
+                                  f"tree) with NCCL-like latencies")
 
 
 BUILTIN: Dict[str, Profile] = {

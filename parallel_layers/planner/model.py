@@ -257,6 +257,19 @@ def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
     return span > req.devices_per_node
 
 
+def _node_share(req: Request, layout: Layout, dim: str) -> int:
+    """Ranks of one group of ``dim`` (or ``"replicas"``) on each node it spans: one node's devices over the
+    stride of the group's innermost dimension in the grid (tp fastest)."""
+    sizes = layout.sizes
+    dims = replicating() if dim == "replicas" else (dim,)
+    stride = 1
+    for name in reversed(names()):
+        if name in dims and sizes[name] > 1:
+            break
+        stride *= sizes[name]
+    return max(1, min(world_size({d: sizes[d] for d in dims}), req.devices_per_node // stride))
+
+
 def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float, fp8_flops: float = 0.0,
                   cast_bytes: float = 0.0, shape=NO_SHAPE, fp8_shape=NO_SHAPE, wait: Optional[float] = None) -> float:
     """One forward or backward: its FLOPs at the precision's matmul rate (``fp8_flops`` of them, FP8 training's
@@ -286,7 +299,8 @@ def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: 
             dim, n = "ep", layout.ep
         if kind == "send":
             n = 2
-        t += sum(prof.collective_s(kind, n, nb, _spans_nodes(req, layout, dim)) for nb in sizes) * wait
+        inter, local = _spans_nodes(req, layout, dim), _node_share(req, layout, dim)
+        t += sum(prof.collective_s(kind, n, nb, inter, local) for nb in sizes) * wait
     return t
 
 
@@ -341,11 +355,11 @@ def _step_terms(req: Request, layout: Layout, prof: Profile, probes: List[RankPr
     busiest = max(range(len(probes)), key=lambda i: sum(probes[i].sync.values()))     # the most dp traffic
     sync, calls = probes[busiest].sync, probes[busiest].calls
     n_rep = world_size({d: layout.sizes[d] for d in replicating()})    # the dense parameters' replicas
-    inter = _spans_nodes(req, layout, "replicas")
+    inter, local = _spans_nodes(req, layout, "replicas"), _node_share(req, layout, "replicas")
 
     def called(kind: str, nbytes: float, n: int) -> float:
         """``n`` calls of ``kind`` moving ``nbytes`` in all: each pays the link's latency."""
-        return prof.collective_s(kind, n_rep, nbytes / n, inter) * n if nbytes else 0.0
+        return prof.collective_s(kind, n_rep, nbytes / n, inter, local) * n if nbytes else 0.0
     units = max(calls.get("units", 0), 1)
     terms["dp_reduce"] = 0.0
     n_calls = 1
