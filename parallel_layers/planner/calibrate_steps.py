@@ -17,9 +17,13 @@ queries) on one gloo rank, one thread, each
   traffic; :class:`.accounting.FlopTally`: FLOPs and the GEMM shape terms),
 * and profiled (``torch.profiler``) for the time its GEMM calls and its attention kernels take.
 
-Then the GEMM curve measured alone is scaled by the steps' GEMM time over what it predicts for them
-(``gemm_scale``), attention's efficiency is the FLOPs the kernels compute over their time, and what is left
-of each step (its time less its GEMMs and attention) is fitted as ``calls x op_overhead + bytes / mem_bw``.
+Then the GEMM curve is fitted on the steps' own GEMM calls (``gemm_scale`` says how much slower they ran than
+the curve measured alone predicts), attention's rate on its kernels' time by head dim and sequence length, and
+what is left of each step (its time less its GEMMs and attention) as ``calls x op_overhead + bytes / mem_bw``.
+
+Two link figures are fitted the same way, on measured steps of reference layouts (:func:`fit_send_latency`,
+:func:`fit_wait_exponent`): a pipeline message's latency and how much longer collectives take on ranks that
+share cores. Timed in a loop, both said more than steps show.
 """
 from __future__ import annotations
 
