@@ -34,7 +34,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .accounting import ATTENTION_OPS
-from .hardware import Link, Profile
+from .hardware import Link, Profile, fit_relative_nonnegative
 
 # (n_layer, d_model, batch, seq) of the reference steps: from dispatch-bound (d 32, 256 tokens) to
 # traffic-bound (d 256, 4,096 tokens)
@@ -58,17 +58,15 @@ def _llama_model(n_layer: int, d: int, s: int):
     return LlamaForCausalLM(cfg)
 
 
-def reference_steps(with_llama: bool = True) -> List[Tuple[str, tuple]]:
+def reference_steps() -> List[Tuple[str, tuple]]:
     """(architecture, sizes) of every reference step: the GPT's always, the Llama's where ``transformers``
     is installed (an optional dependency: without it the fit has one architecture)."""
     steps = [("gpt", size) for size in GPT_SIZES]
-    if with_llama:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            return steps
-        steps += [("llama", size) for size in LLAMA_SIZES]
-    return steps
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return steps
+    return steps + [("llama", size) for size in LLAMA_SIZES]
 
 
 def _kind_seconds(step) -> Dict[str, object]:
@@ -162,16 +160,9 @@ def fit_attention_curve(rows, peak: float):
     if len(rows) < 3:
         return None
     y = torch.tensor([r["attention"] * peak for r in rows], dtype=torch.float64)
-    cols = {0: [r["shape"][4] for r in rows], 1: [r["shape"][6] for r in rows], 2: [r["shape"][7] for r in rows]}
-    while True:
-        a = torch.tensor(list(zip(*cols.values())), dtype=torch.float64) / y.unsqueeze(1)
-        coef = torch.linalg.lstsq(a, torch.ones_like(y).unsqueeze(1)).solution.squeeze(1).tolist()
-        got = dict(zip(cols, coef))
-        worst = min(got, key=got.get)
-        if got[worst] >= 0 or len(cols) == 1:
-            break
-        del cols[worst]
-    return [max(got.get(i, 0.0), 0.0) for i in range(3)]
+    cols = {i: torch.tensor([r["shape"][term] for r in rows], dtype=torch.float64) for i, term in enumerate((4, 6, 7))}
+    got = fit_relative_nonnegative(cols, 1.0 / y)
+    return [got[i] for i in range(3)]
 
 
 def fit_step_rates(profile: Profile, rows) -> Dict[str, object]:

@@ -170,6 +170,25 @@ class Profile:
 GEMM_CALL_SCALE = 1e9
 
 
+def fit_relative_nonnegative(columns, row_scale, keep=()) -> Dict[str, float]:
+    """Coefficients ``c`` of ``sum_j c_j columns[j] = 1 / row_scale`` (an inverse rate: a time per unit of work)
+    by least squares on the relative error (each row's equation scaled by ``row_scale``), none below zero: the
+    most negative term outside ``keep`` is dropped and the rest refitted, until none is negative or one term is
+    left. Dropped terms come back as 0; a last term below zero is clipped to 0."""
+    import torch
+    cols = dict(columns)
+    while True:
+        a = torch.stack(list(cols.values()), 1) * row_scale.unsqueeze(1)
+        coef = torch.linalg.lstsq(a, torch.ones_like(row_scale).unsqueeze(1)).solution.squeeze(1).tolist()
+        got = dict(zip(cols, coef))
+        free = [name for name in cols if name not in keep]
+        worst = min(free, key=got.get) if free else None
+        if worst is None or got[worst] >= 0 or len(cols) == 1:
+            break
+        del cols[worst]
+    return {name: max(got.get(name, 0.0), 0.0) if name not in keep else got[name] for name in columns}
+
+
 def fit_gemm_curve(samples) -> List[float]:
     """(c0, cK, cN, cM, cCall) of ``1 / efficiency = c0 + cK / K + cN / N + cM / M + cCall * 1e9 / (M N K)``
     fitted to ``samples`` of (M, N, K, efficiency) by least squares on the relative error of the predicted time
@@ -181,21 +200,13 @@ def fit_gemm_curve(samples) -> List[float]:
     import torch
     m, n, k, eff = (torch.tensor([float(s[i]) for s in samples], dtype=torch.float64) for i in range(4))
     one_m = bool((m == m[0]).all())
-    cols = {"K": 1 / k, "N": 1 / n}
+    cols = {"c0": torch.ones_like(k), "K": 1 / k, "N": 1 / n}
     if not one_m:
         cols["M"] = 1 / m
-    if len(samples) > len(cols) + 2:
+    if len(samples) > len(cols) + 1:
         cols["call"] = GEMM_CALL_SCALE / (m * n * k)
-    # no term may be negative (a shape smaller than those measured would get a negative time): a term fitted
-    # below zero is dropped and the rest refitted
-    while True:
-        a = torch.stack([torch.ones_like(k)] + list(cols.values()), 1) * eff.unsqueeze(1)
-        coef = torch.linalg.lstsq(a, torch.ones_like(eff).unsqueeze(1)).solution.squeeze(1).tolist()
-        got = dict(zip(["c0"] + list(cols), coef))
-        worst = min(cols, key=lambda name: got[name])
-        if got[worst] >= 0:
-            break
-        del cols[worst]
+    # no term may be negative (a shape smaller than those measured would get a negative time)
+    got = fit_relative_nonnegative(cols, eff, keep=("c0",))
     c0, ck, cn = got["c0"], got.get("K", 0.0), got.get("N", 0.0)
     if one_m:
         return [c0 - cn / float(m[0]), ck, cn, cn, got.get("call", 0.0)]
@@ -264,4 +275,5 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 __all__ = ["Link", "Profile", "BUILTIN", "load_profile", "RING_STEPS", "RING_BYTES", "fit_gemm_curve",
+           "fit_relative_nonnegative",
            "HOPPER_GEMM_CURVE", "GEMM_CALL_SCALE"]

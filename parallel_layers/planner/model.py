@@ -241,33 +241,33 @@ def probe_layout(req: Request, layout: Layout, cache: Optional[dict] = None) -> 
     return [RankProbe(st, sy, ch, *rest) for (st, sy, *rest), ch in zip(cache[skey], cache[akey])]
 
 
-def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
-    """Whether a group of mesh dimension ``dim`` (or ``"replicas"``: the replicating dimensions together, dp
-    and cp) crosses nodes: its ranks lie ``stride x size`` apart at most in the declared grid
-    (:mod:`parallel_layers.dimensions`, tp fastest)."""
+def _group_strides(layout: Layout, dim: str) -> Dict[str, tuple]:
+    """(stride, size) in the declared grid (:mod:`parallel_layers.dimensions`, tp fastest; a dimension's stride
+    is the grid inside it) of each dimension of a group of ``dim`` (or ``"replicas"``: the replicating dimensions
+    together, dp and cp) that has more than one rank."""
     sizes = layout.sizes
     dims = replicating() if dim == "replicas" else (dim,)
-    if world_size({d: sizes[d] for d in dims}) == 1:
-        return False
-    span, stride = 0, 1
-    for name in reversed(names()):                # innermost first: a dimension's stride is the grid inside it
+    out, stride = {}, 1
+    for name in reversed(names()):                # innermost first
         if name in dims and sizes[name] > 1:
-            span = max(span, stride * sizes[name])
+            out[name] = (stride, sizes[name])
         stride *= sizes[name]
-    return span > req.devices_per_node
+    return out
+
+
+def _spans_nodes(req: Request, layout: Layout, dim: str) -> bool:
+    """Whether a group of ``dim`` crosses nodes: its ranks lie ``stride x size`` apart at most."""
+    return any(stride * size > req.devices_per_node for stride, size in _group_strides(layout, dim).values())
 
 
 def _node_share(req: Request, layout: Layout, dim: str) -> int:
-    """Ranks of one group of ``dim`` (or ``"replicas"``) on each node it spans: one node's devices over the
-    stride of the group's innermost dimension in the grid (tp fastest)."""
-    sizes = layout.sizes
-    dims = replicating() if dim == "replicas" else (dim,)
-    stride = 1
-    for name in reversed(names()):
-        if name in dims and sizes[name] > 1:
-            break
-        stride *= sizes[name]
-    return max(1, min(world_size({d: sizes[d] for d in dims}), req.devices_per_node // stride))
+    """Ranks of one group of ``dim`` on each node it spans: one node's devices over the stride of the group's
+    innermost dimension."""
+    members = _group_strides(layout, dim)
+    if not members:
+        return 1
+    group = math.prod(size for _, size in members.values())
+    return max(1, min(group, req.devices_per_node // min(stride for stride, _ in members.values())))
 
 
 def phase_seconds(req, layout, prof: Profile, flops, traffic, ops, colls, slow: float, fp8_flops: float = 0.0,
